@@ -1,0 +1,171 @@
+"""The ``ctx`` command line. Every command is a line in ``COMMANDS``.
+
+    ctx tokenizer train --kind wordpiece --input data/sample --vocab-size 8000 --output runs/tok
+    ctx pretrain --config configs/bert-tiny.yaml --set train.max_steps=50
+    ctx serve --model bert=runs/bert-tiny --model minilm=/path/to/hf-folder
+    ctx submit --address http://127.0.0.1:8265 -- pretrain --config configs/bert-tiny.yaml
+    ctx demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _quiet_env(verbose: bool) -> None:
+    if not verbose:
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import logging
+
+        logging.getLogger("ray").setLevel(logging.ERROR)
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from pipelines import storage
+    from pipelines.sources import sample_text
+    from pipelines.tokenizers import train_tokenizer
+
+    shards = storage.list_files(args.input, args.endpoint_url)
+    texts = sample_text(shards, args.sample_chars, args.format, args.text_field, args.endpoint_url)
+    tok = train_tokenizer(args.kind, texts, args.vocab_size, lowercase=not args.cased)
+    with tempfile.TemporaryDirectory() as d:
+        tok.save(d)
+        if storage.is_remote(args.output):
+            storage.upload_dir(d, args.output, args.endpoint_url)
+        else:
+            import shutil
+
+            shutil.copytree(d, storage.filesystem(args.output)[1], dirs_exist_ok=True)
+    print(f"{args.kind} tokenizer with {tok.vocab_size} tokens from {len(shards)} shard(s) -> {args.output}")
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from jobs.config import load_recipe
+    from jobs.train import pretrain
+
+    recipe = load_recipe(args.config, args.set)  # fails before Ray starts
+    _quiet_env(args.verbose)
+    result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
+    m = result.metrics
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s")}
+    print(f"done: {shown}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jobs import serve
+
+    models = {}
+    for item in args.model:
+        if "=" not in item:
+            raise SystemExit(f"--model {item!r}: expected NAME=URI")
+        name, uri = item.split("=", 1)
+        models[name] = uri
+    _quiet_env(args.verbose)
+    serve.run(models, host=args.host, port=args.port, blocking=True, verbose=args.verbose)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from jobs.submit import submit
+
+    rest = list(args.ctx_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        raise SystemExit("ctx submit: give the ctx command to run after --, e.g. -- pretrain --config configs/bert-tiny.yaml")
+    return submit(args.address, rest, working_dir=args.working_dir, follow=not args.no_follow, python=args.python)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from jobs.demo import main as demo_main
+
+    _quiet_env(args.verbose)
+    return demo_main(steps=args.steps, port=args.port, verbose=args.verbose)
+
+
+def _add_pretrain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/bert-tiny.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any recipe key, e.g. train.lr=3e-4")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+
+
+def _add_tokenizer_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kind", required=True, choices=["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"])
+    p.add_argument("--input", required=True, nargs="+", help="folder/prefix URI, glob or files (local, file://, s3://)")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--output", required=True, help="folder URI for the tokenizer files")
+    p.add_argument("--sample-chars", type=int, default=20_000_000, help="characters of corpus to train on")
+    p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"])
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--cased", action="store_true", help="keep case (default: lowercase)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", required=True, metavar="NAME=URI", help="checkpoint or HF folder (local or s3://); repeatable")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def _add_submit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
+    p.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
+    p.add_argument("--python", default="python", help="interpreter on the cluster")
+    p.add_argument("--no-follow", action="store_true", help="submit and return without following logs")
+    p.add_argument("ctx_args", nargs=argparse.REMAINDER, help="-- then the ctx command to run on the cluster")
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--port", type=int, default=8000)
+
+
+# command path -> (help, add-arguments, run)
+COMMANDS = {
+    ("tokenizer", "train"): ("train a WordPiece or SentencePiece tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
+    ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
+    ("serve",): ("serve models over HTTP with Ray Serve", _add_serve, cmd_serve),
+    ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
+    ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctx", description="Contextual embedding models on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (help_, add, run) in COMMANDS.items():
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_)
+        else:
+            if path[0] not in groups:
+                groups[path[0]] = sub.add_parser(path[0], help=f"{path[0]} commands").add_subparsers(dest="subcommand", required=True)
+            p = groups[path[0]].add_parser(path[1], help=help_)
+        p.add_argument("--verbose", action="store_true", help="show Ray's own logs")
+        add(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jobs.config import RecipeError
+    from pipelines.storage import StorageError
+
+    try:
+        return int(args.run(args) or 0)
+    except (RecipeError, StorageError) as e:
+        print(f"ctx: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Pretraining recipes: typed, validated on load, every key overridable from the command line.
+
+A recipe is a YAML file (see ``configs/``) with five sections and two top-level keys::
+
+    name: bert-tiny          # run name; checkpoints go to <output_dir>/<name>/
+    output_dir: runs         # local path, file:// or s3://
+    model:     family, preset, and any field of that family's config (d_model: 128, ...)
+    tokenizer: how to get the tokenizer (train one from the corpus, or load a folder)
+    data:      where the corpus is and how samples are built
+    train:     optimiser, schedule, steps, logging and checkpoint cadence
+    scaling:   Ray Train workers
+
+Validation happens before Ray starts. Every error names the offending key (``train.lr``,
+``model.d_modle``) and says what was expected, so a typo costs seconds, not a cluster start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ctxmodels.registry import FAMILIES
+
+TokenizerKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the key and the problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelSection(BaseModel):
+    """``family`` and ``preset`` pick a config from the family's PRESETS; any other key overrides
+    a field of that config (checked against the family's dataclass, with its types)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    family: str = "bert"
+    preset: str = "tiny"
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _check_family_fields(self) -> "ModelSection":
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
+        spec = FAMILIES[self.family]
+        if self.preset not in spec.presets:
+            raise ValueError(f"preset: unknown preset {self.preset!r} for family {self.family!r}; known: {sorted(spec.presets)}")
+        fields = {f.name: f for f in dataclasses.fields(spec.config_cls)}
+        hints = typing.get_type_hints(spec.config_cls)
+        for key, value in self.overrides.items():
+            if key not in fields:
+                raise ValueError(f"{key}: unknown field for family {self.family!r}; known: {sorted(fields)}")
+            _check_type(key, value, hints[key])
+        return self
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    """Strict type check of one override against a dataclass field's annotation."""
+    from pydantic import TypeAdapter
+
+    try:
+        TypeAdapter(hint).validate_python(value, strict=not isinstance(value, list))
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"]
+        raise ValueError(f"{key}: {msg} (got {value!r} of type {type(value).__name__})") from None
+
+
+class TokenizerSection(_Section):
+    path: str | None = None  # an existing tokenizer folder (ours or HF); None = train one
+    kind: TokenizerKind = "wordpiece"
+    vocab_size: int = Field(8000, gt=10)
+    lowercase: bool = True
+    sample_chars: int = Field(20_000_000, gt=0)  # how much corpus text the trainer reads
+
+
+class DataSection(_Section):
+    input: str | list[str] = "data/sample"  # folder/prefix URI, glob, file, or a list of them
+    eval_input: str | list[str] | None = None  # held-out shards for evaluation
+    format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
+    text_field: str = "text"  # where JSON/Parquet records keep their text
+    seq_len: int = Field(128, ge=8)
+    objective: Literal["mlm"] = "mlm"
+    mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)
+    whole_word_mask: bool = False
+    seed: int = 0
+    shuffle_files: bool = True  # a new shard order each epoch, keyed by (seed, epoch)
+    max_epochs: int = Field(100, ge=1)  # the stream ends after this many passes
+    tokenize_actors: int = Field(1, ge=1)  # size of the Ray Data actor pool that tokenizes
+    endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
+
+
+class TrainSection(_Section):
+    batch_size: int = Field(32, ge=1)  # global: summed over workers
+    lr: float = Field(5e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.98)  # RoBERTa's beta2 = 0.98 for large-batch stability
+    eps: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(100, ge=0)
+    max_steps: int = Field(300, ge=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(100, ge=1)
+    seed: int = 0  # model initialisation
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+
+class ScalingSection(_Section):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+
+
+class Recipe(_Section):
+    name: str = "run"
+    output_dir: str = "runs"
+    model: ModelSection = ModelSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+    scaling: ScalingSection = ScalingSection()
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> "Recipe":
+        if self.train.batch_size % self.scaling.num_workers:
+            raise ValueError(
+                f"train.batch_size: {self.train.batch_size} is not divisible by "
+                f"scaling.num_workers={self.scaling.num_workers}"
+            )
+        if self.data.seq_len > _max_seq_len(self):
+            raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
+        return self
+
+
+def _max_seq_len(recipe: Recipe) -> int:
+    spec = FAMILIES[recipe.model.family]
+    base = spec.presets[recipe.model.preset]
+    return int(recipe.model.overrides.get("max_seq_len", getattr(base, "max_seq_len", 1 << 30)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML + --set overrides -> Recipe, with errors that name the key.
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``train.lr=3e-4`` -> (["train", "lr"], 0.0003). Values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise RecipeError(f"--set {item!r}: empty key")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    # YAML 1.1 reads "3e-4" as a string; users mean a float.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in "eE.") else value
+        except ValueError:
+            pass
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise RecipeError(f"--set {item!r}: {'.'.join(parts[:-1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            where = loc or msg.split(":", 1)[0]
+            if msg.startswith(where + ":"):
+                lines.append(f"  {_prefix(loc, msg)}")
+            else:
+                lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
+        raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
+
+
+def _prefix(loc: str, msg: str) -> str:
+    # Errors raised inside a section validator already start with the field name; keep the path.
+    return f"{loc}.{msg}" if loc and not msg.startswith(loc) else msg
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise RecipeError(f"recipe {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+        source = str(path)
+    data = apply_overrides(data, overrides or [])
+    return recipe_from_dict(data, source)
+
+
+def model_overrides_with_vocab(recipe: Recipe, vocab_size: int) -> dict[str, Any]:
+    """The model config overrides for a run: the recipe's, with the tokenizer's vocabulary size."""
+    out = recipe.model.overrides
+    out.setdefault("vocab_size", vocab_size)
+    if out["vocab_size"] < vocab_size:
+        raise RecipeError(f"model.vocab_size: {out['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    return out

@@ -1,0 +1,72 @@
+"""Rank-0 progress shown on the driver.
+
+Ray Train's callbacks run in its controller actor, not in the driver the user watches, so rank 0
+pushes its aggregated metrics to a zero-CPU actor and the driver polls it while ``fit()`` runs
+in a thread. (Ray seam: this is the only cross-process channel we add, and it is a Ray actor.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class ProgressBoard:
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] | None = None
+
+    def update(self, metrics: dict[str, Any]) -> None:
+        self.latest = metrics
+
+    def get(self) -> dict[str, Any] | None:
+        return self.latest
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def describe(m: dict[str, Any]) -> str:
+    parts = [f"step {m['step']}/{m['max_steps']}", f"loss {m['loss']:.3f}"]
+    for key, label in (("mlm_acc", "mlm_acc"), ("lm_acc", "lm_acc"), ("ppl", "ppl")):
+        if key in m:
+            parts.append(f"{label} {m[key]:.3f}" if key != "ppl" else f"ppl {m[key]:.1f}")
+    parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    if m.get("eta_s") is not None:
+        parts.append(f"ETA {_fmt_eta(m['eta_s'])}")
+    return " | ".join(parts)
+
+
+def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enabled: bool = True) -> Any:
+    """Run ``fit`` in a thread and render the board's latest metrics until it returns."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fit()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="ctx-fit", daemon=True)
+    thread.start()
+    if enabled:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("[bold]pretrain"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
+            task = bar.add_task("starting Ray Train workers...", total=max_steps)
+            while thread.is_alive():
+                thread.join(timeout=0.5)
+                latest = ray.get(board.get.remote())
+                if latest:
+                    bar.update(task, completed=latest["step"], description=describe(latest))
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")

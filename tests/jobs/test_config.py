@@ -1,0 +1,70 @@
+"""Recipes fail before Ray starts, with a message that names the key."""
+
+from pathlib import Path
+
+import pytest
+
+from jobs.config import RecipeError, load_recipe, parse_override
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_shipped_recipe_loads(path):
+    recipe = load_recipe(path)
+    assert recipe.name and recipe.train.max_steps > 0
+
+
+def test_bert_tiny_exists_and_keeps_the_documented_keys():
+    r = load_recipe(REPO / "configs" / "bert-tiny.yaml")
+    assert r.model.family == "bert"
+    for key in ("input",):
+        assert hasattr(r.data, key)
+    assert r.output_dir and r.train.max_steps and r.scaling.num_workers
+
+
+def test_overrides_reach_every_section_with_types():
+    r = load_recipe(REPO / "configs" / "bert-tiny.yaml", ["train.lr=3e-4", "data.input=s3://bucket/corpus/", "train.max_steps=7", "scaling.num_workers=4", "model.d_model=128", "model.n_head=4", "train.betas=[0.9, 0.999]"])
+    assert r.train.lr == pytest.approx(3e-4)
+    assert r.data.input == "s3://bucket/corpus/"
+    assert r.train.max_steps == 7 and r.scaling.num_workers == 4
+    assert r.model.overrides["d_model"] == 128
+    assert r.train.betas == (0.9, 0.999)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lrr=1e-3", "train.lrr"),
+        ("train.max_steps=many", "train.max_steps"),
+        ("data.seq_len=4", "data.seq_len"),
+        ("model.d_modle=64", "d_modle"),
+        ("model.d_model=sixty", "d_model"),
+        ("model.family=bort", "family"),
+        ("model.preset=huge", "preset"),
+        ("scaling.num_workers=3", "train.batch_size"),
+        ("data.objective=guess", "data.objective"),
+        ("nonsense=1", "nonsense"),
+    ],
+)
+def test_bad_keys_and_values_are_named(override, key):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(REPO / "configs" / "bert-tiny.yaml", [override])
+    assert key in str(e.value)
+
+
+def test_missing_recipe_file_and_bad_yaml(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_parse_override_forms():
+    assert parse_override("train.lr=3e-4") == (["train", "lr"], 3e-4)
+    assert parse_override("data.input=[a, b]") == (["data", "input"], ["a", "b"])
+    with pytest.raises(RecipeError, match="KEY=VALUE"):
+        parse_override("train.lr")

@@ -1,0 +1,118 @@
+"""Corpus discovery and reading: local paths, file://, globs, lists and a real S3 endpoint."""
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import storage
+from pipelines.dataset import shard_keys, shard_order
+from pipelines.sources import CorpusError, iter_documents, sample_text
+
+DOCS = ["the river bank was muddy.\nwe walked along it.", "the bank approved the loan.", "a third document\nwith two lines."]
+
+
+def write_corpus(root):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "a.txt").write_text("\n\n".join(DOCS) + "\n")
+    with gzip.open(root / "b.txt.gz", "wt") as f:
+        f.write("\n\n".join(DOCS) + "\n")
+    (root / "c.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS)) + "\n")
+    with gzip.open(root / "d.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps({"body": d}) for d in DOCS) + "\n")
+    pq.write_table(pa.table({"text": DOCS}), root / "e.parquet", row_group_size=2)
+    (root / "notes.md").write_text("not a shard")
+    return root
+
+
+def all_docs(uri, **kw):
+    return [d for chunk in iter_documents(uri, **kw) for d in chunk]
+
+
+def test_each_format_yields_the_documents(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    for name in ("a.txt", "b.txt.gz", "c.jsonl", "e.parquet"):
+        assert all_docs(str(root / name)) == DOCS, name
+    assert all_docs(str(root / "d.jsonl.gz"), text_field="body") == DOCS
+
+
+def test_listing_folder_glob_list_and_file_scheme(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    folder = storage.list_files(str(root))
+    assert [p.rsplit("/", 1)[1] for p in folder] == ["a.txt", "b.txt.gz", "c.jsonl", "d.jsonl.gz", "e.parquet"]
+    assert storage.list_files(str(root / "*.txt*")) == folder[:2]
+    assert storage.list_files([str(root / "a.txt"), str(root / "e.parquet")]) == [folder[0], folder[4]]
+    assert storage.list_files(f"file://{root}") == folder
+
+
+def test_inputs_that_match_nothing_say_so(tmp_path):
+    with pytest.raises(storage.StorageError, match="matches no"):
+        storage.list_files(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(storage.StorageError, match="empty"):
+        storage.list_files(str(tmp_path / "empty"))
+    with pytest.raises(storage.StorageError, match=r"\*.zzz"):
+        storage.list_files(str(tmp_path / "*.zzz"))
+
+
+def test_bad_records_name_the_shard_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: malformed JSON"):
+        all_docs(str(bad))
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"body": "x"}\n')
+    with pytest.raises(CorpusError, match=r"nofield.jsonl:1: record has no 'text' field"):
+        all_docs(str(nofield))
+    trunc = tmp_path / "trunc.txt.gz"
+    trunc.write_bytes(gzip.compress(("hello world\n" * 5000).encode())[:200])
+    with pytest.raises(CorpusError, match="trunc.txt.gz"):
+        all_docs(str(trunc))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(CorpusError, match="latin.txt: invalid UTF-8"):
+        all_docs(str(latin))
+
+
+def test_sample_text_stops_at_budget_and_visits_every_shard(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    shards = storage.list_files(str(root / "*.txt*"))
+    out = list(sample_text(shards, max_chars=60))
+    assert sum(map(len, out)) >= 60 and sum(map(len, out[:-1])) < 60
+
+
+def test_shard_order_is_a_function_of_seed_and_epoch():
+    a = [shard_order(50, 1, e, True).tolist() for e in range(3)]
+    assert a == [shard_order(50, 1, e, True).tolist() for e in range(3)]
+    assert a[0] != a[1] != a[2] and sorted(a[0]) == list(range(50))
+    assert shard_order(50, 2, 0, True).tolist() != a[0]
+    assert shard_order(5, 1, 0, False).tolist() == list(range(5))
+
+
+def test_shard_keys_survive_a_move_to_a_bucket_and_differ_between_folders():
+    local = ["/data/corpus/x/part-0.txt", "/data/corpus/y/part-0.txt"]
+    bucket = ["s3://bucket/prefix/corpus/x/part-0.txt", "s3://bucket/prefix/corpus/y/part-0.txt"]
+    assert shard_keys(local) == shard_keys(bucket)
+    assert len(set(shard_keys(local))) == 2
+
+
+def test_s3_listing_and_reading(s3_server, s3_bucket, tmp_path):
+    import boto3
+
+    root = write_corpus(tmp_path / "c")
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    for p in root.iterdir():
+        s3.upload_file(str(p), s3_bucket, f"corpus/{p.name}")
+    files = storage.list_files(f"s3://{s3_bucket}/corpus/")
+    assert [f.rsplit("/", 1)[1] for f in files] == ["a.txt", "b.txt.gz", "c.jsonl", "d.jsonl.gz", "e.parquet"]
+    assert all(f.startswith(f"s3://{s3_bucket}/") for f in files)
+    assert all_docs(files[1]) == DOCS and all_docs(files[4]) == DOCS
+    assert storage.list_files(f"s3://{s3_bucket}/corpus/*.jsonl") == [files[2]]
+    with pytest.raises(storage.StorageError, match="matches no"):
+        storage.list_files(f"s3://{s3_bucket}/nothing-here/")
+    # folders round-trip through the bucket
+    storage.upload_dir(root, f"s3://{s3_bucket}/copy")
+    back = storage.download_dir(f"s3://{s3_bucket}/copy", tmp_path / "back")
+    assert (back / "a.txt").read_text() == (root / "a.txt").read_text()
