@@ -1,0 +1,529 @@
+"""ALBERT: BERT with factorized embeddings, cross-layer parameter sharing and sentence order prediction.
+
+Paper: Lan, Chen, Goodman, Gimpel, Sharma, Soricut (2020), "ALBERT: A Lite BERT for Self-supervised
+Learning of Language Representations", ICLR. Three changes to BERT's post-LN encoder (§3.1):
+- factorized embedding parameterization: tokens are looked up in a V x E table and projected to
+  d_model by an E x C matrix, so the vocabulary no longer grows with the hidden size;
+- cross-layer parameter sharing: one block applied ``n_layer`` times (``share="all"``), or only its
+  attention or feed-forward sub-layer shared (the paper's Table 4 ablation);
+- sentence-order prediction (SOP) on the pooled [CLS] vector instead of next-sentence prediction.
+
+Parity checked (tests/ctxmodels/test_albert.py) against Hugging Face transformers 5.x
+``AlbertForPreTraining``: ``share="all"`` is its ``num_hidden_groups=1, inner_group_num=1`` and
+``share="none"`` its ``num_hidden_groups=n_layer``; weights copied through ``HF_NAMES`` below,
+hidden states, MLM and SOP logits equal to 1e-4.
+
+Shape legend
+    B  batch size
+    T  sequence length (<= max_seq_len)
+    E  embedding_size
+    C  d_model (the paper's H)
+    H  n_head
+    D  head size, C // H
+    F  d_ff
+    V  vocab_size
+    N  number of predicted (masked) positions in the batch, labels != -100
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ctxmodels.outputs import PretrainOutput
+
+IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
+
+Activation = Literal["gelu", "gelu_tanh"]
+Share = Literal["all", "attention", "ffn", "none"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AlbertConfig:
+    vocab_size: int
+    embedding_size: int  # E: the factorized embedding width, 128 for every paper size
+    d_model: int
+    n_layer: int
+    n_head: int
+    d_ff: int
+    max_seq_len: int
+    type_vocab_size: int = 2  # segment A / B
+    dropout: float = 0.0  # §4.8: removing dropout raised MLM accuracy; the released v2 models use 0
+    attn_dropout: float = 0.0
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0  # its embedding row starts at zero and gets no gradient from lookups
+    activation: Activation = "gelu_tanh"  # the reference code's gelu is the tanh approximation
+    share: Share = "all"  # which sub-layers all layers share: all (paper default), attention, ffn, none
+    init_std: float = 0.02
+    sop: bool = True  # sentence-order prediction head and loss; False = MLM only
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        positive = ("vocab_size", "embedding_size", "d_model", "n_layer", "n_head", "d_ff", "max_seq_len",
+                    "type_vocab_size")
+        for key in positive:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"{name}.d_model ({self.d_model}) must be divisible by {name}.n_head ({self.n_head})"
+            )
+        for key in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"{name}.{key} must be in [0, 1), got {getattr(self, key)!r}")
+        for key in ("layer_norm_eps", "init_std"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{name}.{key} must be > 0, got {getattr(self, key)!r}")
+        if not isinstance(self.pad_token_id, int) or not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"{name}.pad_token_id must be in [0, vocab_size), got {self.pad_token_id!r}")
+        if self.activation not in get_args(Activation):
+            raise ValueError(
+                f"{name}.activation must be one of {get_args(Activation)}, got {self.activation!r}"
+            )
+        if self.share not in get_args(Share):
+            raise ValueError(f"{name}.share must be one of {get_args(Share)}, got {self.share!r}")
+        if not isinstance(self.sop, bool):
+            raise ValueError(f"{name}.sop must be true or false, got {self.sop!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def padding_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) 1/0 padding mask -> (B, 1, 1, T) bool, True on the keys every query may attend.
+
+    A row of padding only (an empty sample) attends to all of it: a query with no key at all
+    would get a NaN softmax.
+    """
+    real = attention_mask.bool()  # (B, T)
+    real = real | ~real.any(dim=1, keepdim=True)
+    return real[:, None, None, :]  # (B, 1, 1, T)
+
+
+class AlbertAttention(nn.Module):
+    """Self-attention sub-layer, with its residual add and LayerNorm (post-LN, as BERT)."""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.query = nn.Linear(cfg.d_model, cfg.d_model)
+        self.key = nn.Linear(cfg.d_model, cfg.d_model)
+        self.value = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attn_dropout = cfg.attn_dropout
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """x (B, T, C); attn_mask (B, 1, 1, T) bool, or None when nothing is padded."""
+        B, T, C = x.shape
+        q = self.query(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        k = self.key(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        v = self.value(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        p = self.attn_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.ln(x + self.dropout(self.dense(y)))
+
+
+class AlbertFeedForward(nn.Module):
+    """Position-wise feed-forward sub-layer, with its residual add and LayerNorm."""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.act = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+        self.out = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ln(x + self.dropout(self.out(self.act(self.fc(x)))))  # (B, T, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+class AlbertModel(nn.Module):
+    """Factorized embeddings, ``n_layer`` post-LN layers built from shared sub-layers, pooler.
+
+    Sharing is stored, not aliased: ``attention`` and ``ffn`` hold one module when shared and
+    ``n_layer`` otherwise, and layer ``i`` uses ``attention[i % len(attention)]``. So with
+    ``share="all"`` a single block is applied ``n_layer`` times, and each weight appears once in
+    the state dict.
+    """
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.config = cfg
+        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.embedding_size, padding_idx=cfg.pad_token_id)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.embedding_size)
+        self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.embedding_size)
+        self.emb_ln = nn.LayerNorm(cfg.embedding_size, eps=cfg.layer_norm_eps)
+        self.emb_drop = nn.Dropout(cfg.dropout)
+        self.emb_proj = nn.Linear(cfg.embedding_size, cfg.d_model)  # the E -> C factorization
+        n_attention = 1 if cfg.share in ("all", "attention") else cfg.n_layer
+        n_ffn = 1 if cfg.share in ("all", "ffn") else cfg.n_layer
+        self.attention = nn.ModuleList(AlbertAttention(cfg) for _ in range(n_attention))
+        self.ffn = nn.ModuleList(AlbertFeedForward(cfg) for _ in range(n_ffn))
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def layer(self, i: int) -> tuple[AlbertAttention, AlbertFeedForward]:
+        """The sub-layers that layer ``i`` applies (the same objects for every i when shared)."""
+        return self.attention[i % len(self.attention)], self.ffn[i % len(self.ffn)]
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> list[Tensor]:
+        """``n_layer + 1`` tensors (B, T, C): the projected embeddings, then each layer's output."""
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(
+                f"ALBERT input has {T} tokens but max_seq_len is {self.config.max_seq_len}: positions "
+                "are learned up to there only; truncate or split the input"
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        pos = torch.arange(T, device=input_ids.device)  # (T,)
+        e = self.word_emb(input_ids) + self.pos_emb(pos) + self.type_emb(token_type_ids)  # (B, T, E)
+        x = self.emb_proj(self.emb_drop(self.emb_ln(e)))  # (B, T, C)
+        attn_mask = None  # no padding: let SDPA pick its fastest kernel
+        if attention_mask is not None and not bool(attention_mask.all()):
+            attn_mask = padding_mask(attention_mask)
+        states = [x]
+        for i in range(self.config.n_layer):
+            attention, ffn = self.layer(i)
+            x = ffn(attention(x, attn_mask))
+            states.append(x)
+        return states
+
+    def pool(self, last_hidden: Tensor) -> Tensor:
+        """(B, T, C) last hidden state -> (B, C): tanh(W h_[CLS] + b), as BERT."""
+        return torch.tanh(self.pooler(last_hidden[:, 0]))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        return self.hidden_states(input_ids, attention_mask, token_type_ids)[-1]  # (B, T, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads
+# ---------------------------------------------------------------------------------------------
+
+
+class AlbertMLMHead(nn.Module):
+    """C -> E transform (dense, activation, LayerNorm), then scores against the word embeddings."""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.embedding_size)
+        self.act = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+        self.ln = nn.LayerNorm(cfg.embedding_size, eps=cfg.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, h: Tensor, word_emb: Tensor) -> Tensor:
+        """h (N, C), word_emb (V, E) -> (N, V). The decoder is the embedding table (tied)."""
+        return F.linear(self.ln(self.act(self.dense(h))), word_emb, self.bias)
+
+
+class AlbertForPreTraining(nn.Module):
+    """Masked LM + sentence-order prediction (SOP: 0 = segments in order, 1 = swapped)."""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.config = cfg
+        self.backbone = AlbertModel(cfg)
+        self.mlm_head = AlbertMLMHead(cfg)
+        self.sop_dropout = nn.Dropout(cfg.dropout)
+        self.sop_head = nn.Linear(cfg.d_model, 2) if cfg.sop else None  # on the pooled [CLS]
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # The reference code's truncated normal (create_initializer in google-research/albert).
+        std = self.config.init_std
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            nn.init.zeros_(module.weight[module.padding_idx])
+
+    def logits(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """MLM scores (N, V) at the positions where ``labels != -100`` (every position if labels is
+        None), in row-major order; SOP scores (B, 2), or None when ``sop=False``."""
+        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]  # (B, T, C)
+        if labels is None:
+            predicted = torch.ones_like(input_ids, dtype=torch.bool)  # (B, T)
+        else:
+            predicted = labels != IGNORE_INDEX  # (B, T)
+        # Scoring only the ~15% masked positions saves most of the (B, T, V) logits' memory.
+        mlm = self.mlm_head(last[predicted], self.backbone.word_emb.weight)  # (N, V)
+        sop = None
+        if self.sop_head is not None:
+            sop = self.sop_head(self.sop_dropout(self.backbone.pool(last)))  # (B, 2)
+        return mlm, sop
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        next_sentence_label: Tensor | None = None,
+    ) -> PretrainOutput:
+        """``labels`` (B, T): target ids at masked positions, -100 elsewhere. ``next_sentence_label``
+        (B,) is the project's column for SOP too: 0 = in order, 1 = swapped."""
+        if labels is None:
+            raise ValueError("AlbertForPreTraining needs `labels` (MLM targets, -100 where not predicted)")
+        if self.config.sop and next_sentence_label is None:
+            raise ValueError(
+                "AlbertForPreTraining with sop=True needs `next_sentence_label` (0 = in order, 1 = swapped); "
+                "build batches with the SOP transform or set AlbertConfig.sop=False"
+            )
+        mlm_logits, sop_logits = self.logits(input_ids, attention_mask, token_type_ids, labels)
+        targets = labels[labels != IGNORE_INDEX]  # (N,)
+        n_pred = torch.tensor(targets.numel(), device=targets.device)
+        denom = max(targets.numel(), 1)  # a batch with nothing masked gives loss 0, not NaN
+        mlm_loss = F.cross_entropy(mlm_logits, targets, reduction="sum") / denom
+        metrics = {
+            "mlm_loss": mlm_loss.detach(),
+            "mlm_acc": (mlm_logits.detach().argmax(-1) == targets).sum() / denom,
+            "n_pred": n_pred,
+        }
+        loss = mlm_loss
+        if sop_logits is not None:
+            sop_loss = F.cross_entropy(sop_logits, next_sentence_label)
+            loss = loss + sop_loss
+            metrics["sop_loss"] = sop_loss.detach()
+            metrics["sop_acc"] = (sop_logits.detach().argmax(-1) == next_sentence_label).float().mean()
+        return PretrainOutput(loss=loss, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets (Lan et al. 2020, Table 1; 30000 SentencePiece tokens, 512 positions)
+# ---------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, AlbertConfig] = {
+    "tiny": AlbertConfig(
+        vocab_size=1000, embedding_size=32, d_model=64, n_layer=4, n_head=4, d_ff=256, max_seq_len=128
+    ),
+    "base": AlbertConfig(  # 12M parameters
+        vocab_size=30000, embedding_size=128, d_model=768, n_layer=12, n_head=12, d_ff=3072, max_seq_len=512
+    ),
+    "large": AlbertConfig(  # 18M
+        vocab_size=30000, embedding_size=128, d_model=1024, n_layer=24, n_head=16, d_ff=4096, max_seq_len=512
+    ),
+    "xlarge": AlbertConfig(  # 60M
+        vocab_size=30000, embedding_size=128, d_model=2048, n_layer=24, n_head=16, d_ff=8192, max_seq_len=512
+    ),
+    "xxlarge": AlbertConfig(  # the paper says 235M; we count 223M
+        vocab_size=30000, embedding_size=128, d_model=4096, n_layer=12, n_head=64, d_ff=16384, max_seq_len=512
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face weights
+# ---------------------------------------------------------------------------------------------
+
+# Hugging Face name -> our name. "{g}" is an HF layer group, which holds one layer (inner_group_num=1)
+# and is applied to n_layer / num_hidden_groups consecutive layers: share="all" is one group,
+# share="none" one group per layer. Sharing only attention or only the FFN has no HF equivalent.
+HF_LAYER = "albert.encoder.albert_layer_groups.{g}.albert_layers.0."
+HF_NAMES: list[tuple[str, str]] = [
+    ("albert.embeddings.word_embeddings.weight", "backbone.word_emb.weight"),
+    ("albert.embeddings.position_embeddings.weight", "backbone.pos_emb.weight"),
+    ("albert.embeddings.token_type_embeddings.weight", "backbone.type_emb.weight"),
+    ("albert.embeddings.LayerNorm.weight", "backbone.emb_ln.weight"),
+    ("albert.embeddings.LayerNorm.bias", "backbone.emb_ln.bias"),
+    ("albert.encoder.embedding_hidden_mapping_in.weight", "backbone.emb_proj.weight"),
+    ("albert.encoder.embedding_hidden_mapping_in.bias", "backbone.emb_proj.bias"),
+    (HF_LAYER + "attention.query.weight", "backbone.attention.{g}.query.weight"),
+    (HF_LAYER + "attention.query.bias", "backbone.attention.{g}.query.bias"),
+    (HF_LAYER + "attention.key.weight", "backbone.attention.{g}.key.weight"),
+    (HF_LAYER + "attention.key.bias", "backbone.attention.{g}.key.bias"),
+    (HF_LAYER + "attention.value.weight", "backbone.attention.{g}.value.weight"),
+    (HF_LAYER + "attention.value.bias", "backbone.attention.{g}.value.bias"),
+    (HF_LAYER + "attention.dense.weight", "backbone.attention.{g}.dense.weight"),
+    (HF_LAYER + "attention.dense.bias", "backbone.attention.{g}.dense.bias"),
+    (HF_LAYER + "attention.LayerNorm.weight", "backbone.attention.{g}.ln.weight"),
+    (HF_LAYER + "attention.LayerNorm.bias", "backbone.attention.{g}.ln.bias"),
+    (HF_LAYER + "ffn.weight", "backbone.ffn.{g}.fc.weight"),
+    (HF_LAYER + "ffn.bias", "backbone.ffn.{g}.fc.bias"),
+    (HF_LAYER + "ffn_output.weight", "backbone.ffn.{g}.out.weight"),
+    (HF_LAYER + "ffn_output.bias", "backbone.ffn.{g}.out.bias"),
+    (HF_LAYER + "full_layer_layer_norm.weight", "backbone.ffn.{g}.ln.weight"),
+    (HF_LAYER + "full_layer_layer_norm.bias", "backbone.ffn.{g}.ln.bias"),
+    ("albert.pooler.weight", "backbone.pooler.weight"),
+    ("albert.pooler.bias", "backbone.pooler.bias"),
+    ("predictions.dense.weight", "mlm_head.dense.weight"),
+    ("predictions.dense.bias", "mlm_head.dense.bias"),
+    ("predictions.LayerNorm.weight", "mlm_head.ln.weight"),
+    ("predictions.LayerNorm.bias", "mlm_head.ln.bias"),
+    ("predictions.bias", "mlm_head.bias"),
+    ("sop_classifier.classifier.weight", "sop_head.weight"),  # optional: hub checkpoints may lack it
+    ("sop_classifier.classifier.bias", "sop_head.bias"),
+]
+HF_OPTIONAL = ("sop_classifier.",)  # when absent, our SOP head keeps its fresh initialisation
+# HF copies of tied weights: checked equal to what they are tied to, never copied.
+HF_TIED = {
+    "predictions.decoder.weight": "albert.embeddings.word_embeddings.weight",
+    "predictions.decoder.bias": "predictions.bias",
+}
+HF_BUFFERS = ("albert.embeddings.position_ids", "albert.embeddings.token_type_ids")
+
+# HF hidden_act -> ours, and back.
+HF_ACTIVATIONS: dict[str, Activation] = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+}
+HF_ACTIVATIONS_OUT: dict[Activation, str] = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+
+
+def _expand(n_groups: int, sop: bool) -> list[tuple[str, str]]:
+    """Instantiate the "{g}" rows once per group; leave out the SOP rows when there is no head."""
+    out = []
+    for hf, ours in HF_NAMES:
+        if not sop and hf.startswith(HF_OPTIONAL):
+            continue
+        groups = range(n_groups) if "{g}" in hf else [None]
+        out.extend((hf.format(g=g), ours.format(g=g)) for g in groups)
+    return out
+
+
+def _n_groups(cfg: AlbertConfig) -> int:
+    """Number of HF layer groups: one shared layer, or one per layer."""
+    if cfg.share == "all":
+        return 1
+    if cfg.share == "none":
+        return cfg.n_layer
+    raise ValueError(f"AlbertConfig.share={cfg.share!r} has no Hugging Face equivalent (only 'all', 'none')")
+
+
+def _config_from_hf(hf: dict) -> AlbertConfig:
+    if hf.get("model_type") != "albert":
+        raise ValueError(f"HF config model_type must be 'albert', got {hf.get('model_type')!r}")
+    n_layer, n_groups = hf["num_hidden_layers"], hf.get("num_hidden_groups", 1)
+    if hf.get("inner_group_num", 1) != 1 or n_groups not in (1, n_layer):
+        raise ValueError(
+            f"HF ALBERT with num_hidden_groups={n_groups}, inner_group_num={hf.get('inner_group_num')} "
+            f"is not supported: use inner_group_num 1 and num_hidden_groups 1 (share='all') "
+            f"or {n_layer} (share='none')"
+        )
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        kind = hf["position_embedding_type"]
+        raise ValueError(f"HF config position_embedding_type={kind!r} is not supported: only 'absolute'")
+    act = hf.get("hidden_act", "gelu_new")
+    if act not in HF_ACTIVATIONS:
+        known = sorted(HF_ACTIVATIONS)
+        raise ValueError(f"HF config hidden_act={act!r} is not supported; use one of {known}")
+    return AlbertConfig(
+        vocab_size=hf["vocab_size"],
+        embedding_size=hf["embedding_size"],
+        d_model=hf["hidden_size"],
+        n_layer=n_layer,
+        n_head=hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        dropout=hf.get("hidden_dropout_prob", 0.0),
+        attn_dropout=hf.get("attention_probs_dropout_prob", 0.0),
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        pad_token_id=hf.get("pad_token_id", 0),
+        activation=HF_ACTIVATIONS[act],
+        share="all" if n_groups == 1 else "none",
+        init_std=hf.get("initializer_range", 0.02),
+        sop=True,
+    )
+
+
+def from_hf_state_dict(
+    hf_config_dict: dict, state_dict: dict[str, Tensor]
+) -> tuple[AlbertConfig, AlbertForPreTraining]:
+    """Build our model from a Hugging Face ``albert`` config dict and state dict.
+
+    Names of a bare ``AlbertModel`` checkpoint (no ``albert.`` prefix) are accepted too.
+    """
+    cfg = _config_from_hf(hf_config_dict)
+    heads = ("albert.", "predictions.", "sop_classifier.")
+    sd = {k if k.startswith(heads) else "albert." + k: v for k, v in state_dict.items()}
+    rows = _expand(_n_groups(cfg), sop=True)
+    missing = [hf for hf, _ in rows if hf not in sd and not hf.startswith(HF_OPTIONAL)]
+    if missing:
+        raise ValueError(f"HF albert state dict lacks {len(missing)} weights, e.g. {missing[:5]}")
+    for copy, source in HF_TIED.items():
+        if copy in sd and not torch.equal(sd.pop(copy), sd[source]):
+            raise ValueError(f"HF {copy} differs from {source}; ctxmodels.albert ties them")
+    ours = {name: sd.pop(hf) for hf, name in rows if hf in sd}
+    unexpected = [k for k in sd if k not in HF_BUFFERS]
+    if unexpected:
+        raise ValueError(f"HF albert state dict has unknown weights, e.g. {unexpected[:5]}")
+    model = AlbertForPreTraining(cfg)
+    result = model.load_state_dict(ours, strict=False)
+    not_loaded = [k for k in result.missing_keys if not k.startswith("sop_head.")]
+    if not_loaded or result.unexpected_keys:
+        raise ValueError(f"HF albert mapping is incomplete: {not_loaded + result.unexpected_keys}")
+    return cfg, model
+
+
+def to_hf(model: AlbertForPreTraining) -> tuple[dict, dict[str, Tensor]]:
+    """Our model -> (HF config dict, HF state dict) of ``AlbertForPreTraining``.
+
+    The tied ``predictions.decoder.*`` copies are left out; transformers ties them on load.
+    """
+    cfg = model.config
+    n_groups = _n_groups(cfg)
+    hf_config = {
+        "model_type": "albert",
+        "architectures": ["AlbertForPreTraining"],
+        "vocab_size": cfg.vocab_size,
+        "embedding_size": cfg.embedding_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layer,
+        "num_hidden_groups": n_groups,
+        "inner_group_num": 1,
+        "num_attention_heads": cfg.n_head,
+        "intermediate_size": cfg.d_ff,
+        "hidden_act": HF_ACTIVATIONS_OUT[cfg.activation],
+        "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.attn_dropout,
+        "classifier_dropout_prob": cfg.dropout,
+        "max_position_embeddings": cfg.max_seq_len,
+        "type_vocab_size": cfg.type_vocab_size,
+        "initializer_range": cfg.init_std,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "position_embedding_type": "absolute",
+        "pad_token_id": cfg.pad_token_id,
+        "tie_word_embeddings": True,
+    }
+    ours = model.state_dict()
+    state_dict = {hf: ours[name].detach().contiguous().clone() for hf, name in _expand(n_groups, cfg.sop)}
+    return hf_config, state_dict

@@ -1,0 +1,456 @@
+"""GPT: a causal Transformer decoder pretrained by next-token prediction.
+
+Paper: Radford, Narasimhan, Salimans, Sutskever (2018), "Improving Language Understanding by
+Generative Pre-Training" (GPT-1: post-LN blocks, learned positions, 40478 BPE tokens, 512
+positions, 12 layers x 768, tied input/output embeddings). ``norm="pre"`` gives the block of
+Radford et al. (2019), "Language Models are Unsupervised Multitask Learners" (GPT-2): LayerNorm
+before each sub-layer, a final LayerNorm, residual projections initialised with a smaller std.
+
+Parity checked (tests/ctxmodels/test_gpt.py) against Hugging Face transformers 5.x
+``OpenAIGPTLMHeadModel`` (norm="post") and ``GPT2LMHeadModel`` (norm="pre"): weights copied
+through ``HF_NAMES`` below, logits and every hidden state equal to 1e-4.
+
+Shape legend
+    B  batch size
+    T  sequence length (<= max_seq_len)
+    C  d_model
+    H  n_head
+    D  head size, C // H
+    F  d_ff
+    V  vocab_size
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ctxmodels.outputs import PretrainOutput
+
+IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
+
+Norm = Literal["post", "pre"]
+Activation = Literal["gelu", "gelu_tanh"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int  # 40478 (BPE + specials) for GPT-1, 50257 (byte-level BPE) for GPT-2
+    d_model: int
+    n_layer: int
+    n_head: int
+    d_ff: int  # 4 * d_model in both papers
+    max_seq_len: int  # positions are learned, so the model cannot read anything longer
+    dropout: float = 0.1  # on embeddings, attention probabilities and residual branches alike
+    layer_norm_eps: float = 1e-5
+    norm: Norm = "post"  # "post": GPT-1, LayerNorm after each residual add; "pre": GPT-2
+    activation: Activation = "gelu_tanh"  # both papers' code uses the tanh approximation
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for key in ("vocab_size", "d_model", "n_layer", "n_head", "d_ff", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}.{key} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"{name}.d_model ({self.d_model}) must be divisible by {name}.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{name}.dropout must be in [0, 1), got {self.dropout!r}")
+        for key in ("layer_norm_eps", "init_std"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{name}.{key} must be > 0, got {getattr(self, key)!r}")
+        if self.norm not in get_args(Norm):
+            raise ValueError(f"{name}.norm must be one of {get_args(Norm)}, got {self.norm!r}")
+        if self.activation not in get_args(Activation):
+            raise ValueError(
+                f"{name}.activation must be one of {get_args(Activation)}, got {self.activation!r}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_padding_mask(attention_mask: Tensor) -> Tensor:
+    """(B, T) 1/0 padding mask -> (B, 1, T, T) bool, True where query t may attend key s.
+
+    Query t sees the real keys s <= t, and always itself: a padded query (left padding, an empty
+    row) must not be left with no key at all, whose softmax would be NaN and spread to the next
+    layer. Real queries are unaffected, since their own key is real.
+    """
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()  # (T, T)
+    itself = torch.eye(T, dtype=torch.bool, device=attention_mask.device)  # (T, T)
+    real_keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+    return causal & (real_keys | itself)  # (B, 1, T, T)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attn_dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """x (B, T, C); attn_mask (B, 1, T, T) bool, or None for plain causal attention."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        p = self.attn_dropout if self.training else 0.0
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.act = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One Transformer decoder layer; ``ln_attn``/``ln_mlp`` belong to the attention/MLP sub-layer."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm == "pre"
+        self.ln_attn = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        if self.pre_norm:  # GPT-2
+            x = x + self.attn(self.ln_attn(x), attn_mask)
+            return x + self.mlp(self.ln_mlp(x))
+        x = self.ln_attn(x + self.attn(x, attn_mask))  # GPT-1
+        return self.ln_mlp(x + self.mlp(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+class GPTModel(nn.Module):
+    """Token + learned position embeddings, ``n_layer`` causal blocks, (pre-LN only) a final LN."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # Post-LN outputs are already normalised; pre-LN ones need a last LayerNorm (GPT-2 §2.3).
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm == "pre" else nn.Identity()
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> list[Tensor]:
+        """``n_layer + 1`` tensors (B, T, C): the embedding output, then each block's output.
+
+        The last one includes the final LayerNorm of pre-LN models (what the LM head reads, as in
+        Hugging Face). GPT has no segment embeddings: ``token_type_ids`` is accepted so every
+        backbone has one signature, and ignored.
+        """
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(
+                f"GPT input has {T} tokens but max_seq_len is {self.config.max_seq_len}: positions "
+                "are learned up to there only; truncate or split the input"
+            )
+        pos = torch.arange(T, device=input_ids.device)  # (T,)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))  # (B, T, C)
+        # Packed batches have no padding; leaving the mask out lets SDPA use its causal kernels.
+        attn_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            attn_mask = causal_padding_mask(attention_mask)
+        states = [x]
+        for block in self.blocks:
+            x = block(x, attn_mask)
+            states.append(x)
+        states[-1] = self.ln_f(states[-1])
+        return states
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.hidden_states(input_ids, attention_mask)[-1]  # (B, T, C)
+
+
+class GPTForPreTraining(nn.Module):
+    """Next-token prediction; the output projection is the token embedding matrix (tied)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.backbone = GPTModel(cfg)
+        self.apply(self._init_weights)
+        if cfg.norm == "pre":
+            # GPT-2 §2.3: scale the weights of residual layers by 1/sqrt(N), N residual layers.
+            for block in self.backbone.blocks:
+                for proj in (block.attn.proj, block.mlp.proj):
+                    nn.init.normal_(proj.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-1 §4.1: "a simple weight initialization of N(0, 0.02) was sufficient".
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """(B, T, V) scores; position t predicts token t + 1."""
+        h = self.backbone.hidden_states(input_ids, attention_mask)[-1]  # (B, T, C)
+        return F.linear(h, self.backbone.tok_emb.weight)  # (B, T, V)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> PretrainOutput:
+        """``labels`` (B, T) are shifted here: logits at t predict ``labels[:, t + 1]``.
+
+        Without labels, the targets are ``input_ids`` with padding (attention_mask == 0) ignored.
+        """
+        if labels is None:
+            labels = input_ids
+            if attention_mask is not None:
+                labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        h = self.backbone.hidden_states(input_ids, attention_mask)[-1]  # (B, T, C)
+        # The last position has nothing to predict; slicing before the head saves a (B, T, V) copy.
+        logits = F.linear(h[:, :-1], self.backbone.tok_emb.weight)  # (B, T-1, V)
+        targets = labels[:, 1:]  # (B, T-1)
+        predicted = targets != IGNORE_INDEX  # (B, T-1)
+        n_pred = predicted.sum()
+        denom = n_pred.clamp(min=1)  # a batch with nothing to predict gives loss 0, not NaN
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),  # (B*(T-1), V)
+            targets.reshape(-1),  # (B*(T-1),)
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        ) / denom
+        with torch.no_grad():
+            correct = ((logits.argmax(-1) == targets) & predicted).sum()
+        metrics = {
+            "lm_loss": loss.detach(),
+            "lm_acc": correct / denom,
+            "n_pred": n_pred.detach(),
+        }
+        return PretrainOutput(loss=loss, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=1000, d_model=64, n_layer=2, n_head=4, d_ff=256, max_seq_len=128),
+    # GPT-1 (Radford et al. 2018, §4.1): 40478 tokens, 512 positions, 12 x 768, 12 heads, 3072 -> 117M.
+    "base": GPTConfig(vocab_size=40478, d_model=768, n_layer=12, n_head=12, d_ff=3072, max_seq_len=512),
+    "gpt2-tiny": GPTConfig(
+        vocab_size=1000, d_model=64, n_layer=2, n_head=4, d_ff=256, max_seq_len=128, norm="pre"
+    ),
+    # GPT-2 small (Radford et al. 2019, Table 2, listed there as 117M): 50257 tokens, 1024
+    # positions, 12 x 768 -> 124M counted.
+    "gpt2-small": GPTConfig(
+        vocab_size=50257, d_model=768, n_layer=12, n_head=12, d_ff=3072, max_seq_len=1024, norm="pre"
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face weights
+# ---------------------------------------------------------------------------------------------
+
+# (Hugging Face name, our name, how). HF names are relative to ``transformer.``; "{i}" is the layer.
+# HF's Conv1D stores weights as (in, out), the transpose of nn.Linear's (out, in). ``ln_1`` is the
+# attention sub-layer's LayerNorm in both families (after the residual add in GPT-1, before in GPT-2).
+HF_LAYER_NAMES: list[tuple[str, str, Literal["copy", "transpose"]]] = [
+    ("h.{i}.attn.c_attn.weight", "backbone.blocks.{i}.attn.qkv.weight", "transpose"),
+    ("h.{i}.attn.c_attn.bias", "backbone.blocks.{i}.attn.qkv.bias", "copy"),
+    ("h.{i}.attn.c_proj.weight", "backbone.blocks.{i}.attn.proj.weight", "transpose"),
+    ("h.{i}.attn.c_proj.bias", "backbone.blocks.{i}.attn.proj.bias", "copy"),
+    ("h.{i}.ln_1.weight", "backbone.blocks.{i}.ln_attn.weight", "copy"),
+    ("h.{i}.ln_1.bias", "backbone.blocks.{i}.ln_attn.bias", "copy"),
+    ("h.{i}.mlp.c_fc.weight", "backbone.blocks.{i}.mlp.fc.weight", "transpose"),
+    ("h.{i}.mlp.c_fc.bias", "backbone.blocks.{i}.mlp.fc.bias", "copy"),
+    ("h.{i}.mlp.c_proj.weight", "backbone.blocks.{i}.mlp.proj.weight", "transpose"),
+    ("h.{i}.mlp.c_proj.bias", "backbone.blocks.{i}.mlp.proj.bias", "copy"),
+    ("h.{i}.ln_2.weight", "backbone.blocks.{i}.ln_mlp.weight", "copy"),
+    ("h.{i}.ln_2.bias", "backbone.blocks.{i}.ln_mlp.bias", "copy"),
+]
+HF_NAMES: dict[str, list[tuple[str, str, Literal["copy", "transpose"]]]] = {
+    "openai-gpt": [
+        ("tokens_embed.weight", "backbone.tok_emb.weight", "copy"),
+        ("positions_embed.weight", "backbone.pos_emb.weight", "copy"),
+        *HF_LAYER_NAMES,
+    ],
+    "gpt2": [
+        ("wte.weight", "backbone.tok_emb.weight", "copy"),
+        ("wpe.weight", "backbone.pos_emb.weight", "copy"),
+        *HF_LAYER_NAMES,
+        ("ln_f.weight", "backbone.ln_f.weight", "copy"),
+        ("ln_f.bias", "backbone.ln_f.bias", "copy"),
+    ],
+}
+HF_PREFIX = "transformer."
+HF_OUTPUT_EMBEDDING = "lm_head.weight"  # tied to the token embedding; checked, never copied
+HF_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old checkpoints
+
+# HF config activation name -> ours, and back. OpenAI GPT's "gelu" is the tanh approximation.
+HF_ACTIVATIONS: dict[str, dict[str, Activation]] = {
+    "openai-gpt": {"gelu": "gelu_tanh"},
+    "gpt2": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"},
+}
+HF_ACTIVATIONS_OUT: dict[str, dict[Activation, str]] = {
+    "openai-gpt": {"gelu_tanh": "gelu"},
+    "gpt2": {"gelu_tanh": "gelu_new", "gelu": "gelu"},
+}
+
+
+def _expand(rows: list[tuple[str, str, str]], n_layer: int) -> list[tuple[str, str, str]]:
+    """Instantiate the "{i}" rows once per layer."""
+    out = []
+    for hf, ours, how in rows:
+        layers = range(n_layer) if "{i}" in hf else [None]
+        out.extend((hf.format(i=i), ours.format(i=i), how) for i in layers)
+    return out
+
+
+def _config_from_hf(hf: dict) -> GPTConfig:
+    model_type = hf.get("model_type")
+    if model_type not in HF_NAMES:
+        raise ValueError(f"HF config model_type must be one of {sorted(HF_NAMES)}, got {model_type!r}")
+    act_key = "afn" if model_type == "openai-gpt" else "activation_function"
+    act_name = hf.get(act_key, "gelu" if model_type == "openai-gpt" else "gelu_new")
+    if act_name not in HF_ACTIVATIONS[model_type]:
+        known = sorted(HF_ACTIVATIONS[model_type])
+        raise ValueError(f"HF config {act_key}={act_name!r} is not supported; use one of {known}")
+    if model_type == "gpt2":
+        required = {
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "add_cross_attention": False,
+        }
+        for key, ok in required.items():
+            if hf.get(key, ok) != ok:
+                raise ValueError(f"HF config {key}={hf[key]!r} is not supported by ctxmodels.gpt (needs {ok})")
+    n_embd = hf["n_embd"]
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=n_embd,
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        # OpenAI GPT hard-codes 4 * n_embd; GPT-2 has n_inner, None meaning the same.
+        d_ff=hf.get("n_inner") or 4 * n_embd,
+        max_seq_len=hf["n_positions"],
+        dropout=hf.get("resid_pdrop", 0.1),  # HF has three dropout rates; ours is one
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        norm="post" if model_type == "openai-gpt" else "pre",
+        activation=HF_ACTIVATIONS[model_type][act_name],
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def from_hf_state_dict(
+    hf_config_dict: dict, state_dict: dict[str, Tensor]
+) -> tuple[GPTConfig, GPTForPreTraining]:
+    """Build our model from a Hugging Face ``openai-gpt`` or ``gpt2`` config dict and state dict.
+
+    Accepts names with or without the ``transformer.`` prefix (LM-head and base-model checkpoints).
+    """
+    cfg = _config_from_hf(hf_config_dict)
+    model_type = hf_config_dict["model_type"]
+    sd = {k.removeprefix(HF_PREFIX): v for k, v in state_dict.items()}
+    ours, missing = {}, []
+    for hf, name, how in _expand(HF_NAMES[model_type], cfg.n_layer):
+        if hf not in sd:
+            missing.append(hf)
+            continue
+        ours[name] = sd.pop(hf).t().contiguous() if how == "transpose" else sd.pop(hf)
+    if missing:
+        raise ValueError(f"HF {model_type} state dict lacks {len(missing)} weights, e.g. {missing[:5]}")
+    head = sd.pop(HF_OUTPUT_EMBEDDING, None)
+    if head is not None and not torch.equal(head, ours["backbone.tok_emb.weight"]):
+        raise ValueError(f"HF {HF_OUTPUT_EMBEDDING} differs from the token embedding; ours are tied")
+    unexpected = [k for k in sd if not k.endswith(HF_BUFFER_SUFFIXES)]
+    if unexpected:
+        raise ValueError(f"HF {model_type} state dict has unknown weights, e.g. {unexpected[:5]}")
+    model = GPTForPreTraining(cfg)
+    model.load_state_dict(ours, strict=True)
+    return cfg, model
+
+
+def to_hf(model: GPTForPreTraining) -> tuple[dict, dict[str, Tensor]]:
+    """Our model -> (HF config dict, HF state dict) of ``OpenAIGPTLMHeadModel`` or ``GPT2LMHeadModel``.
+
+    The tied ``lm_head.weight`` is left out; transformers ties it on load.
+    """
+    cfg = model.config
+    model_type = "openai-gpt" if cfg.norm == "post" else "gpt2"
+    act_name = HF_ACTIVATIONS_OUT[model_type].get(cfg.activation)
+    if act_name is None:
+        raise ValueError(f"GPTConfig.activation={cfg.activation!r} has no HF {model_type} equivalent")
+    common = {
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_seq_len,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": True,
+    }
+    if model_type == "openai-gpt":
+        if cfg.d_ff != 4 * cfg.d_model:
+            raise ValueError(f"GPTConfig.d_ff must be 4 * d_model for HF openai-gpt, got {cfg.d_ff}")
+        hf_config = {**common, "architectures": ["OpenAIGPTLMHeadModel"], "afn": act_name}
+    else:
+        hf_config = {
+            **common,
+            "architectures": ["GPT2LMHeadModel"],
+            "n_inner": cfg.d_ff,
+            "activation_function": act_name,
+        }
+    ours = model.state_dict()
+    state_dict = {}
+    for hf, name, how in _expand(HF_NAMES[model_type], cfg.n_layer):
+        t = ours[name].detach()
+        state_dict[HF_PREFIX + hf] = (t.t() if how == "transpose" else t).contiguous().clone()
+    return hf_config, state_dict
