@@ -1,0 +1,398 @@
+"""Subword tokenizers: WordPiece (Hugging Face ``tokenizers``) and SentencePiece, behind one class.
+
+* WordPiece (Wu et al. 2016, "Google's Neural Machine Translation System"; as used by BERT, Devlin
+  et al. 2019): BERT's normaliser (clean text, split CJK characters, lowercase and strip accents),
+  BERT's pre-tokenizer (whitespace and punctuation), continuation pieces prefixed by ``##``.
+* SentencePiece (Kudo & Richardson 2018) with the unigram LM model (Kudo 2018; ALBERT, XLNet) or
+  BPE (Sennrich et al. 2016): no pre-tokenizer, a word starts with a piece beginning with ``▁``,
+  byte fallback so no character is ever unknown, lowercasing by the ``nmt_nfkc_cf`` normalisation
+  rule so that training and encoding lowercase the same way.
+
+All kinds we train put the special tokens at ids 0..4: ``[PAD] [UNK] [CLS] [SEP] [MASK]``.
+``load_tokenizer`` also reads Hugging Face folders (``tokenizer.json`` and/or ``vocab.txt``), finding
+the special ids by token string, BERT-style (``[PAD]``...) or RoBERTa-style (``<pad> <s> </s>
+<mask> <unk>``). Parity with ``transformers``' pure-Python ``BertTokenizerLegacy`` and its
+``tokenizers``-backed ``BertTokenizer`` is tested on the all-MiniLM-L6-v2 vocabulary.
+
+Folder layout written by ``Tokenizer.save``::
+
+    wordpiece:      tokenizer.json  vocab.txt  tokenizer_config.json
+    sentencepiece:  spm.model                  tokenizer_config.json
+
+``tokenizer_config.json`` holds ``kind``, ``lowercase`` and the special token strings (plus the
+keys ``transformers`` reads for a BERT tokenizer, so our WordPiece folders also load there).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+import sentencepiece as spm
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+TrainKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
+# Kinds ``load_tokenizer`` can also return for Hugging Face ``tokenizer.json`` files whose model is not
+# WordPiece (RoBERTa/GPT-2 byte-level BPE, T5-style unigram).
+Kind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "hf-bpe", "hf-unigram"]
+
+ROLES = ("pad", "unk", "cls", "sep", "mask")
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in every tokenizer we train
+# Token strings tried, in order, for each role of a folder we did not write (BERT, then RoBERTa style).
+_ALIASES = {
+    "pad": ("[PAD]", "<pad>"),
+    "unk": ("[UNK]", "<unk>"),
+    "cls": ("[CLS]", "<s>"),
+    "sep": ("[SEP]", "</s>"),
+    "mask": ("[MASK]", "<mask>"),
+}
+_SPM_FILE, _HF_FILE, _VOCAB_FILE, _CONFIG_FILE = "spm.model", "tokenizer.json", "vocab.txt", "tokenizer_config.json"
+_MAX_CHARS_PER_WORD = 100  # BERT's WordpieceTokenizer: longer words become [UNK]
+_SPM_MAX_SENTENCES = 2_000_000  # reservoir sample for SentencePiece training: bounds memory on big corpora
+
+
+def _skip_space(text: str, span: tuple[int, int]) -> tuple[int, int]:
+    """A token span without the whitespace it starts with."""
+    start, end = span
+    while start < end and text[start].isspace():
+        start += 1
+    return start, end
+
+
+class _HFBackend:
+    """A Hugging Face ``tokenizers.Tokenizer`` (Rust): WordPiece, or BPE/unigram from tokenizer.json."""
+
+    def __init__(self, tok: HFTokenizer):
+        # HF folders may ship fixed padding/truncation (MiniLM pads to 128): we want raw sequences.
+        tok.no_padding()
+        tok.no_truncation()
+        self.tok = tok
+        self.model_type = type(tok.model).__name__  # "WordPiece", "BPE", "Unigram"
+
+    def tokens(self) -> list[str]:
+        out = [""] * self.tok.get_vocab_size(with_added_tokens=True)
+        for token, i in self.tok.get_vocab(with_added_tokens=True).items():
+            out[i] = token
+        return out
+
+    def word_start(self, tokens: list[str]) -> np.ndarray:
+        if self.model_type == "WordPiece":
+            prefix = self.tok.model.continuing_subword_prefix
+            return np.fromiter((not t.startswith(prefix) for t in tokens), dtype=np.bool_, count=len(tokens))
+        # Byte-level BPE marks a preceding space with "Ġ", Metaspace models with "▁".
+        return np.fromiter((t.startswith(("Ġ", "▁")) for t in tokens), dtype=np.bool_, count=len(tokens))
+
+    def encode_ids(self, texts: list[str]) -> list[np.ndarray]:
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # _fast skips offsets (tokenizers>=0.20)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encode(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]], list[str]]]:
+        # tokenizers reports offsets in characters of the original (un-normalised) string.
+        encodings = self.tok.encode_batch(texts, add_special_tokens=False)
+        if self.model_type == "WordPiece":  # the pre-tokenizer already dropped whitespace
+            return [(e.ids, e.offsets, e.tokens) for e in encodings]
+        # "Ġbank" / "▁bank" spans start at the space they encode; drop it, as SentencePiece below.
+        return [(e.ids, [_skip_space(text, span) for span in e.offsets], e.tokens) for text, e in zip(texts, encodings)]
+
+    def save(self, folder: Path, tokens: list[str]) -> None:
+        self.tok.save(str(folder / _HF_FILE))
+        if self.model_type == "WordPiece":
+            (folder / _VOCAB_FILE).write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+
+
+class _SPBackend:
+    """A SentencePiece model (C++)."""
+
+    def __init__(self, model_proto: bytes):
+        self.model_proto = model_proto
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+
+    def tokens(self) -> list[str]:
+        return [self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size())]
+
+    def word_start(self, tokens: list[str]) -> np.ndarray:
+        # Byte-fallback pieces (<0xE6>) continue whatever precedes them; a word opens with "▁...".
+        return np.fromiter((t.startswith("▁") for t in tokens), dtype=np.bool_, count=len(tokens))
+
+    def encode_ids(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int32) for ids in self.sp.encode(texts, out_type=int)]
+
+    def encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]], list[str]]]:
+        # SentencePiece maps each piece back to a character span of the input (through its
+        # normaliser); the span of a "▁" piece starts at the whitespace it stands for, which we drop so
+        # that text[start:end] is the word itself. Of a character split into byte pieces, the last
+        # byte piece carries the character's span and the others are empty.
+        out = []
+        for text, enc in zip(texts, self.sp.encode(texts, out_type="offset_mapping", return_bytes=False)):
+            out.append((enc["ids"], [_skip_space(text, span) for span in enc["offsets"]], enc["pieces"]))
+        return out
+
+    # Explicit pickling (Ray ships tokenizers to actors): the serialized model is the whole state.
+    def __getstate__(self) -> bytes:
+        return self.model_proto
+
+    def __setstate__(self, model_proto: bytes) -> None:
+        self.__init__(model_proto)
+
+    def save(self, folder: Path, tokens: list[str]) -> None:
+        (folder / _SPM_FILE).write_bytes(self.model_proto)
+
+
+class Tokenizer:
+    """A trained or loaded tokenizer: special ids, word starts, batch encoding, save.
+
+    Build one with ``train_tokenizer`` or ``load_tokenizer``. Attributes:
+      kind, lowercase, vocab_size; pad_id, unk_id, cls_id, sep_id, mask_id;
+      special_tokens: {role: token string}; special_ids: int64 array of the five ids (role order);
+      word_start: bool array (vocab_size,): True where a token begins a word (not "##..." for
+      WordPiece; "▁..." for SentencePiece; every special token), for whole-word and span masking.
+    """
+
+    def __init__(self, backend: _HFBackend | _SPBackend, kind: Kind, lowercase: bool, special_tokens: dict[str, str], source: str = "<memory>"):
+        if kind not in get_args(Kind):
+            raise ValueError(f"{source}: unknown tokenizer kind {kind!r}; expected one of {get_args(Kind)}")
+        self._backend = backend
+        self.kind = kind
+        self.lowercase = bool(lowercase)
+        self._tokens = backend.tokens()
+        self._ids = {t: i for i, t in enumerate(self._tokens) if t}
+        self.vocab_size = len(self._tokens)
+        self.special_tokens = dict(special_tokens)
+        ids = {}
+        for role in ROLES:
+            token = self.special_tokens[role]
+            if token not in self._ids:
+                raise ValueError(f"{source}: the {role} token {token!r} is not in the vocabulary")
+            ids[role] = self._ids[token]
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[r] for r in ROLES)
+        self.special_ids = np.array([ids[r] for r in ROLES], dtype=np.int64)
+        self.word_start = backend.word_start(self._tokens)
+        self.word_start[self.special_ids] = True
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, lowercase={self.lowercase})"
+
+    def id_to_token(self, i: int) -> str:
+        return self._tokens[i]
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` (a vocabulary entry such as "##ing" or "▁bank"), None if absent."""
+        return self._ids.get(token)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids (int32) of each text, without special tokens; encoded in one native batch call."""
+        return self._backend.encode_ids(list(texts))
+
+    def encode_for_model(self, texts: list[str], max_len: int) -> tuple[list[list[int]], list[list[tuple[int, int]]], list[list[str]]]:
+        """``[CLS] tokens [SEP]`` per text, truncated to ``max_len`` ids, with character offsets.
+
+        Returns (ids, offsets, tokens): offsets are (start, end) into the original text, so
+        ``text[start:end]`` is the token's surface form; (0, 0) for [CLS] and [SEP]. Tokens are the
+        vocabulary strings ("##ing", "▁bank", "<0xE6>").
+        """
+        if max_len < 2:
+            raise ValueError(f"max_len={max_len}: need at least 2 for [CLS] and [SEP]")
+        cls, sep = self.special_tokens["cls"], self.special_tokens["sep"]
+        keep = max_len - 2
+        all_ids, all_offsets, all_tokens = [], [], []
+        for ids, offsets, tokens in self._backend.encode_offsets(list(texts)):
+            all_ids.append([self.cls_id, *ids[:keep], self.sep_id])
+            all_offsets.append([(0, 0), *offsets[:keep], (0, 0)])
+            all_tokens.append([cls, *tokens[:keep], sep])
+        return all_ids, all_offsets, all_tokens
+
+    def save(self, local_dir: str | os.PathLike) -> None:
+        """Write the tokenizer files into ``local_dir`` (created if needed); see the module doc."""
+        folder = Path(local_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._backend.save(folder, self._tokens)
+        config: dict = {"kind": self.kind, "lowercase": self.lowercase}
+        config.update({f"{role}_token": self.special_tokens[role] for role in ROLES})
+        if self.kind == "wordpiece":
+            # What transformers' BertTokenizer reads, so AutoTokenizer.from_pretrained(folder) works.
+            config.update(tokenizer_class="BertTokenizer", do_lower_case=self.lowercase, strip_accents=None, tokenize_chinese_chars=True)
+        (folder / _CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def _lines(texts: Iterable[str]) -> Iterator[str]:
+    """Non-empty lines of the texts: documents may come whole, SentencePiece wants sentences."""
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip():
+                yield line
+
+
+def _n_threads() -> int:
+    """CPUs this process may use (a container's share, not the host's count), at most 16."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(16, n))
+
+
+def _bert_template(tok: HFTokenizer, cls: str, sep: str) -> processors.TemplateProcessing:
+    return processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
+    )
+
+
+def _bert_pipeline(tok: HFTokenizer, lowercase: bool, strip_accents: bool | None = None, chinese_chars: bool = True) -> HFTokenizer:
+    """BERT's normaliser, pre-tokenizer and decoder on a WordPiece model (strip_accents None: = lowercase)."""
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=chinese_chars, strip_accents=strip_accents, lowercase=lowercase
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def train_tokenizer(kind: TrainKind, texts: Iterable[str], vocab_size: int, lowercase: bool = True) -> Tokenizer:
+    """Train a tokenizer of ``kind`` on ``texts`` (lines or whole documents), special ids 0..4.
+
+    SentencePiece may stop below ``vocab_size`` on a small corpus (``hard_vocab_limit=False``).
+    """
+    specials = dict(zip(ROLES, SPECIAL_TOKENS))
+    if kind == "wordpiece":
+        tok = HFTokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=_MAX_CHARS_PER_WORD))
+        _bert_pipeline(tok, lowercase, strip_accents=lowercase)
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            continuing_subword_prefix="##",
+            limit_alphabet=1000,  # as BERT's and HF's BertWordPieceTokenizer: rare characters become [UNK]
+            show_progress=False,
+        )
+        tok.train_from_iterator(_lines(texts), trainer=trainer)
+        tok.post_processor = _bert_template(tok, "[CLS]", "[SEP]")
+        return Tokenizer(_HFBackend(tok), kind, lowercase, specials)
+    if kind in ("sentencepiece-unigram", "sentencepiece-bpe"):
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_lines(texts),
+            model_writer=model,
+            model_type=kind.removeprefix("sentencepiece-"),
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,
+            byte_fallback=True,  # unseen characters become UTF-8 byte pieces, never [UNK]
+            character_coverage=0.9995,
+            # nmt_nfkc + case folding: the same lowercasing at training and at encoding time.
+            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
+            pad_id=0, pad_piece="[PAD]",
+            unk_id=1, unk_piece="[UNK]",
+            bos_id=-1, eos_id=-1,
+            # Control symbols take the next ids (2, 3, 4) and are never produced from raw text.
+            control_symbols=list(SPECIAL_TOKENS[2:]),
+            input_sentence_size=_SPM_MAX_SENTENCES,
+            shuffle_input_sentence=True,
+            num_threads=_n_threads(),
+            minloglevel=2,
+        )
+        return Tokenizer(_SPBackend(model.getvalue()), kind, lowercase, specials)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {get_args(TrainKind)}")
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _token_string(value) -> str | None:
+    """A special token as tokenizer_config / special_tokens_map write it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _resolve_specials(config: dict, has_token, folder: Path) -> dict[str, str]:
+    """{role: token string}: the folder's configured token if in the vocabulary, else the first alias that is."""
+    out = {}
+    for role in ROLES:
+        candidates = [t for t in (_token_string(config.get(f"{role}_token")),) if t] + list(_ALIASES[role])
+        found = next((t for t in candidates if has_token(t)), None)
+        if found is None:
+            raise ValueError(f"{folder}: no {role} token in the vocabulary (tried {candidates}); set '{role}_token' in {_CONFIG_FILE}")
+        out[role] = found
+    return out
+
+
+def _normalizer_lowercases(tok_json: dict) -> bool:
+    """Whether a tokenizer.json normaliser lowercases (BertNormalizer or a Lowercase step)."""
+    norm = tok_json.get("normalizer") or {}
+    steps = norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]
+    return any(s.get("type") == "Lowercase" or (s.get("type") == "BertNormalizer" and s.get("lowercase")) for s in steps)
+
+
+def _wordpiece_from_vocab(vocab_file: Path, config: dict, folder: Path) -> HFTokenizer:
+    """A BERT tokenizer from a bare vocab.txt (one token per line, line number = id), as BertTokenizer builds it."""
+    vocab: dict[str, int] = {}
+    with open(vocab_file, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            vocab[line.rstrip("\n")] = i
+    specials = _resolve_specials(config, vocab.__contains__, folder)
+    tok = HFTokenizer(models.WordPiece(vocab, unk_token=specials["unk"], max_input_chars_per_word=_MAX_CHARS_PER_WORD))
+    lowercase = bool(config.get("do_lower_case", config.get("lowercase", True)))
+    _bert_pipeline(tok, lowercase, strip_accents=config.get("strip_accents"), chinese_chars=config.get("tokenize_chinese_chars", True))
+    # As in BERT, special tokens written in the text are matched whole and never split or lowercased.
+    tok.add_special_tokens([specials[r] for r in ROLES])
+    tok.post_processor = _bert_template(tok, specials["cls"], specials["sep"])
+    return tok
+
+
+def load_tokenizer(local_dir: str | os.PathLike) -> Tokenizer:
+    """Load our tokenizer folder, a Hugging Face one (tokenizer.json and/or vocab.txt), or a checkpoint's ``tokenizer/``."""
+    folder = Path(local_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
+    names = {p.name for p in folder.iterdir()}
+    if not names & {_SPM_FILE, _HF_FILE, _VOCAB_FILE} and (folder / "tokenizer").is_dir():
+        return load_tokenizer(folder / "tokenizer")
+    config = _read_json(folder / _CONFIG_FILE)
+    for key, value in _read_json(folder / "special_tokens_map.json").items():
+        config.setdefault(key, value)
+    source = str(folder)
+
+    if _SPM_FILE in names:
+        kind = config.get("kind")
+        if kind not in ("sentencepiece-unigram", "sentencepiece-bpe"):
+            raise ValueError(f"{folder}: {_SPM_FILE} needs {_CONFIG_FILE} with kind 'sentencepiece-unigram' or 'sentencepiece-bpe' (found kind={kind!r})")
+        backend = _SPBackend((folder / _SPM_FILE).read_bytes())
+        pieces = set(backend.tokens())
+        specials = _resolve_specials(config, pieces.__contains__, folder)
+        return Tokenizer(backend, kind, config.get("lowercase", True), specials, source)
+
+    if _HF_FILE in names:
+        tok = HFTokenizer.from_file(str(folder / _HF_FILE))
+        tok_json = _read_json(folder / _HF_FILE)
+        lowercase = config.get("lowercase", config.get("do_lower_case", _normalizer_lowercases(tok_json)))
+        backend = _HFBackend(tok)
+        kind = {"WordPiece": "wordpiece", "BPE": "hf-bpe", "Unigram": "hf-unigram"}.get(backend.model_type)
+        if kind is None:
+            raise ValueError(f"{folder / _HF_FILE}: model type {backend.model_type} is not supported (WordPiece, BPE or Unigram)")
+        specials = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None, folder)
+        return Tokenizer(backend, kind, lowercase, specials, source)
+
+    if _VOCAB_FILE in names:
+        tok = _wordpiece_from_vocab(folder / _VOCAB_FILE, config, folder)
+        specials = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None, folder)
+        return Tokenizer(_HFBackend(tok), "wordpiece", config.get("do_lower_case", config.get("lowercase", True)), specials, source)
+
+    found = ", ".join(sorted(names)) or "nothing"
+    raise FileNotFoundError(
+        f"no tokenizer in {folder}: expected {_SPM_FILE} (+{_CONFIG_FILE}), {_HF_FILE} or {_VOCAB_FILE}; found {found}"
+    )

@@ -1,0 +1,367 @@
+"""Tokenizers (pipelines/tokenizers.py) and the WordNet sample corpus (data/).
+
+Parity: our loader on the real all-MiniLM-L6-v2 folder must give the ids of transformers' pure-Python
+``BertTokenizerLegacy`` and of its tokenizers-backed ``BertTokenizer`` / ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import pickle
+import re
+import shutil
+import sys
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.tokenizers import SPECIAL_TOKENS, Tokenizer, load_tokenizer, train_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "data" / "sample"
+KINDS = ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe")
+
+HARD_CASES = [
+    "",
+    "   ",
+    "Café naïve résumé Ångström façade Über ÉCOLE",
+    "e\u0301 combining acute, o\u0308 umlaut",
+    "東京は日本の首都です。中文字符测试，标点！",
+    "한국어 문장 and ภาษาไทย mixed with English",
+    "Ελληνικά Русский العربية हिन्दी עברית",
+    "Hello!!! What??? ... --- ,,, ;;; (((nested))) [[brackets]] {{braces}}",
+    "Numbers 3.14159 1,000,000 42nd 1e-10 0x1F 007 -273.15°C",
+    "emoji 😀👍🏽 flags 🇫🇷 family 👨‍👩‍👧 heart ❤️",
+    "control\x00chars\x07here \x1b[31m ansi",
+    "zero\u200bwidth \ufeffbom soft\u00adhyphen line\u2028sep",
+    "tab\there newline\nthere carriage\r\nreturn",
+    "MiXeD CaSe WoRdS iPhone McDonald's NASA's eBay",
+    "a" * 150,
+    "pneumonoultramicroscopicsilicovolcanoconiosis antidisestablishmentarianism",
+    "[MASK] in text [CLS] and [SEP] and [UNK] [PAD] [mask]",
+    "don't can't won't ''quoted'' “smart quotes” ‘single’ — em dash – en dash …",
+    "ﬁ ligature, full-width ＡＢＣ１２３, circled ① ② ③",
+    "https://example.com/path?x=1&y=2#frag user@example.org @handle #hashtag",
+    "$100 €50 ¥1000 £5 ½ ¾ x² + y² = z² ∑∫√∞≠≤",
+    "The bank of the river flooded; the bank raised its interest rates.",
+    "  leading and trailing spaces   ",
+]
+
+
+def read_shard(path: Path) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read().split("\n")
+
+
+@pytest.fixture(scope="module")
+def corpus_lines() -> list[str]:
+    """Every sentence of the first shard (about 12k lines)."""
+    return [line for line in read_shard(SAMPLE / "wordnet-0000-of-0008.txt.gz") if line]
+
+
+# ------------------------------------------------------------------------------------ corpus
+
+
+def test_corpus_shards_gunzip_and_are_bert_style_documents():
+    paths = sorted(SAMPLE.glob("wordnet-*-of-0008.txt.gz"))
+    assert [p.name for p in paths] == [f"wordnet-{k:04d}-of-0008.txt.gz" for k in range(8)]
+    total_chars, total_docs = 0, 0
+    for path in paths:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8")
+        total_chars += len(text)
+        assert text.endswith("\n") and not text.endswith("\n\n"), path
+        assert not text.startswith("\n"), path
+        assert "\n\n\n" not in text, f"{path}: documents must be separated by exactly one blank line"
+        docs = text.rstrip("\n").split("\n\n")
+        total_docs += len(docs)
+        sizes = np.array([len(d.split("\n")) for d in docs])
+        assert sizes.min() >= 2 and np.median(sizes) >= 6, path  # NSP/SOP need several sentences per document
+        for line in text.split("\n"):
+            assert line == line.strip(), f"{path}: stray whitespace in {line!r}"
+    assert 3_000_000 < total_chars < 6_000_000
+    assert total_docs > 5000
+
+
+def test_corpus_has_bank_in_river_and_finance_senses():
+    lines = [line for p in sorted(SAMPLE.glob("*.txt.gz")) for line in read_shard(p)]
+    bank = [line for line in lines if re.search(r"\bbanks?\b", line, re.IGNORECASE)]
+    assert any(re.search(r"\b(river|water|canoe)\b", line) for line in bank)
+    assert any(re.search(r"\b(money|deposits?|check|mortgage|financial)\b", line) for line in bank)
+    assert "Bank is sloping land (especially the slope beside a body of water)." in lines
+    assert "He cashed a check at the bank." in lines
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("build_sample", REPO / "data" / "build_sample.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_sample_is_deterministic_on_a_tiny_wordnet(tmp_path):
+    """The builder on a hand-written 4-file WordNet: format, sentences, byte-identical rebuild."""
+    build = _load_builder()
+    wn = tmp_path / "wn"
+    wn.mkdir()
+    header = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
+    (wn / "data.noun").write_text(
+        header
+        + '09213565 17 n 01 bank 1 001 @ 09437454 n 0000 | sloping land (especially the slope beside a body of water); "they pulled the canoe up on the bank"  \n'
+        + '08420278 17 n 02 depository_financial_institution 0 bank 0 000 | a financial institution that accepts deposits; "he cashed a check at the bank"  \n'
+        + "09213434 17 n 01 ridge 0 000 | a long ridge or pile  \n"
+        + '00169305 17 n 01 hit 0 000 | (baseball) a successful stroke; "he got a hit"  \n'
+    )
+    (wn / "data.verb").write_text(header + '01587723 35 v 01 bank 0 000 | tip laterally; "the pilot had to bank the aircraft"  \n')
+    (wn / "data.adj").write_text(header + '00001740 00 a 01 able(a) 0 000 | having the necessary means or skill; "able to swim"  \n')
+    (wn / "data.adv").write_text(header + '00001740 02 r 01 well 0 000 | in a good way; "she sings well"; "the children behaved well"  \n')
+    docs = build.documents(build.read_synsets(wn))
+    sentences = [s for d in docs for s in d]
+    assert "Bank is sloping land (especially the slope beside a body of water)." in sentences
+    assert "They pulled the canoe up on the bank." in sentences
+    assert "Another word for it is bank." in sentences
+    assert "In baseball, a hit is a successful stroke." in sentences
+    assert "To bank is to tip laterally." in sentences
+    assert "Able means having the necessary means or skill." in sentences
+    assert not any("ridge" in s for s in sentences)  # no example sentence: left out
+    out1, out2 = build.write_shards(docs, tmp_path / "a", 2), build.write_shards(docs, tmp_path / "b", 2)
+    assert [p.read_bytes() for p in out1] == [p.read_bytes() for p in out2]
+    text = "".join(gzip.decompress(p.read_bytes()).decode() for p in out1)
+    assert text.count("\n\n") == len(docs) - 2  # blank line between documents inside each of the 2 shards
+
+
+# ----------------------------------------------------------------------------- MiniLM parity
+
+
+@pytest.fixture(scope="module")
+def parity_texts() -> list[str]:
+    """A few thousand sentences: every 40th corpus line across all shards, plus the hard cases."""
+    lines = [line for p in sorted(SAMPLE.glob("*.txt.gz")) for line in read_shard(p) if line]
+    return lines[::40] + HARD_CASES + [c.upper() for c in HARD_CASES] + [" ".join(HARD_CASES)]
+
+
+def _reference_tokenizers(minilm_dir):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
+
+    return {
+        "BertTokenizerLegacy (pure Python)": BertTokenizerLegacy.from_pretrained(minilm_dir),
+        "BertTokenizer (tokenizers)": transformers.BertTokenizer.from_pretrained(minilm_dir),
+        "AutoTokenizer": transformers.AutoTokenizer.from_pretrained(minilm_dir),
+    }
+
+
+def _assert_parity(ours: Tokenizer, refs: dict, texts: list[str], max_len: int = 512):
+    ids, _, tokens = ours.encode_for_model(texts, max_len)
+    for name, ref in refs.items():
+        expected = ref(texts, truncation=True, max_length=max_len)["input_ids"]
+        bad = [i for i in range(len(texts)) if ids[i] != expected[i]]
+        assert not bad, f"{name}: {len(bad)} of {len(texts)} differ, first {texts[bad[0]]!r}: ours {tokens[bad[0]]} vs {ref.convert_ids_to_tokens(expected[bad[0]])}"
+
+
+def test_minilm_parity_with_transformers(minilm_dir, parity_texts):
+    assert len(parity_texts) > 2000
+    ours = load_tokenizer(minilm_dir)
+    assert ours.kind == "wordpiece" and ours.vocab_size == 30522 and ours.lowercase
+    assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 100, 101, 102, 103)
+    refs = _reference_tokenizers(minilm_dir)
+    _assert_parity(ours, refs, parity_texts)
+    _assert_parity(ours, refs, parity_texts[:300] + HARD_CASES, max_len=8)  # truncation keeps [SEP]
+
+
+def test_minilm_parity_from_vocab_txt_only(minilm_dir, parity_texts, tmp_path):
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, tmp_path / name)
+    ours = load_tokenizer(tmp_path)
+    assert ours.kind == "wordpiece" and ours.vocab_size == 30522
+    assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 100, 101, 102, 103)
+    _assert_parity(ours, _reference_tokenizers(minilm_dir), parity_texts)
+    bare = tmp_path / "bare"  # vocab.txt alone: BERT defaults (lowercase, [PAD]... specials)
+    bare.mkdir()
+    shutil.copy(minilm_dir / "vocab.txt", bare / "vocab.txt")
+    assert load_tokenizer(bare).encode_batch(parity_texts[:50])[7].tolist() == ours.encode_batch(parity_texts[:50])[7].tolist()
+
+
+def test_minilm_word_start_and_offsets(minilm_dir):
+    tok = load_tokenizer(minilm_dir)
+    assert tok.word_start.shape == (30522,) and tok.word_start.dtype == np.bool_
+    assert tok.word_start[tok.token_to_id("bank")] and not tok.word_start[tok.token_to_id("##ing")]
+    assert tok.word_start[tok.special_ids].all() and tok.special_ids.dtype == np.int64
+    text = "Héllo, Wörld! The BANKS"
+    ids, offsets, tokens = tok.encode_for_model([text], 64)
+    assert tokens[0] == ["[CLS]", "hello", ",", "world", "!", "the", "banks", "[SEP]"]
+    assert [text[s:e] for s, e in offsets[0]] == ["", "Héllo", ",", "Wörld", "!", "The", "BANKS", ""]
+
+
+# ------------------------------------------------------------------- trained tokenizers
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def trained(request, corpus_lines) -> Tokenizer:
+    return train_tokenizer(request.param, corpus_lines, vocab_size=2000)
+
+
+def test_special_ids_are_0_to_4(trained):
+    assert trained.special_ids.tolist() == [0, 1, 2, 3, 4]
+    assert (trained.pad_id, trained.unk_id, trained.cls_id, trained.sep_id, trained.mask_id) == (0, 1, 2, 3, 4)
+    assert [trained.id_to_token(i) for i in range(5)] == list(SPECIAL_TOKENS)
+    assert 1000 < trained.vocab_size <= 2000 + 5
+    assert trained.word_start.shape == (trained.vocab_size,) and trained.word_start[:5].all()
+
+
+def test_word_start_known_tokens(trained):
+    if trained.kind == "wordpiece":
+        starts, inside = ["the", "bank", ",", "."], ["##s", "##ing", "##ed"]
+    else:
+        starts, inside = ["▁the", "▁bank", "▁a"], ["s", "ing", "<0x41>", "<0xE6>"]
+    for token in starts:
+        assert trained.token_to_id(token) is not None, token
+        assert trained.word_start[trained.token_to_id(token)], token
+    for token in inside:
+        assert trained.token_to_id(token) is not None, token
+        assert not trained.word_start[trained.token_to_id(token)], token
+    assert trained.token_to_id("no-such-token-xyz") is None
+
+
+def test_save_load_round_trip(trained, corpus_lines, tmp_path):
+    trained.save(tmp_path)
+    expected_files = {"tokenizer.json", "vocab.txt", "tokenizer_config.json"} if trained.kind == "wordpiece" else {"spm.model", "tokenizer_config.json"}
+    assert {p.name for p in tmp_path.iterdir()} == expected_files
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["kind"] == trained.kind and config["lowercase"] is True and config["mask_token"] == "[MASK]"
+    loaded = load_tokenizer(tmp_path)
+    assert (loaded.kind, loaded.vocab_size, loaded.lowercase) == (trained.kind, trained.vocab_size, True)
+    assert loaded.special_ids.tolist() == trained.special_ids.tolist()
+    assert np.array_equal(loaded.word_start, trained.word_start)
+    texts = corpus_lines[:1000] + HARD_CASES
+    for a, b in zip(trained.encode_batch(texts), loaded.encode_batch(texts)):
+        assert a.tolist() == b.tolist()
+
+
+def test_pickle_round_trip(trained, corpus_lines):
+    """Ray pickles tokenizers into actors."""
+    clone = pickle.loads(pickle.dumps(trained))
+    assert [a.tolist() for a in clone.encode_batch(corpus_lines[:50])] == [a.tolist() for a in trained.encode_batch(corpus_lines[:50])]
+
+
+def test_wordpiece_folder_reads_in_transformers(corpus_lines, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok = train_tokenizer("wordpiece", corpus_lines[:3000], vocab_size=1000)
+    tok.save(tmp_path)
+    texts = corpus_lines[:200] + HARD_CASES
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.encode_for_model(texts, 128)[0] == ref(texts, truncation=True, max_length=128)["input_ids"]
+
+
+def test_encode_batch_equals_encode_for_model_without_specials(trained, corpus_lines):
+    texts = corpus_lines[:500] + HARD_CASES
+    batch = trained.encode_batch(texts)
+    ids, offsets, tokens = trained.encode_for_model(texts, 10_000)
+    assert len(batch) == len(ids) == len(offsets) == len(tokens) == len(texts)
+    for arr, row, offs, toks in zip(batch, ids, offsets, tokens):
+        assert arr.dtype == np.int32 and arr.ndim == 1
+        assert row[0] == trained.cls_id and row[-1] == trained.sep_id
+        assert arr.tolist() == row[1:-1]
+        assert len(offs) == len(toks) == len(row) and offs[0] == offs[-1] == (0, 0)
+        assert toks[1:-1] == [trained.id_to_token(i) for i in row[1:-1]]
+    short, _, _ = trained.encode_for_model(texts, 6)
+    for row, full in zip(short, ids):
+        assert len(row) <= 6 and row[-1] == trained.sep_id and row[:-1] == full[: len(row) - 1]
+
+
+def _normal(kind: str, s: str) -> str:
+    """What the tokenizer's normaliser makes of a surface string (lowercase=True)."""
+    if kind == "wordpiece":  # BERT: lowercase, then drop combining marks
+        return "".join(c for c in unicodedata.normalize("NFD", s.lower()) if unicodedata.category(c) != "Mn")
+    return unicodedata.normalize("NFKC", s).casefold()  # SentencePiece nmt_nfkc_cf
+
+
+OFFSET_TEXTS = [
+    "Café naïve résumé Ångström façade",
+    "東京は日本の首都です。",
+    "emoji 😀👍🏽 and 한국어",
+    "Numbers 3.14159 1,000,000 -- (nested) [[brackets]]",
+    "MiXeD CaSe   with   runs of spaces ",
+    "The bank of the river; the bank of England.",
+]
+
+
+def test_offsets_reproduce_surface_forms(trained, corpus_lines):
+    texts = corpus_lines[:500] + OFFSET_TEXTS
+    ids, offsets, tokens = trained.encode_for_model(texts, 10_000)
+    checked = 0
+    for text, offs, toks in zip(texts, offsets, tokens):
+        byte_run, run_start = b"", None  # SentencePiece byte-fallback pieces of one character
+        for (start, end), token in zip(offs[1:-1], toks[1:-1]):
+            assert 0 <= start <= end <= len(text), (text, token, start, end)
+            surface = text[start:end]
+            if re.fullmatch(r"<0x[0-9A-F]{2}>", token):
+                byte_run += bytes([int(token[3:5], 16)])
+                run_start = start if run_start is None else run_start
+                if end > start:  # the last byte piece carries the character's span
+                    assert byte_run.decode("utf-8") == _normal(trained.kind, text[run_start:end]), (text, token)
+                    byte_run, run_start = b"", None
+                    checked += 1
+                continue
+            if token == "[UNK]":
+                continue
+            assert token.removeprefix("##").removeprefix("▁") == _normal(trained.kind, surface), (text, token, surface)
+            checked += 1
+        assert byte_run == b"", text
+    assert checked > 5000
+
+
+def test_lowercase_option(corpus_lines):
+    for kind in ("wordpiece", "sentencepiece-bpe"):
+        cased = train_tokenizer(kind, corpus_lines[:3000], vocab_size=800, lowercase=False)
+        uncased = train_tokenizer(kind, corpus_lines[:3000], vocab_size=800, lowercase=True)
+        assert not cased.lowercase and uncased.lowercase
+        a, b = cased.encode_batch(["The Bank", "the bank"])
+        assert a.tolist() != b.tolist(), kind
+        a, b = uncased.encode_batch(["The Bank", "the bank"])
+        assert a.tolist() == b.tolist(), kind
+
+
+# ------------------------------------------------------------------------ loading errors
+
+
+def test_missing_or_empty_folder_gives_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")
+    (tmp_path / "README.md").write_text("not a tokenizer")
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*expected spm\.model.*tokenizer\.json.*vocab\.txt; found README\.md"):
+        load_tokenizer(tmp_path)
+
+
+def test_missing_special_token_is_named(tmp_path):
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\n")
+    with pytest.raises(ValueError, match=r"no mask token"):
+        load_tokenizer(tmp_path)
+
+
+def test_unknown_kind_is_rejected(corpus_lines):
+    with pytest.raises(ValueError, match="unknown tokenizer kind"):
+        train_tokenizer("bpe-dropout", corpus_lines[:10], vocab_size=100)
+
+
+def test_checkpoint_folder_and_roberta_style_hf_folder(corpus_lines, tmp_path):
+    """A byte-level BPE tokenizer.json with <s> </s> <pad> <mask> <unk>, inside a checkpoint's tokenizer/."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(corpus_lines[:2000], trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False))
+    (tmp_path / "tokenizer").mkdir()
+    hf.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok.kind == "hf-bpe"
+    assert (tok.cls_id, tok.pad_id, tok.sep_id, tok.unk_id, tok.mask_id) == (0, 1, 2, 3, 4)
+    assert tok.word_start[tok.token_to_id("Ġthe")] and not tok.word_start[tok.token_to_id("s")]
+    ids, offsets, tokens = tok.encode_for_model(["the bank"], 16)
+    assert ids[0][0] == 0 and ids[0][-1] == 2 and tokens[0][0] == "<s>"
+    assert ["the bank"[s:e] for s, e in offsets[0]][1:-1] == [t.removeprefix("Ġ") for t in tokens[0][1:-1]]
