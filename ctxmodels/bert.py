@@ -1,0 +1,382 @@
+"""BERT and RoBERTa: a post-LayerNorm Transformer encoder pretrained by masked language modelling.
+
+Papers:
+- Devlin, Chang, Lee, Toutanova. "BERT: Pre-training of Deep Bidirectional Transformers for Language
+  Understanding", NAACL 2019 (MLM + next-sentence prediction).
+- Liu et al. "RoBERTa: A Robustly Optimized BERT Pretraining Approach", 2019 (same network: no NSP,
+  positions offset by ``pad_token_id + 1``, one segment type). RoBERTa is a set of presets here.
+
+Reference checked for parity: Hugging Face ``transformers`` ``BertModel`` / ``BertForPreTraining`` and
+``RobertaForMaskedLM`` (tests/ctxmodels/test_hf.py copies weights both ways and compares every
+layer's hidden states and the head logits), and the real ``all-MiniLM-L6-v2`` checkpoint.
+
+Shape legend:
+    B  batch size              T  sequence length          D  d_model
+    H  n_head                  Dh head size = D // H       F  d_ff
+    V  vocab_size              N  number of predicted (masked) positions in the batch
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ctxmodels.outputs import PretrainOutput
+
+PositionStyle = Literal["absolute", "roberta"]
+Activation = Literal["gelu", "gelu_tanh", "relu"]
+IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int  # word-piece (BERT) or byte-BPE (RoBERTa) vocabulary, incl. special tokens
+    d_model: int  # hidden size of every block
+    n_layer: int  # number of encoder blocks
+    n_head: int  # attention heads; must divide d_model
+    d_ff: int  # inner size of the feed-forward sub-layer (4 * d_model in the paper)
+    max_seq_len: int  # rows of the position table (RoBERTa: usable length + pad_token_id + 1)
+    type_vocab_size: int = 2  # segment A/B embeddings; 1 for RoBERTa (no sentence pairs)
+    dropout: float = 0.1  # on embeddings and on each sub-layer output before the residual add
+    attn_dropout: float = 0.1  # on attention probabilities
+    layer_norm_eps: float = 1e-12  # BERT's TF value; RoBERTa (fairseq) uses 1e-5
+    pad_token_id: int = 0  # RoBERTa derives positions from it (padding keeps position pad_token_id)
+    position_style: PositionStyle = "absolute"  # "roberta": positions start at pad_token_id + 1
+    activation: Activation = "gelu"  # "gelu" is the exact erf form used by BERT
+    init_std: float = 0.02  # std of the normal init of every weight matrix and embedding
+    nsp: bool = True  # whether the pretraining model has the next-sentence-prediction head
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layer", "n_head", "d_ff", "max_seq_len", "type_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"BertConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"BertConfig.d_model ({self.d_model}) must be divisible by BertConfig.n_head ({self.n_head})"
+            )
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"BertConfig.{name} must be in [0, 1), got {value!r}")
+        for name in ("layer_norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"BertConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"BertConfig.pad_token_id ({self.pad_token_id}) must be in [0, vocab_size={self.vocab_size})"
+            )
+        if self.position_style not in get_args(PositionStyle):
+            raise ValueError(
+                f"BertConfig.position_style must be one of {get_args(PositionStyle)}, got {self.position_style!r}"
+            )
+        if self.position_style == "roberta" and self.max_seq_len <= self.pad_token_id + 1:
+            raise ValueError(
+                f"BertConfig.max_seq_len ({self.max_seq_len}) must exceed pad_token_id + 1 "
+                f"({self.pad_token_id + 1}) with position_style='roberta'"
+            )
+        if self.activation not in get_args(Activation):
+            raise ValueError(f"BertConfig.activation must be one of {get_args(Activation)}, got {self.activation!r}")
+        if not isinstance(self.nsp, bool):
+            raise ValueError(f"BertConfig.nsp must be a bool, got {self.nsp!r}")
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest input the position table allows (RoBERTa spends pad_token_id + 1 rows on offsets)."""
+        if self.position_style == "roberta":
+            return self.max_seq_len - self.pad_token_id - 1
+        return self.max_seq_len
+
+
+def activation_fn(name: Activation) -> Callable[[Tensor], Tensor]:
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return partial(F.gelu, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unknown activation {name!r}; expected one of {get_args(Activation)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class BertEmbeddings(nn.Module):
+    """word + position + segment embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.word = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.position = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
+        self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def position_ids(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[1]
+        if T > self.cfg.max_tokens:
+            raise ValueError(
+                f"sequence length {T} exceeds the position table: at most {self.cfg.max_tokens} tokens "
+                f"(max_seq_len={self.cfg.max_seq_len}, position_style={self.cfg.position_style!r})"
+            )
+        if self.cfg.position_style == "absolute":
+            return torch.arange(T, device=input_ids.device)  # (T,), broadcast over the batch
+        # RoBERTa (fairseq make_positions): real tokens count from pad_token_id + 1, padding keeps
+        # pad_token_id. Derived from input_ids, not attention_mask, exactly as HF RobertaEmbeddings.
+        not_pad = input_ids.ne(self.cfg.pad_token_id).long()  # (B, T)
+        return torch.cumsum(not_pad, dim=1) * not_pad + self.cfg.pad_token_id  # (B, T)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
+        x = self.word(input_ids) + self.position(self.position_ids(input_ids))  # (B, T, D)
+        if token_type_ids is None:
+            x = x + self.token_type.weight[0]  # segment 0 everywhere, without a (B, T) lookup
+        else:
+            x = x + self.token_type(token_type_ids)
+        return self.drop(self.ln(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection (one matmul instead of three)."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.attn_dropout = cfg.attn_dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # rows: [query; key; value]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        B, T, D = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, Dh), views, no copy
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
+        )  # (B, H, T, Dh)
+        y = y.transpose(1, 2).reshape(B, T, D)  # (B, T, H, Dh) -> (B, T, D)
+        return self.proj(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.fc_out = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.act = activation_fn(cfg.activation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))  # (B, T, D) -> (B, T, F) -> (B, T, D)
+
+
+class BertBlock(nn.Module):
+    """Post-LN block (as in the paper, unlike GPT-2's pre-LN): LayerNorm after each residual add."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.attn = SelfAttention(cfg)
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        x = self.ln1(x + self.drop(self.attn(x, attn_mask)))
+        x = self.ln2(x + self.drop(self.ffn(x)))
+        return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------
+
+
+def init_bert_weights(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """BERT init: every Linear/Embedding weight ~ N(0, std), biases 0, LayerNorm weight 1 / bias 0."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std, generator=generator)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+        if isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class BertModel(nn.Module):
+    """The encoder: embeddings, ``n_layer`` blocks, and the [CLS] pooler (dense + tanh)."""
+
+    def __init__(self, cfg: BertConfig, generator: torch.Generator | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = BertEmbeddings(cfg)
+        self.layers = nn.ModuleList(BertBlock(cfg) for _ in range(cfg.n_layer))
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+        init_bert_weights(self, cfg.init_std, generator)
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> list[Tensor]:
+        """``n_layer + 1`` tensors (B, T, D); index 0 is the embedding output after LayerNorm."""
+        attn_mask = None
+        if attention_mask is not None:
+            # True = may attend. Padding keys are hidden from every query; padding queries still see
+            # the real tokens, so their rows stay finite (they are ignored downstream anyway).
+            attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
+        x = self.embeddings(input_ids, token_type_ids)  # (B, T, D)
+        out = [x]
+        for block in self.layers:
+            x = block(x, attn_mask)
+            out.append(x)
+        return out
+
+    def pool(self, last_hidden: Tensor) -> Tensor:
+        return torch.tanh(self.pooler(last_hidden[:, 0]))  # (B, D) from the [CLS] / <s> position
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Returns (last hidden state (B, T, D), pooled output (B, D))."""
+        last = self.hidden_states(input_ids, attention_mask, token_type_ids)[-1]
+        return last, self.pool(last)
+
+
+# ----------------------------------------------------------------------------------------------
+# Heads
+# ----------------------------------------------------------------------------------------------
+
+
+class MLMHead(nn.Module):
+    """dense + activation + LayerNorm, then the decoder tied to the word embeddings, plus a bias.
+
+    The decoder weight is not a parameter of the head: ``forward`` receives the word-embedding
+    matrix, so the state dict holds it once (nothing to re-tie when loading).
+    """
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.act = activation_fn(cfg.activation)
+        self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, h: Tensor, word_embeddings: Tensor) -> Tensor:
+        h = self.ln(self.act(self.dense(h)))  # (..., D)
+        return F.linear(h, word_embeddings, self.bias)  # (..., V)
+
+
+class BertForPreTraining(nn.Module):
+    """Backbone + MLM head (+ NSP head when ``cfg.nsp``); ``forward(**batch) -> PretrainOutput``."""
+
+    def __init__(self, cfg: BertConfig, generator: torch.Generator | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = BertModel(cfg, generator)
+        self.mlm = MLMHead(cfg)
+        self.nsp = nn.Linear(cfg.d_model, 2) if cfg.nsp else None
+        init_bert_weights(self.mlm, cfg.init_std, generator)
+        if self.nsp is not None:
+            init_bert_weights(self.nsp, cfg.init_std, generator)
+
+    def mlm_logits(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Full vocabulary logits (B, T, V) at every position: for inference and tests."""
+        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]
+        return self.mlm(last, self.backbone.embeddings.word.weight)
+
+    def nsp_logits(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Next-sentence logits (B, 2); index 0 = "B follows A"."""
+        if self.nsp is None:
+            raise ValueError("this model has no NSP head (config.nsp is False)")
+        _, pooled = self.backbone(input_ids, attention_mask, token_type_ids)
+        return self.nsp(pooled)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        next_sentence_label: Tensor | None = None,
+    ) -> PretrainOutput:
+        if labels is None and next_sentence_label is None:
+            raise ValueError(
+                "BertForPreTraining.forward needs labels (MLM) and/or next_sentence_label (NSP); "
+                "use mlm_logits() or .backbone for inference"
+            )
+        if next_sentence_label is not None and self.nsp is None:
+            raise ValueError("next_sentence_label given but this model has no NSP head (config.nsp is False)")
+        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]  # (B, T, D)
+        metrics: dict[str, Tensor] = {}
+        losses: list[Tensor] = []
+
+        if labels is not None:
+            # The speed trick: run the head (and its D x V matmul) only where a label exists,
+            # typically 15% of the positions, instead of B*T rows.
+            selected = labels.ne(IGNORE_INDEX)  # (B, T)
+            h = last[selected]  # (N, D)
+            target = labels[selected]  # (N,)
+            logits = self.mlm(h, self.backbone.embeddings.word.weight)  # (N, V)
+            n_pred = target.numel()
+            if n_pred > 0:
+                mlm_loss = F.cross_entropy(logits.float(), target)
+                mlm_acc = (logits.argmax(-1) == target).float().mean()
+            else:
+                # keeps the graph connected (DDP needs every parameter used) with a zero loss
+                mlm_loss = logits.sum() * 0.0
+                mlm_acc = torch.zeros((), device=last.device)
+            losses.append(mlm_loss)
+            metrics.update(
+                mlm_loss=mlm_loss.detach(),
+                mlm_acc=mlm_acc.detach(),
+                n_pred=torch.tensor(n_pred, device=last.device),
+            )
+
+        if next_sentence_label is not None:
+            nsp_logits = self.nsp(self.backbone.pool(last))  # (B, 2)
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
+            losses.append(nsp_loss)
+            metrics.update(
+                nsp_loss=nsp_loss.detach(),
+                nsp_acc=(nsp_logits.argmax(-1) == next_sentence_label).float().mean().detach(),
+            )
+
+        loss = losses[0] if len(losses) == 1 else losses[0] + losses[1]
+        return PretrainOutput(loss=loss, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets (values: derive variants with dataclasses.replace)
+# ----------------------------------------------------------------------------------------------
+
+_ROBERTA = dict(type_vocab_size=1, pad_token_id=1, position_style="roberta", layer_norm_eps=1e-5, nsp=False)
+
+PRESETS: dict[str, BertConfig] = {
+    "tiny": BertConfig(vocab_size=8000, d_model=64, n_layer=2, n_head=2, d_ff=256, max_seq_len=128),
+    "mini": BertConfig(vocab_size=30522, d_model=256, n_layer=4, n_head=4, d_ff=1024, max_seq_len=512),
+    "base": BertConfig(vocab_size=30522, d_model=768, n_layer=12, n_head=12, d_ff=3072, max_seq_len=512),
+    "large": BertConfig(vocab_size=30522, d_model=1024, n_layer=24, n_head=16, d_ff=4096, max_seq_len=512),
+    "roberta-tiny": BertConfig(
+        vocab_size=8000, d_model=64, n_layer=2, n_head=2, d_ff=256, max_seq_len=130, **_ROBERTA
+    ),
+    "roberta-base": BertConfig(
+        vocab_size=50265, d_model=768, n_layer=12, n_head=12, d_ff=3072, max_seq_len=514, **_ROBERTA
+    ),
+    "roberta-large": BertConfig(
+        vocab_size=50265, d_model=1024, n_layer=24, n_head=16, d_ff=4096, max_seq_len=514, **_ROBERTA
+    ),
+}

@@ -1,0 +1,335 @@
+"""Our checkpoint format (see docs/ARCHITECTURE.md, "Checkpoints"): a local directory of
+
+    model.safetensors   state dict of the pretraining model; tied tensors stored once
+    config.json         {"format": "ctxmodels", "family": ..., "model": {config fields}}
+    tokenizer/          tokenizer files
+    <name>.json         extra JSON files (trainer_state.json, ...)
+    <name>.safetensors  extra tensor files (optimizer.safetensors, ...)
+    MANIFEST.json       written last: every file above with its size and sha256
+
+Every file is written to a temporary name and renamed into place, and MANIFEST.json comes last, so
+a directory without a manifest (or whose files do not match it) is an interrupted save. Loading
+reads safetensors and JSON only: nothing is unpickled. Directories are local; the jobs layer copies
+them to and from object storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from ctxmodels import hf, registry
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer"
+MANIFEST = "MANIFEST.json"
+RESERVED = {WEIGHTS, CONFIG, MANIFEST, TOKENIZER}
+
+
+@dataclass
+class LoadedModel:
+    family: str
+    config: Any
+    model: nn.Module  # the pretraining model, in eval mode (call .train() to keep training)
+    tokenizer_dir: Path | None = None  # where the tokenizer files are, if the checkpoint has them
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Atomic rename: a reader sees either the old file, the whole new file, or none."""
+    os.replace(tmp, final)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    _publish(tmp, path)
+
+
+def _write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    _publish(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_tied(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors to store, {alias: stored name}) for a state dict whose entries may share storage.
+
+    safetensors refuses tensors that share memory. Entries that are the same tensor (same storage,
+    offset, shape and stride: tied weights) are stored once and re-tied on load; other overlapping
+    views are stored as independent copies.
+    """
+    unique: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        t = t.detach()
+        if t.numel() == 0:  # empty tensors have no meaningful storage address
+            unique[name] = t
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+            unique[name] = t
+    by_storage: dict[tuple, list[str]] = {}
+    for name, t in unique.items():
+        if t.numel():
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
+    out = {}
+    for name, t in unique.items():
+        shared = t.numel() and len(by_storage[(t.device, t.untyped_storage().data_ptr())]) > 1
+        out[name] = t.cpu().clone() if shared else t.cpu().contiguous()
+    return out, tied
+
+
+def _config_fields(config: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    if hasattr(config, "model_dump"):  # pydantic
+        return config.model_dump()
+    raise TypeError(f"config must be a dataclass (or pydantic model), got {type(config).__name__}")
+
+
+def _extra_name(name: str, suffix: str) -> str:
+    file = name if name.endswith(suffix) else name + suffix
+    if "/" in file or "\\" in file or file.startswith(".") or file in RESERVED:
+        raise ValueError(f"extra file name {name!r} is not allowed (plain name, not one of {sorted(RESERVED)})")
+    return file
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    model: nn.Module,
+    family: str,
+    config: Any,
+    tokenizer_dir: str | Path | None = None,
+    extra_json: dict[str, dict] | None = None,
+    extra_tensors: dict[str, dict[str, Tensor]] | None = None,
+) -> Path:
+    """Write a checkpoint directory; returns its path.
+
+    ``extra_json`` maps a file name ("trainer_state" or "trainer_state.json") to a JSON-able dict;
+    ``extra_tensors`` maps a file name ("optimizer") to tensors saved as <name>.safetensors.
+    """
+    registry.family_spec(family)  # fail before writing anything if the family is unknown
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_files = {_extra_name(k, ".json"): v for k, v in (extra_json or {}).items()}
+    tensor_files = {_extra_name(k, ".safetensors"): v for k, v in (extra_tensors or {}).items()}
+    (out / MANIFEST).unlink(missing_ok=True)  # overwriting: incomplete until the new manifest lands
+    written: list[Path] = []
+
+    tensors, tied = split_tied(model.state_dict())
+    _write_safetensors(out / WEIGHTS, tensors, metadata={"format": "pt", "tied": json.dumps(tied)})
+    written.append(out / WEIGHTS)
+
+    payload = {"format": "ctxmodels", "family": family, "model": _config_fields(config)}
+    _write_text(out / CONFIG, json.dumps(payload, indent=2))
+    written.append(out / CONFIG)
+
+    if tokenizer_dir is not None:
+        files = hf.tokenizer_files(tokenizer_dir)
+        dest = out / TOKENIZER
+        if not files or files[0].parent.resolve() != dest.resolve():  # not saving onto itself
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            for f in files:
+                tmp = dest / (f.name + ".tmp")
+                shutil.copyfile(f, tmp)
+                _publish(tmp, dest / f.name)
+        written.extend(dest / f.name for f in files)
+
+    for name, data in json_files.items():
+        _write_text(out / name, json.dumps(data, indent=2))
+        written.append(out / name)
+    for name, data in tensor_files.items():
+        _write_safetensors(out / name, {k: v.detach().cpu().contiguous() for k, v in data.items()})
+        written.append(out / name)
+
+    manifest = {
+        "format": "ctxmodels-manifest",
+        "files": [
+            {"path": p.relative_to(out).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in written
+        ],
+    }
+    _write_text(out / MANIFEST, json.dumps(manifest, indent=2))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+
+
+def is_complete(ckpt_dir: str | Path, verify_hashes: bool = False) -> bool:
+    """True when MANIFEST.json exists and every file it lists is present with its size (and hash)."""
+    folder = Path(ckpt_dir)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if not {WEIGHTS, CONFIG} <= {entry["path"] for entry in manifest["files"]}:
+            return False
+        for entry in manifest["files"]:
+            path = folder / entry["path"]
+            if not path.is_file() or path.stat().st_size != entry["size"]:
+                return False
+            if verify_hashes and _sha256(path) != entry["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> LoadedModel:
+    """Load our checkpoint (through the registry) or a Hugging Face folder (through ctxmodels.hf)."""
+    folder = Path(ckpt_dir)
+    config_path = folder / CONFIG
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: no {CONFIG}; not a checkpoint directory")
+    payload = json.loads(config_path.read_text())
+
+    if payload.get("format") != "ctxmodels":
+        if "model_type" in payload:
+            family, config, model = hf.load_hf_folder(folder)
+            has_tok = any((folder / n).exists() for n in ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model"))
+            return LoadedModel(family, config, model.eval(), folder if has_tok else None)
+        raise ValueError(f"{config_path}: neither our format ('format': 'ctxmodels') nor an HF folder ('model_type')")
+
+    if not is_complete(folder, verify_hashes=verify_hashes):
+        raise ValueError(
+            f"{folder} is an incomplete checkpoint: {MANIFEST} is missing or its files do not match "
+            "(an interrupted save?); use an earlier checkpoint"
+        )
+    family = payload["family"]
+    try:
+        config = registry.config_from_dict(family, payload["model"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    model = registry.family_spec(family).pretraining_cls(config)
+
+    tensors = load_file(folder / WEIGHTS)
+    with safe_open(folder / WEIGHTS, framework="pt") as f:
+        tied: dict[str, str] = json.loads((f.metadata() or {}).get("tied", "{}"))
+    result = model.load_state_dict(tensors, strict=False)
+    missing = sorted(set(result.missing_keys) - set(tied))
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{folder / WEIGHTS} does not fit the {family} model built from {CONFIG}: "
+            f"missing {missing[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
+    if tied:  # the constructor ties them again; copy where it did not (stays correct either way)
+        state = model.state_dict()
+        with torch.no_grad():
+            for alias, source in tied.items():
+                if state[alias].data_ptr() != state[source].data_ptr():
+                    state[alias].copy_(tensors[source])
+
+    tok = folder / TOKENIZER
+    return LoadedModel(family, config, model.eval(), tok if tok.is_dir() else None)
+
+
+def read_extra_json(ckpt_dir: str | Path, name: str) -> dict:
+    return json.loads((Path(ckpt_dir) / _extra_name(name, ".json")).read_text())
+
+
+def read_extra_tensors(ckpt_dir: str | Path, name: str) -> dict[str, Tensor]:
+    return load_file(Path(ckpt_dir) / _extra_name(name, ".safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer state without pickle: tensors -> safetensors, everything else -> JSON
+# ----------------------------------------------------------------------------------------------
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, tuple):  # e.g. AdamW betas; restored as a tuple
+        return {"__tuple__": [_to_json(v) for v in value]}
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"optimizer state value of type {type(value).__name__} is neither a tensor nor JSON-able")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def optimizer_state_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
+    """(tensors, meta): tensors named "state.<param index>.<key>" / "param_groups.<group>.<key>"
+    (CPU copies, for a safetensors file) and meta (JSON-able: hyper-parameters and scalar state)."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, param_state in sd["state"].items():
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{pid}.{key}"] = value.detach().cpu().clone()
+            else:
+                scalars.setdefault(str(pid), {})[key] = _to_json(value)
+    groups = []
+    for g, group in enumerate(sd["param_groups"]):
+        plain = {}
+        for key, value in group.items():
+            if torch.is_tensor(value):  # e.g. a tensor learning rate
+                tensors[f"param_groups.{g}.{key}"] = value.detach().cpu().clone()
+            else:
+                plain[key] = _to_json(value)
+        groups.append(plain)
+    meta = {"optimizer": type(optimizer).__name__, "state": scalars, "param_groups": groups}
+    return tensors, meta
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict) -> None:
+    """Inverse of ``optimizer_state_to_tensors``: load into an optimizer over the same parameters."""
+    if meta.get("optimizer") != type(optimizer).__name__:
+        raise ValueError(
+            f"optimizer state was saved from {meta.get('optimizer')!r}, cannot load into {type(optimizer).__name__}"
+        )
+    groups = [_from_json(g) for g in meta["param_groups"]]
+    state: dict[int, dict[str, Any]] = {}
+    for pid, values in meta["state"].items():
+        state.setdefault(int(pid), {}).update(_from_json(values))
+    for name, tensor in tensors.items():
+        kind, index, key = name.split(".", 2)
+        if kind == "state":
+            state.setdefault(int(index), {})[key] = tensor
+        elif kind == "param_groups":
+            groups[int(index)][key] = tensor
+        else:
+            raise ValueError(f"unexpected optimizer tensor name {name!r}")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

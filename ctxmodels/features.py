@@ -1,0 +1,59 @@
+"""Feature extraction for serving: per-token layer concatenations and mean pooling.
+
+Works with any backbone exposing ``hidden_states(input_ids, attention_mask, token_type_ids) ->
+list[Tensor]`` (n_layer + 1 tensors (B, T, D), index 0 = embedding output). Gradients follow the
+caller's mode: wrap calls in ``torch.inference_mode()`` when serving.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Layers = Literal["last", "all"] | list[int]
+
+
+def resolve_layers(layers: Layers, n_states: int) -> list[int]:
+    """Layer spec -> non-negative indices into the hidden-state list (0 = embeddings)."""
+    if layers == "last":
+        return [n_states - 1]
+    if layers == "all":
+        return list(range(n_states))
+    if isinstance(layers, str) or not layers:
+        raise ValueError(f"layers must be 'last', 'all' or a non-empty list of ints, got {layers!r}")
+    out = []
+    for i in layers:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ValueError(f"layers must hold ints, got {i!r}")
+        if not -n_states <= i < n_states:
+            raise ValueError(
+                f"layer {i} out of range: this model has {n_states} hidden states (0 = embeddings, "
+                f"{n_states - 1} = last block); valid indices are {-n_states}..{n_states - 1}"
+            )
+        out.append(i % n_states)
+    return out
+
+
+def token_embeddings(
+    backbone: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    token_type_ids: Tensor | None = None,
+    layers: Layers = "last",
+) -> Tensor:
+    """(B, T, len(layers) * D): the chosen layers' hidden states, concatenated in the order asked."""
+    states = backbone.hidden_states(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+    idx = resolve_layers(layers, len(states))
+    if len(idx) == 1:
+        return states[idx[0]]
+    return torch.cat([states[i] for i in idx], dim=-1)  # (B, T, len(idx) * D)
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """(B, T, D) -> (B, D): average over real tokens (attention_mask == 1); all-padding rows give 0."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)

@@ -1,0 +1,76 @@
+"""Model families by name: a literal dict, so ``grep '"bert"'`` finds where a family is defined."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ctxmodels import bert
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    config_cls: type  # the family's @dataclass config
+    pretraining_cls: type[nn.Module]  # XxxForPreTraining(config); forward(**batch) -> PretrainOutput
+    presets: dict[str, Any]  # preset name -> config instance (a value: copy with dataclasses.replace)
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    "bert": FamilySpec(
+        config_cls=bert.BertConfig,
+        pretraining_cls=bert.BertForPreTraining,
+        presets={name: bert.PRESETS[name] for name in ("tiny", "mini", "base", "large")},
+    ),
+    # RoBERTa is BERT with other presets (no NSP, offset positions, one segment type).
+    "roberta": FamilySpec(
+        config_cls=bert.BertConfig,
+        pretraining_cls=bert.BertForPreTraining,
+        presets={
+            "tiny": bert.PRESETS["roberta-tiny"],
+            "base": bert.PRESETS["roberta-base"],
+            "large": bert.PRESETS["roberta-large"],
+        },
+    ),
+    # ---- other families: one line each (gpt, albert, transformer_xl, xlnet, elmo) ----
+}
+
+
+def family_spec(family: str) -> FamilySpec:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known families: {sorted(FAMILIES)}")
+    return FAMILIES[family]
+
+
+def make_config(family: str, preset: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The preset's config with ``overrides`` applied (validated by the config class)."""
+    spec = family_spec(family)
+    if preset not in spec.presets:
+        raise ValueError(f"unknown preset {preset!r} for family {family!r}; known presets: {sorted(spec.presets)}")
+    overrides = dict(overrides or {})
+    known = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {spec.config_cls.__name__} field(s) {unknown} in overrides for {family}/{preset}; "
+            f"known fields: {sorted(known)}"
+        )
+    return dataclasses.replace(spec.presets[preset], **overrides)
+
+
+def config_from_dict(family: str, fields: dict[str, Any]) -> Any:
+    """Rebuild a family's config from its JSON fields (checkpoint config.json "model")."""
+    spec = family_spec(family)
+    known = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown {spec.config_cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
+    return spec.config_cls(**fields)
+
+
+def build_model(family: str, preset: str, overrides: dict[str, Any] | None = None) -> tuple[Any, nn.Module]:
+    """(config, freshly initialised pretraining model) for ``family``/``preset`` with ``overrides``."""
+    config = make_config(family, preset, overrides)
+    return config, family_spec(family).pretraining_cls(config)

@@ -1,0 +1,252 @@
+"""BERT / RoBERTa model: head shapes, the masked-only MLM head, sizes, padding, config errors, features."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
+from ctxmodels.features import mean_pool, token_embeddings
+from ctxmodels.outputs import PretrainOutput
+
+B, T = 3, 16
+
+
+def make_batch(cfg: BertConfig, seed: int = 0, mask_every: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, cfg.vocab_size, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, 11:] = 0  # one padded row
+    ids[attn == 0] = cfg.pad_token_id
+    types = torch.zeros(B, T, dtype=torch.long)
+    if cfg.type_vocab_size > 1:
+        types[:, T // 2 :] = 1
+    labels = torch.full((B, T), -100)
+    labels[:, 1::mask_every] = ids[:, 1::mask_every]
+    labels[attn == 0] = -100
+    nsp = torch.tensor([0, 1, 0])
+    return dict(input_ids=ids, attention_mask=attn, token_type_ids=types, labels=labels, next_sentence_label=nsp)
+
+
+def tiny(preset: str = "tiny", **kw) -> BertForPreTraining:
+    torch.manual_seed(0)
+    return BertForPreTraining(dataclasses.replace(PRESETS[preset], **kw)).eval()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "roberta-tiny"])
+def test_shapes_of_every_head(preset):
+    model = tiny(preset)
+    cfg = model.cfg
+    batch = make_batch(cfg)
+    x = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+    states = model.backbone.hidden_states(**x)
+    assert len(states) == cfg.n_layer + 1
+    assert all(s.shape == (B, T, cfg.d_model) for s in states)
+    last, pooled = model.backbone(**x)
+    assert last.shape == (B, T, cfg.d_model) and pooled.shape == (B, cfg.d_model)
+    torch.testing.assert_close(last, states[-1])
+    assert model.mlm_logits(**x).shape == (B, T, cfg.vocab_size)
+
+    if cfg.nsp:
+        assert model.nsp_logits(**x).shape == (B, 2)
+        out = model(**batch)
+        assert set(out.metrics) == {"mlm_loss", "mlm_acc", "n_pred", "nsp_loss", "nsp_acc"}
+    else:
+        assert model.nsp is None
+        with pytest.raises(ValueError, match="NSP"):
+            model(**batch)
+        batch.pop("next_sentence_label")
+        out = model(**batch)
+        assert set(out.metrics) == {"mlm_loss", "mlm_acc", "n_pred"}
+    assert isinstance(out, PretrainOutput)
+    assert out.loss.shape == () and out.loss.requires_grad
+    for name, value in out.metrics.items():
+        assert value.shape == () and not value.requires_grad, name
+    assert int(out.metrics["n_pred"]) == int((batch["labels"] != -100).sum())
+
+
+def test_hidden_state_zero_is_layer_normed_embedding():
+    model = tiny()
+    ids = make_batch(model.cfg)["input_ids"]
+    emb = model.backbone.embeddings
+    expected = F.layer_norm(
+        emb.word(ids) + emb.position.weight[:T] + emb.token_type.weight[0], (model.cfg.d_model,), emb.ln.weight, emb.ln.bias,
+        model.cfg.layer_norm_eps,
+    )
+    torch.testing.assert_close(model.backbone.hidden_states(ids)[0], expected)
+
+
+def test_forward_backward_tiny_is_fast_and_reaches_every_parameter():
+    model = tiny().train()
+    batch = make_batch(model.cfg)
+    for k in ("input_ids", "attention_mask", "token_type_ids", "labels"):
+        batch[k] = batch[k].repeat(4, 4)  # (12, 64): a realistic small batch
+    batch["next_sentence_label"] = batch["next_sentence_label"].repeat(4)
+    model(**batch).loss.backward()  # warm-up
+    model.zero_grad()
+    start = time.perf_counter()
+    out = model(**batch)
+    out.loss.backward()
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"tiny forward+backward took {elapsed:.2f} s"
+    assert torch.isfinite(out.loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient reaches {name}"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "roberta-tiny"])
+def test_masked_only_logits_equal_full_logits_at_those_positions(preset):
+    model = tiny(preset)
+    batch = make_batch(model.cfg)
+    batch.pop("next_sentence_label")
+    x = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    labels = batch["labels"]
+    selected = labels != -100
+
+    rows_seen = []
+    hook = model.mlm.dense.register_forward_hook(lambda m, inp, out: rows_seen.append(inp[0].shape))
+    out = model(**batch)
+    hook.remove()
+    assert rows_seen == [(int(selected.sum()), model.cfg.d_model)], "the MLM head must run on masked rows only"
+
+    full = model.mlm_logits(**x)  # (B, T, V)
+    last = model.backbone.hidden_states(**x)[-1]
+    gathered = model.mlm(last[selected], model.backbone.embeddings.word.weight)
+    torch.testing.assert_close(gathered, full[selected], atol=1e-5, rtol=1e-5)
+    expected_loss = F.cross_entropy(full[selected], labels[selected])
+    torch.testing.assert_close(out.metrics["mlm_loss"], expected_loss, atol=1e-5, rtol=1e-5)
+    expected_acc = (full[selected].argmax(-1) == labels[selected]).float().mean()
+    torch.testing.assert_close(out.metrics["mlm_acc"], expected_acc)
+
+
+def test_loss_is_mlm_plus_nsp_and_no_masked_positions_gives_zero_mlm_loss():
+    model = tiny()
+    batch = make_batch(model.cfg)
+    out = model(**batch)
+    torch.testing.assert_close(out.loss.detach(), out.metrics["mlm_loss"] + out.metrics["nsp_loss"])
+    pooled = model.backbone(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])[1]
+    expected_nsp = F.cross_entropy(model.nsp(pooled), batch["next_sentence_label"])
+    torch.testing.assert_close(out.metrics["nsp_loss"], expected_nsp)
+
+    batch["labels"] = torch.full((B, T), -100)
+    del batch["next_sentence_label"]
+    out = model(**batch)
+    assert out.loss.item() == 0.0 and int(out.metrics["n_pred"]) == 0
+    out.loss.backward()  # graph stays connected
+
+
+@pytest.mark.parametrize(("preset", "expected"), [("base", 110e6), ("roberta-base", 125e6)])
+def test_parameter_count_of_paper_sizes(preset, expected):
+    with torch.device("meta"):  # sizes only: no memory, no init cost
+        model = BertForPreTraining(PRESETS[preset])
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - expected) / expected < 0.02, f"{preset}: {n / 1e6:.1f}M parameters"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "roberta-tiny"])
+def test_padding_at_the_end_does_not_change_real_tokens(preset):
+    model = tiny(preset)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, cfg.vocab_size, (2, 9), generator=g)
+    types = torch.zeros_like(ids)
+    short = model.backbone.hidden_states(ids, torch.ones_like(ids), types)
+
+    pad = 7
+    ids_p = torch.cat([ids, torch.full((2, pad), cfg.pad_token_id)], dim=1)
+    attn_p = torch.cat([torch.ones_like(ids), torch.zeros(2, pad, dtype=torch.long)], dim=1)
+    long = model.backbone.hidden_states(ids_p, attn_p, torch.zeros_like(ids_p))
+    for layer, (a, b) in enumerate(zip(short, long)):
+        torch.testing.assert_close(b[:, :9], a, atol=1e-5, rtol=1e-5, msg=f"layer {layer}")
+    # and the attention mask really matters: without it the padding changes real tokens
+    unmasked = model.backbone.hidden_states(ids_p, torch.ones_like(ids_p), torch.zeros_like(ids_p))
+    assert (unmasked[-1][:, :9] - short[-1]).abs().max() > 1e-3
+
+
+def test_roberta_positions_start_after_padding_id():
+    model = tiny("roberta-tiny")
+    ids = torch.tensor([[0, 10, 11, 2, 1, 1]])  # <s> a b </s> <pad> <pad>; pad_token_id = 1
+    assert model.backbone.embeddings.position_ids(ids).tolist() == [[2, 3, 4, 5, 1, 1]]
+    bert = tiny("tiny")
+    assert bert.backbone.embeddings.position_ids(ids).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_too_long_input_is_refused_with_the_limit():
+    model = tiny("roberta-tiny")  # max_seq_len 130 = 128 tokens + pad_token_id + 1
+    model.backbone.hidden_states(torch.full((1, 128), 5))
+    with pytest.raises(ValueError, match="at most 128 tokens"):
+        model.backbone.hidden_states(torch.full((1, 129), 5))
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        (dict(d_model=65), "d_model"),
+        (dict(n_head=0), "n_head"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(attn_dropout=-0.1), "attn_dropout"),
+        (dict(activation="swish"), "activation"),
+        (dict(position_style="relative"), "position_style"),
+        (dict(pad_token_id=8000), "pad_token_id"),
+        (dict(vocab_size=2.5), "vocab_size"),
+        (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+    ],
+)
+def test_bad_config_names_the_field(override, field):
+    with pytest.raises(ValueError, match=rf"BertConfig\.{field}\b"):
+        dataclasses.replace(PRESETS["tiny"], **override)
+
+
+def test_presets_are_values():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["tiny"].d_model = 128
+    small = dataclasses.replace(PRESETS["tiny"], n_layer=1)
+    assert small.n_layer == 1 and PRESETS["tiny"].n_layer == 2
+    assert PRESETS["roberta-base"].nsp is False and PRESETS["base"].nsp is True
+
+
+def test_init_follows_bert():
+    torch.manual_seed(0)
+    model = BertForPreTraining(PRESETS["mini"])
+    w = model.backbone.layers[0].ffn.fc_in.weight
+    assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001
+    assert torch.all(model.backbone.layers[0].attn.qkv.bias == 0)
+    assert torch.all(model.mlm.bias == 0)
+    assert torch.all(model.backbone.layers[1].ln2.weight == 1) and torch.all(model.backbone.layers[1].ln2.bias == 0)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a, b = BertModel(PRESETS["tiny"], generator=g1), BertModel(PRESETS["tiny"], generator=g2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ---- features (serving) ----------------------------------------------------------------------
+
+
+def test_token_embeddings_concatenate_layers_in_order():
+    model = tiny()
+    batch = make_batch(model.cfg)
+    x = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    states = model.backbone.hidden_states(*x)
+    D = model.cfg.d_model
+    assert torch.equal(token_embeddings(model.backbone, *x), states[-1])
+    feats = token_embeddings(model.backbone, *x, layers=[-1, 0, 1])
+    assert feats.shape == (B, T, 3 * D)
+    assert torch.equal(feats[..., :D], states[2]) and torch.equal(feats[..., D : 2 * D], states[0])
+    assert torch.equal(feats[..., 2 * D :], states[1])
+    assert token_embeddings(model.backbone, *x, layers="all").shape == (B, T, 3 * D)
+    with pytest.raises(ValueError, match="layer 3 out of range"):
+        token_embeddings(model.backbone, *x, layers=[3])
+    with pytest.raises(ValueError, match="layer -4 out of range"):
+        token_embeddings(model.backbone, *x, layers=[-4])
+
+
+def test_mean_pool_averages_real_tokens_only():
+    hidden = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    pooled = mean_pool(hidden, mask)
+    torch.testing.assert_close(pooled[0], hidden[0, :2].mean(0))
+    torch.testing.assert_close(pooled[1], hidden[1].mean(0))
+    torch.testing.assert_close(mean_pool(hidden, torch.zeros_like(mask)), torch.zeros(2, 3))
