@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ctxmodels import bert
+from ctxmodels import albert, bert, elmo, gpt, transformer_xl, xlnet
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,16 @@ FAMILIES: dict[str, FamilySpec] = {
             "large": bert.PRESETS["roberta-large"],
         },
     ),
-    # ---- other families: one line each (gpt, albert, transformer_xl, xlnet, elmo) ----
+    # SpanBERT is BERT pretrained with span masking and the span boundary objective (its own head).
+    "elmo": FamilySpec(config_cls=elmo.ElmoConfig, pretraining_cls=elmo.ElmoForPreTraining, presets=dict(elmo.PRESETS)),
+    "gpt": FamilySpec(config_cls=gpt.GPTConfig, pretraining_cls=gpt.GPTForPreTraining, presets=dict(gpt.PRESETS)),
+    "albert": FamilySpec(config_cls=albert.AlbertConfig, pretraining_cls=albert.AlbertForPreTraining, presets=dict(albert.PRESETS)),
+    "transformer-xl": FamilySpec(
+        config_cls=transformer_xl.TransfoXLConfig,
+        pretraining_cls=transformer_xl.TransfoXLForPreTraining,
+        presets=dict(transformer_xl.PRESETS),
+    ),
+    "xlnet": FamilySpec(config_cls=xlnet.XLNetConfig, pretraining_cls=xlnet.XLNetForPreTraining, presets=dict(xlnet.PRESETS)),
 }
 
 

@@ -17,6 +17,7 @@ Validation happens before Ray starts. Every error names the offending key (``tra
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -195,21 +196,14 @@ def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown key"
-            where = loc or msg.split(":", 1)[0]
-            if msg.startswith(where + ":"):
-                lines.append(f"  {_prefix(loc, msg)}")
-            else:
-                lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+            # Our validators start their message with the field they found wrong: join the paths.
+            m = re.match(r"^([A-Za-z_][\w.]*): (.*)$", msg, re.S)
+            if m:
+                loc, msg = (f"{loc}.{m.group(1)}" if loc else m.group(1)), m.group(2)
+            lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
-
-
-def _prefix(loc: str, msg: str) -> str:
-    # Errors raised inside a section validator already start with the field name; keep the path.
-    return f"{loc}.{msg}" if loc and not msg.startswith(loc) else msg
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:

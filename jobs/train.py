@@ -7,6 +7,7 @@ the same recipe (same ``output_dir`` and ``name``) resumes from the run's latest
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -200,12 +201,36 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch without its bookkeeping columns: what ``model(**inputs)`` takes."""
+    return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}
+
+
+def freeze_unused(model, inputs: dict[str, Any]) -> list[str]:
+    """Freeze parameters the objective never reaches (e.g. BERT's pooler under MLM-only training).
+
+    One forward/backward on a real batch finds them. DDP would otherwise fail on them, or need
+    ``find_unused_parameters=True``, which walks the autograd graph on every step.
+    """
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):  # the probe's dropout must not shift the RNG stream
+        model(**inputs).loss.backward()
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    return frozen
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
     import torch
 
-    from ctxmodels.checkpoint import load_optimizer_state
+    from ctxmodels.checkpoint import load_checkpoint, load_optimizer_state
     from ctxmodels.registry import build_model
     from safetensors.torch import load_file
 
@@ -220,26 +245,35 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         overrides.setdefault("nsp", False)  # packed single-segment input: no NSP head to train
     torch.manual_seed(t.seed)
     model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides)
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps)
     step, samples_seen, tokens_seen, epoch = 0, 0, 0, 0
+    resume_state = None
 
     resume = ray.train.get_checkpoint()
     if resume is not None:
         with resume.as_directory() as d:
-            model.load_state_dict(load_file(os.path.join(d, "model.safetensors")), strict=False)
+            model.load_state_dict(load_checkpoint(d).model.state_dict())
             state = json.loads(Path(d, "trainer_state.json").read_text())
-            load_optimizer_state(optimizer, load_file(os.path.join(d, "optimizer.safetensors")), state["optimizer"])
+            resume_state = (load_file(os.path.join(d, "optimizer.safetensors")), state["optimizer"])
             step, samples_seen, tokens_seen, epoch = state["step"], state["samples_seen"], state["tokens_seen"], state["epoch"]
-        for g in optimizer.param_groups:  # the schedule below re-derives lr from the step
-            g["lr"] = t.lr
-            g.pop("initial_lr", None)
-    schedule, step0 = lr_lambda(t.warmup_steps, t.max_steps), step
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s + step0))
 
-    ddp_model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
     per_worker = t.batch_size // world
-    it = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=per_worker, drop_last=True, device=device)
+    it = iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=per_worker, drop_last=True, device=device))
+    first = next(it, None)
+    if first is None:
+        raise RuntimeError("the data stream is empty: no full batch of train.batch_size / num_workers rows")
+    frozen = freeze_unused(model.to(device), model_inputs(first))
+    if frozen and rank == 0:
+        print(f"not trained by objective {recipe.data.objective!r} (frozen): {', '.join(frozen)}")
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps)
+    if resume_state is not None:
+        load_optimizer_state(optimizer, *resume_state)
+    for g in optimizer.param_groups:  # the schedule below re-derives lr from the step
+        g["lr"] = t.lr
+        g.pop("initial_lr", None)
+    schedule, step0 = lr_lambda(t.warmup_steps, t.max_steps), step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s + step0))
+    ddp_model = ray.train.torch.prepare_model(model)
 
     tok_dir = Path(tempfile.mkdtemp(prefix="ctx-tok-"))
     for name, data in config["tokenizer_files"].items():
@@ -252,10 +286,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     t_start = time.perf_counter()
     start_step = step
     model.train()
-    for batch in it if step < t.max_steps else ():
+    for batch in itertools.chain([first], it) if step < t.max_steps else ():
         epoch = int(batch["epoch"].max())
-        inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}
-        out = ddp_model(**inputs)
+        out = ddp_model(**model_inputs(batch))
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         if t.grad_clip > 0:

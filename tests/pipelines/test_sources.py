@@ -67,7 +67,9 @@ def test_bad_records_name_the_shard_and_line(tmp_path):
     with pytest.raises(CorpusError, match=r"nofield.jsonl:1: record has no 'text' field"):
         all_docs(str(nofield))
     trunc = tmp_path / "trunc.txt.gz"
-    trunc.write_bytes(gzip.compress(("hello world\n" * 5000).encode())[:200])
+    words = [f"w{i * 7919 % 100003}" for i in range(20000)]  # little redundancy: compresses poorly
+    full = gzip.compress(" ".join(words).encode())
+    trunc.write_bytes(full[: len(full) // 2])
     with pytest.raises(CorpusError, match="trunc.txt.gz"):
         all_docs(str(trunc))
     latin = tmp_path / "latin.txt"
