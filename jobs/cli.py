@@ -69,7 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name, uri = item.split("=", 1)
         models[name] = uri
     _quiet_env(args.verbose)
-    serve.run(models, host=args.host, port=args.port, blocking=True, verbose=args.verbose)
+    serve.run(models, host=args.host, port=args.port, blocking=True, verbose=args.verbose,
+              num_replicas=args.num_replicas, max_batch_size=args.max_batch_size, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     return 0
 
 
@@ -113,6 +114,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", required=True, metavar="NAME=URI", help="checkpoint or HF folder (local or s3://); repeatable")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-replicas", type=int, default=1, help="replicas per model")
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests batched into one forward pass")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
 
 
 def _add_submit(p: argparse.ArgumentParser) -> None:
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, StorageError) as e:
+    except (RecipeError, StorageError, ConnectionError) as e:
         print(f"ctx: error: {e}", file=sys.stderr)
         return 2
 

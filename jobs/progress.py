@@ -7,6 +7,7 @@ in a thread. (Ray seam: this is the only cross-process channel we add, and it is
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -56,7 +57,15 @@ def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enable
 
     thread = threading.Thread(target=target, name="ctx-fit", daemon=True)
     thread.start()
-    if enabled:
+    if enabled and not sys.stdout.isatty():  # job logs, CI: one plain line per logged step
+        shown = -1
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+            latest = ray.get(board.get.remote())
+            if latest and latest["step"] != shown:
+                shown = latest["step"]
+                print(f"pretrain: {describe(latest)}", flush=True)
+    elif enabled:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(TextColumn("[bold]pretrain"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
