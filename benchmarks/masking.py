@@ -22,10 +22,26 @@ What each side receives and what its timed call includes:
   and forces ``mask_replace_prob=1`` (no random or kept targets). Ours still does 80/10/10 and finds
   words from the WordPiece ``##`` prefixes.
 
+* ours, permutation LM: ``pipelines.permutation.plm_targets`` on the same dict. Timed: the whole
+  call: special-token lookup, keyed order bits, choosing the last ceil(m / 6) tokens of the order
+  as targets, ``perm_mask`` (B, T, T) bool, ``target_mapping`` (B, P, T) float32 with P = T / 6
+  rounded up, ``labels`` (B, P).
+* Hugging Face, permutation LM: ``DataCollatorForPermutationLanguageModeling(tokenizer,
+  plm_probability=1/6, max_span_length=5)``; it needs an even T and no padding, which these rows
+  are. We time three forms: the default ``return_tensors="pt"`` on a list of
+  1-D LongTensors and on a list of dicts, and ``return_tensors="np"`` (its NumPy twin, same
+  algorithm with Python's ``random``; NumPy out, like ours) on a list of 1-D int64 arrays. Timed:
+  the whole collator call: stacking, a Python loop per row and per span choosing the targets, the
+  special-token mask from the tokenizer (per row, in Python), [MASK] written into ``input_ids``, a
+  per-row ``perm_mask`` (B, T, T) float32 and ``target_mapping`` (B, T, T) float32 (an identity
+  per row: its P is T). The sides do not write the same bytes (16 + 11 MB ours, 128 MB theirs at
+  64 x 512): each writes its own format, the one its model takes. The speedup uses the faster
+  default-output (torch) form, as the MLM sections do; the NumPy form (about 2x faster than torch)
+  is timed against ours too and printed as context, not in the speedup.
+
 Sections are functions in ``SECTIONS``; each returns a :class:`Result` and the script prints
 ``speedup_<name>`` for each at the end; both sides are timed in alternating rounds (see
-:func:`compare`) and the median is reported. A permutation-LM section (ours against
-``DataCollatorForPermutationLanguageModeling``) is meant to be added there as ``section_plm``.
+:func:`compare`) and the median is reported.
 """
 
 from __future__ import annotations
@@ -48,12 +64,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
+from pipelines.permutation import PlmConfig, plm_targets  # noqa: E402
 
 BATCH, SEQ_LEN = 64, 512
 SEED = 1234
 WARMUP = 3
 REPEATS_OURS = 250  # per side, split over alternating rounds
 REPEATS_HF = 40
+REPEATS_PLM_OURS = 50  # plm_targets writes (B, T, T): slower per call than masking
+REPEATS_PLM_HF = 15  # the collator takes tens to hundreds of ms per batch
 
 PARAGRAPH = (
     "The lighthouse keeper climbed the spiral stairs every evening, counting the steps out of habit. "
@@ -183,9 +202,48 @@ def section_wwm(tok, enc, vocab, ours) -> Result:
     return Result("wwm", t_ours, t_hf, BATCH * SEQ_LEN, label)
 
 
-# Sections run in this order. To add permutation LM: write `section_plm(tok, enc, vocab, ours)`
-# timing ours against DataCollatorForPermutationLanguageModeling and append it here.
-SECTIONS = [section_mlm, section_wwm]
+def section_plm(tok, enc, vocab, ours) -> Result:
+    from transformers import DataCollatorForPermutationLanguageModeling
+
+    assert SEQ_LEN % 2 == 0  # the collator refuses odd lengths (its two-halves permutation)
+    cfg = PlmConfig()  # partial_k=6: the last ceil(m / 6) tokens of each order are targets
+    collators = {
+        rt: DataCollatorForPermutationLanguageModeling(tok, plm_probability=1 / 6, max_span_length=5, return_tensors=rt)
+        for rt in ("pt", "np")
+    }
+    # Both collators stack (copy) the examples before writing [MASK] into them, so they can be reused.
+    forms = {
+        ("pt", "list of LongTensors"): [row.clone() for row in enc["input_ids"]],
+        ("pt", "list of dicts"): [{"input_ids": enc["input_ids"][i].clone()} for i in range(BATCH)],
+        ("np", "list of int64 arrays"): [row.numpy().copy() for row in enc["input_ids"]],
+    }
+
+    def hf_call(form):
+        return lambda: collators[form[0]](forms[form])
+
+    def ours_call():
+        return plm_targets(ours, SEED, cfg, vocab)
+
+    # The headline uses the collator's default output (torch tensors), as the MLM and WWM sections
+    # do, in its fastest input form. Its NumPy output runs the same algorithm about 2x faster; that
+    # ratio is printed as context so the reader sees both.
+    first = {form: median_seconds(hf_call(form), 3) for form in forms}
+    best = min((form for form in forms if form[0] == "pt"), key=first.get)
+    for form, t in first.items():
+        note = "  <- fastest default-output form, used below" if form == best else ""
+        print(f"  hf plm, return_tensors={form[0]!r}, {form[1]}: {t * 1e3:.2f} ms/batch{note}")
+    t_ours, t_hf = compare(ours_call, hf_call(best), REPEATS_PLM_OURS, REPEATS_PLM_HF)
+    np_form = min((form for form in forms if form[0] == "np"), key=first.get)
+    t_ours_np, t_np = compare(ours_call, hf_call(np_form), REPEATS_PLM_OURS, REPEATS_PLM_HF)
+    print(f"  hf plm, return_tensors='np', {np_form[1]}: {t_np * 1e3:.2f} ms/batch, "
+          f"ratio ours/hf {t_np / t_ours_np:.1f}x (context, not in the speedup)")
+    label = (f"DataCollatorForPermutationLanguageModeling(plm_probability=1/6, max_span_length=5, "
+             f"return_tensors={best[0]!r}), {best[1]}")
+    return Result("plm", t_ours, t_hf, BATCH * SEQ_LEN, label)
+
+
+# Sections run in this order; each adds a speedup_<name> line at the end.
+SECTIONS = [section_mlm, section_wwm, section_plm]
 
 
 def main() -> None:

@@ -15,15 +15,17 @@ The scheme, per row (m = number of real, non-special tokens):
   xlnet's ``_local_perm``; padding is outside the order.
 * targets: the last ``ceil(m / K)`` tokens of z (at most ``max_predict``); everything else
   (non-target eligible tokens and specials) is the context z<=c.
-* ``perm_mask[b, i, j] = 1`` means i may NOT attend to j. A target i sees every context token
+* ``perm_mask[b, i, j]`` True means i may NOT attend to j (bool, 1 byte a pair: at 512 tokens it
+  is most of the batch, and float32 would quadruple it; models cast it as they need). A target i sees every context token
   and the targets strictly before it in z, never itself (the query stream must not see its own
   content; XLNet's content stream adds the diagonal back itself) nor later targets. A context
   token i sees every context token (in both directions, as xlnet gives all non-targets the same
   rank -1) and no target. A padding row is treated like a context row; padding is hidden from
   every row.
-  It is one broadcast comparison ``key_step (B, 1, T) >= query_step (B, T, 1)`` with key_step =
-  -1 for context, T for padding, the step in z for targets, and query_step = the step in z for
-  targets, 0 for every other row.
+  Row i is ``key_step >= query_step[i]`` with key_step = -1 for context, T for padding, the step
+  in z for targets, and query_step = the step in z for targets, 0 for every other row. All
+  non-target rows are therefore one row (hide the targets and the padding), copied T times; only
+  the P top-key rows are compared, so writing the (B, T, T) array is the whole cost.
 * Because context tokens see each other and no target, only the order of the targets matters:
   ``argpartition`` + a sort of the top P keys replaces a full ``argsort``.
 * ``target_mapping[b, p, t] = 1`` when the p-th target of row b (in position order, as xlnet's
@@ -74,7 +76,7 @@ def plm_targets(batch: dict[str, np.ndarray], seed: int, cfg: PlmConfig, vocab) 
     Reads ``input_ids`` (B, T), ``sample_id`` (B,), ``epoch`` (B,) and, if present,
     ``attention_mask`` (B, T) (else padding is ``input_ids == vocab.pad_id``). Adds:
 
-    * ``perm_mask`` float32 (B, T, T): 1 where token i may not attend to token j (module docstring);
+    * ``perm_mask`` bool (B, T, T): True where token i may not attend to token j (module docstring);
     * ``target_mapping`` float32 (B, P, T): one-hot position of each target slot, zero rows unused;
     * ``labels`` int64 (B, P): the target ids, -100 in unused slots.
 
@@ -118,15 +120,18 @@ def plm_targets(batch: dict[str, np.ndarray], seed: int, cfg: PlmConfig, vocab) 
     target_at = top[rows, slots]  # (N,) positions of the targets
 
     # Key side: -1 for non-target real tokens (visible to all), T for padding (visible to none),
-    # the target's step otherwise. Query side: a target's own step; 0 for every other row, which
-    # hides exactly the targets and the padding. perm_mask = key >= query: one broadcast compare.
-    step_dtype = np.int16 if length < 2**15 - 1 else np.int32  # narrow ints: a cheaper (B, T, T) compare
+    # the target's step otherwise; row i hides key j when key_step[j] >= i's query step, a target's
+    # own step or 0 for every other row. Every row outside the top keys has query step 0, so it is
+    # one row per batch row, copied; the top-key rows take their slot as query step, which is
+    # their step for targets and, for the non-targets among them (slot < every target's step),
+    # gives the same row as 0. Writing the (B, T, T) bytes is the cost, so nothing else that big.
+    step_dtype = np.int16 if length < 2**15 - 1 else np.int32  # narrow ints: cheaper compares
     key_step = np.where(real, -1, length).astype(step_dtype)  # (B, T)
     key_step[rows, target_at] = slots
-    query_step = np.zeros((n_rows, length), dtype=step_dtype)  # (B, T)
-    query_step[rows, target_at] = slots
-    perm_mask = np.empty((n_rows, length, length), dtype=np.float32)  # (B, T, T)
-    np.greater_equal(key_step[:, None, :], query_step[:, :, None], out=perm_mask, casting="unsafe")
+    perm_mask = np.empty((n_rows, length, length), dtype=bool)  # (B, T, T)
+    perm_mask[...] = (key_step >= 0)[:, None, :]  # every row as a context row: hide targets, padding
+    top_rows = key_step[:, None, :] >= steps.astype(step_dtype)[None, :, None]  # (B, P', T)
+    perm_mask[np.arange(n_rows)[:, None], top] = top_rows  # the P' top-key rows, targets among them
 
     # Slots of target_mapping / labels in position order (xlnet's target_mapping order).
     used = np.arange(n_pred)[None, :] < n_targets[:, None]  # (B, P)

@@ -50,10 +50,9 @@ def out(batch):
 def test_shapes_and_dtypes(batch, out):
     B, T = batch["input_ids"].shape
     P = -(-T // 6)
-    assert out["perm_mask"].shape == (B, T, T) and out["perm_mask"].dtype == np.float32
+    assert out["perm_mask"].shape == (B, T, T) and out["perm_mask"].dtype == np.bool_  # 1 byte a pair; models cast
     assert out["target_mapping"].shape == (B, P, T) and out["target_mapping"].dtype == np.float32
     assert out["labels"].shape == (B, P) and out["labels"].dtype == np.int64
-    assert set(np.unique(out["perm_mask"])) <= {0.0, 1.0}
     assert out["input_ids"] is batch["input_ids"]  # unchanged, passed through
 
 
@@ -75,7 +74,7 @@ def test_targets_are_the_last_ceil_m_over_k_and_predicted_once(batch, out):
 
 def test_perm_mask_follows_one_order(batch, out):
     att = batch["attention_mask"]
-    pm = out["perm_mask"].astype(bool)  # True: may not attend
+    pm = out["perm_mask"]  # True: may not attend
     for b, tgt in enumerate(targets_of(out)):
         real = np.flatnonzero(att[b])
         pad = np.flatnonzero(att[b] == 0)
@@ -122,7 +121,7 @@ def test_keyed_by_seed_epoch_sample_id(batch, out):
     pm = np.concatenate([p["perm_mask"] for p in parts])
     T = batch["input_ids"].shape[1]
     np.testing.assert_array_equal(pm[:, :T, :T], out["perm_mask"][perm])
-    assert (pm[:, :, T:] == 1).all()  # the extra padding is hidden
+    assert pm[:, :, T:].all()  # the extra padding is hidden
     tgt_wide = [t for p in parts for t in targets_of(p)]
     tgt = targets_of(out)
     for i, b in enumerate(perm):
@@ -155,7 +154,7 @@ def test_no_content_leak_through_xlnet():
     cases = []
     pm = out["perm_mask"]
     for b, tgt in enumerate(targets_of(out)):
-        step = (pm[b][np.ix_(tgt, tgt)] == 0).sum(axis=1)
+        step = (~pm[b][np.ix_(tgt, tgt)]).sum(axis=1)
         for p in range(len(tgt)):
             hidden = tgt[step >= step[p]]  # itself and the later targets
             ids = batch["input_ids"][b].copy()
@@ -172,7 +171,7 @@ def test_no_content_leak_through_xlnet():
             return model(
                 input_ids=torch.as_tensor(input_ids),
                 attention_mask=torch.as_tensor(batch["attention_mask"][rows]).float(),
-                perm_mask=torch.as_tensor(out["perm_mask"][rows]),
+                perm_mask=torch.as_tensor(out["perm_mask"][rows]).float(),  # HF documents a float mask
                 target_mapping=torch.as_tensor(out["target_mapping"][rows]),
             ).logits.numpy()  # (N, P, V)
 
@@ -183,6 +182,27 @@ def test_no_content_leak_through_xlnet():
             np.testing.assert_allclose(varied[i, p], base[b, p], atol=1e-5, err_msg=f"row {b} slot {p} leaks")
         else:
             assert not np.allclose(varied[i, p], base[b, p], atol=1e-5)
+
+
+def test_our_xlnet_takes_the_batch_as_is():
+    """ctxmodels' XLNet consumes the columns unchanged (bool perm_mask included) and the dtype of
+    perm_mask changes nothing: same loss as with a float32 copy, and gradients flow."""
+    torch = pytest.importorskip("torch")
+    from ctxmodels.xlnet import PRESETS, XLNetForPreTraining
+
+    torch.manual_seed(0)
+    model = XLNetForPreTraining(PRESETS["tiny"]).eval()  # tiny: vocab_size 1000 = V
+    out = plm_targets(make_batch(4, 32, seed=8, min_len=12), 2, PlmConfig(), VOCAB)
+    cols = ("input_ids", "attention_mask", "perm_mask", "target_mapping", "labels")
+    batch = {k: torch.as_tensor(out[k]) for k in cols}
+    assert batch["perm_mask"].dtype == torch.bool
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.backbone.word_emb.weight.grad.abs().sum() > 0
+    model.reset_all_memory()
+    with torch.no_grad():
+        as_float = model(**{**batch, "perm_mask": batch["perm_mask"].float()}).loss
+    torch.testing.assert_close(as_float, loss.detach())
 
 
 def test_faster_than_transformers_collator():
