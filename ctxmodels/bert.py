@@ -5,15 +5,21 @@ Papers:
   Understanding", NAACL 2019 (MLM + next-sentence prediction).
 - Liu et al. "RoBERTa: A Robustly Optimized BERT Pretraining Approach", 2019 (same network: no NSP,
   positions offset by ``pad_token_id + 1``, one segment type). RoBERTa is a set of presets here.
+- Joshi et al. "SpanBERT: Improving Pre-training by Representing and Predicting Spans", TACL 2020
+  (arXiv:1907.10529): span masking (``pipelines.spans``) plus the Span Boundary Objective head
+  (``SBOHead``, on when ``cfg.sbo``), no NSP. SpanBERT is a set of presets here (registry "spanbert").
 
 Reference checked for parity: Hugging Face ``transformers`` ``BertModel`` / ``BertForPreTraining`` and
 ``RobertaForMaskedLM`` (tests/ctxmodels/test_hf.py copies weights both ways and compares every
-layer's hidden states and the head logits), and the real ``all-MiniLM-L6-v2`` checkpoint.
+layer's hidden states and the head logits), and the real ``all-MiniLM-L6-v2`` checkpoint. The SBO
+head was read against facebookresearch/SpanBERT ``pretraining/fairseq/models/pair_bert.py``
+(``BertPairTargetPredictionHead``); there is no HF class to compare it with.
 
 Shape legend:
     B  batch size              T  sequence length          D  d_model
     H  n_head                  Dh head size = D // H       F  d_ff
     V  vocab_size              N  number of predicted (masked) positions in the batch
+    S  SBO_MAX_SPAN (rows of the SBO position table)
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from ctxmodels.outputs import PretrainOutput
 PositionStyle = Literal["absolute", "roberta"]
 Activation = Literal["gelu", "gelu_tanh", "relu"]
 IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
+# Rows of the SBO relative-position table. Spans are at most 10 words (SpanBERT's clip); 32 word
+# pieces cover those words in practice, and a longer span's tail shares the last row (clamped).
+SBO_MAX_SPAN = 32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,6 +64,7 @@ class BertConfig:
     activation: Activation = "gelu"  # "gelu" is the exact erf form used by BERT
     init_std: float = 0.02  # std of the normal init of every weight matrix and embedding
     nsp: bool = True  # whether the pretraining model has the next-sentence-prediction head
+    sbo: bool = False  # whether it has SpanBERT's span-boundary head (then sbo_* batch columns are read)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "d_ff", "max_seq_len", "type_vocab_size"):
@@ -87,8 +97,9 @@ class BertConfig:
             )
         if self.activation not in get_args(Activation):
             raise ValueError(f"BertConfig.activation must be one of {get_args(Activation)}, got {self.activation!r}")
-        if not isinstance(self.nsp, bool):
-            raise ValueError(f"BertConfig.nsp must be a bool, got {self.nsp!r}")
+        for name in ("nsp", "sbo"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BertConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def max_tokens(self) -> int:
@@ -276,8 +287,40 @@ class MLMHead(nn.Module):
         return F.linear(h, word_embeddings, self.bias)  # (..., V)
 
 
+class SBOHead(nn.Module):
+    """SpanBERT's Span Boundary Objective (Joshi et al. 2020, sec. 3.2).
+
+    Every token x_i of a masked span (s..e) is predicted from the two tokens just outside the span
+    and its position in it: ``y_i = f(x_{s-1}, x_{e+1}, p_{i-s+1})``, f a 2-layer feed-forward
+    network with GeLU and LayerNorm after each layer; ``y_i`` is scored against the same output
+    embeddings as MLM (the tied word embeddings) with its own output bias, as the reference's
+    ``BertPairTargetPredictionHead``. The relative position embeddings are ``d_model`` wide here
+    (the reference: 200) with ``SBO_MAX_SPAN`` rows (the reference: 20).
+    """
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.position = nn.Embedding(SBO_MAX_SPAN, cfg.d_model)
+        self.fc1 = nn.Linear(3 * cfg.d_model, cfg.d_model)
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.fc2 = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.act = activation_fn(cfg.activation)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, left: Tensor, right: Tensor, pos: Tensor, word_embeddings: Tensor) -> Tensor:
+        """left, right (N, D): hidden states of the boundary tokens; pos (N,) 0-based position in
+        the span -> logits (N, V)."""
+        p = self.position(pos.clamp(0, SBO_MAX_SPAN - 1))  # (N, D)
+        h = torch.cat([left, right, p], dim=-1)  # (N, 3D)
+        h = self.ln1(self.act(self.fc1(h)))  # (N, D)
+        h = self.ln2(self.act(self.fc2(h)))  # (N, D)
+        return F.linear(h, word_embeddings, self.bias)  # (N, V)
+
+
 class BertForPreTraining(nn.Module):
-    """Backbone + MLM head (+ NSP head when ``cfg.nsp``); ``forward(**batch) -> PretrainOutput``."""
+    """Backbone + MLM head (+ NSP head when ``cfg.nsp``, + SBO head when ``cfg.sbo``);
+    ``forward(**batch) -> PretrainOutput``."""
 
     def __init__(self, cfg: BertConfig, generator: torch.Generator | None = None):
         super().__init__()
@@ -285,9 +328,12 @@ class BertForPreTraining(nn.Module):
         self.backbone = BertModel(cfg, generator)
         self.mlm = MLMHead(cfg)
         self.nsp = nn.Linear(cfg.d_model, 2) if cfg.nsp else None
+        self.sbo = SBOHead(cfg) if cfg.sbo else None
         init_bert_weights(self.mlm, cfg.init_std, generator)
         if self.nsp is not None:
             init_bert_weights(self.nsp, cfg.init_std, generator)
+        if self.sbo is not None:
+            init_bert_weights(self.sbo, cfg.init_std, generator)
 
     def mlm_logits(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
@@ -305,6 +351,16 @@ class BertForPreTraining(nn.Module):
         _, pooled = self.backbone(input_ids, attention_mask, token_type_ids)
         return self.nsp(pooled)
 
+    def sbo_logits(self, last: Tensor, selected: Tensor, sbo_left: Tensor, sbo_right: Tensor, sbo_pos: Tensor) -> Tensor:
+        """SBO logits (N, V) at the ``selected`` (B, T) positions, in row-major order, from the
+        last hidden states (B, T, D): each target reads only its span's two boundary states."""
+        if self.sbo is None:
+            raise ValueError("this model has no SBO head (config.sbo is False)")
+        rows = selected.nonzero(as_tuple=True)[0]  # (N,) row of each target
+        left = last[rows, sbo_left[selected].clamp(min=0)]  # (N, D)
+        right = last[rows, sbo_right[selected].clamp(min=0)]  # (N, D)
+        return self.sbo(left, right, sbo_pos[selected], self.backbone.embeddings.word.weight)
+
     def forward(
         self,
         input_ids: Tensor,
@@ -312,7 +368,13 @@ class BertForPreTraining(nn.Module):
         token_type_ids: Tensor | None = None,
         labels: Tensor | None = None,
         next_sentence_label: Tensor | None = None,
+        sbo_left: Tensor | None = None,
+        sbo_right: Tensor | None = None,
+        sbo_pos: Tensor | None = None,
     ) -> PretrainOutput:
+        """``sbo_left``/``sbo_right``/``sbo_pos`` (B, T), read where ``labels != -100``: positions of
+        the tokens just before / after the token's span and its 0-based position in the span
+        (``pipelines.spans.span_mask``). Given together, and only to a model with ``cfg.sbo``."""
         if labels is None and next_sentence_label is None:
             raise ValueError(
                 "BertForPreTraining.forward needs labels (MLM) and/or next_sentence_label (NSP); "
@@ -320,6 +382,14 @@ class BertForPreTraining(nn.Module):
             )
         if next_sentence_label is not None and self.nsp is None:
             raise ValueError("next_sentence_label given but this model has no NSP head (config.nsp is False)")
+        sbo_given = [t is not None for t in (sbo_left, sbo_right, sbo_pos)]
+        if any(sbo_given) and not all(sbo_given):
+            raise ValueError("sbo_left, sbo_right and sbo_pos go together: give all three or none")
+        if all(sbo_given) and (self.sbo is None or labels is None):
+            raise ValueError(
+                "sbo_left/sbo_right/sbo_pos given but "
+                + ("this model has no SBO head (config.sbo is False)" if self.sbo is None else "labels is missing")
+            )
         last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]  # (B, T, D)
         metrics: dict[str, Tensor] = {}
         losses: list[Tensor] = []
@@ -346,6 +416,17 @@ class BertForPreTraining(nn.Module):
                 n_pred=torch.tensor(n_pred, device=last.device),
             )
 
+        if self.sbo is not None and sbo_left is not None:
+            sbo_logits = self.sbo_logits(last, selected, sbo_left, sbo_right, sbo_pos)  # (N, V), same N as MLM
+            if n_pred > 0:
+                sbo_loss = F.cross_entropy(sbo_logits.float(), target)
+                sbo_acc = (sbo_logits.argmax(-1) == target).float().mean()
+            else:
+                sbo_loss = sbo_logits.sum() * 0.0
+                sbo_acc = torch.zeros((), device=last.device)
+            losses.append(sbo_loss)
+            metrics.update(sbo_loss=sbo_loss.detach(), sbo_acc=sbo_acc.detach())
+
         if next_sentence_label is not None:
             nsp_logits = self.nsp(self.backbone.pool(last))  # (B, 2)
             nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
@@ -355,7 +436,9 @@ class BertForPreTraining(nn.Module):
                 nsp_acc=(nsp_logits.argmax(-1) == next_sentence_label).float().mean().detach(),
             )
 
-        loss = losses[0] if len(losses) == 1 else losses[0] + losses[1]
+        loss = losses[0]
+        for extra in losses[1:]:  # SpanBERT: L_MLM + L_SBO; BERT: L_MLM + L_NSP
+            loss = loss + extra
         return PretrainOutput(loss=loss, metrics=metrics)
 
 

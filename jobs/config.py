@@ -92,14 +92,35 @@ class DataSection(_Section):
     format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
     text_field: str = "text"  # where JSON/Parquet records keep their text
     seq_len: int = Field(128, ge=8)
-    objective: Literal["mlm"] = "mlm"
-    mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)
-    whole_word_mask: bool = False
+    # How samples are built and what the model predicts; FAMILY_OBJECTIVES says which a family takes.
+    objective: Literal["mlm", "nsp", "sop", "span", "clm", "clm-stream", "plm", "bilm"] = "mlm"
+    mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)  # also the span / n-gram masking budget
+    whole_word_mask: bool = False  # mlm, nsp
+    span_geometric_p: float = Field(0.2, gt=0.0, le=1.0)  # span: span length in words ~ Geo(p), max 10
+    ngram_max: int = Field(3, ge=1)  # sop: ALBERT masks n-grams of 1..ngram_max words
+    plm_partial_k: int = Field(6, ge=1)  # plm: XLNet predicts the last 1/K of each factorization order
+    plm_stream: bool = True  # plm: stream-ordered batches, so XLNet's memory holds the text before
+    stream_block_batches: int | None = Field(32, ge=1)  # clm-stream, plm, bilm: batches per block of
+    # contiguous rows (memory resets between blocks); null = a whole shard, as Transformer-XL
     seed: int = 0
     shuffle_files: bool = True  # a new shard order each epoch, keyed by (seed, epoch)
     max_epochs: int = Field(100, ge=1)  # the stream ends after this many passes
     tokenize_actors: int = Field(1, ge=1)  # size of the Ray Data actor pool that tokenizes
     endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
+
+
+# Which objectives each family trains with, and the model fields an objective implies (applied
+# unless the recipe sets them; a recipe that sets them otherwise is refused).
+FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
+    "bert": {"mlm": {"nsp": False}, "nsp": {"nsp": True}},
+    "roberta": {"mlm": {"nsp": False}},
+    "spanbert": {"span": {"sbo": True, "nsp": False}},
+    "albert": {"sop": {"sop": True}, "mlm": {"sop": False}},
+    "gpt": {"clm": {}},
+    "transformer-xl": {"clm-stream": {}},
+    "xlnet": {"plm": {}},
+    "elmo": {"bilm": {}},
+}
 
 
 class TrainSection(_Section):
@@ -145,6 +166,15 @@ class Recipe(_Section):
             )
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
+        supported = FAMILY_OBJECTIVES.get(self.model.family, {})
+        if self.data.objective not in supported:
+            raise ValueError(
+                f"data.objective: {self.data.objective!r} does not train family {self.model.family!r}; "
+                f"use one of {sorted(supported)}"
+            )
+        for key, value in supported[self.data.objective].items():
+            if self.model.overrides.get(key, value) != value:
+                raise ValueError(f"model.{key}: objective {self.data.objective!r} needs {key}={value}")
         return self
 
 

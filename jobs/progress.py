@@ -19,12 +19,18 @@ import ray
 class ProgressBoard:
     def __init__(self) -> None:
         self.latest: dict[str, Any] | None = None
+        self.logged: list[dict[str, Any]] = []
 
     def update(self, metrics: dict[str, Any]) -> None:
         self.latest = metrics
+        self.logged.append(metrics)
 
     def get(self) -> dict[str, Any] | None:
         return self.latest
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every metrics dict rank 0 logged, in order (a restarted run logs its steps again)."""
+        return self.logged
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -13,16 +13,19 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
+from ctxmodels.registry import FAMILIES
+from jobs.config import FAMILY_OBJECTIVES, Recipe, RecipeError, model_overrides_with_vocab
 from pipelines import storage
-from pipelines.dataset import StreamSpec, build_dataset, tokenizer_files
+from pipelines.dataset import StreamSpec, build_dataset, row_kind, tokenizer_files
 from pipelines.masking import MlmConfig
+from pipelines.permutation import PlmConfig
+from pipelines.spans import NgramConfig, SpanConfig
 from pipelines.sources import sample_text
 from pipelines.tokenizers import load_tokenizer, train_tokenizer
 
@@ -36,6 +39,7 @@ class PretrainResult:
     run_uri: str
     checkpoint_uri: str | None
     metrics: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)  # every logged metrics dict of rank 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +92,7 @@ def resume_state(run: str, endpoint_url: str | None) -> dict[str, Any] | None:
 
 def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0) -> StreamSpec:
     d = recipe.data
+    preset = FAMILIES[recipe.model.family].presets[recipe.model.preset]
     return StreamSpec(
         shards=tuple(shards),
         seq_len=d.seq_len,
@@ -100,6 +105,14 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0) -> Stre
         endpoint_url=d.endpoint_url,
         objective=d.objective,
         mlm=MlmConfig(mlm_probability=d.mlm_probability, whole_word=d.whole_word_mask),
+        span=SpanConfig(mask_ratio=d.mlm_probability, geometric_p=d.span_geometric_p),
+        ngram=NgramConfig(mask_ratio=d.mlm_probability, max_ngram=d.ngram_max),
+        plm=PlmConfig(partial_k=d.plm_partial_k),
+        plm_stream=d.plm_stream,
+        # Stream-ordered batches are cut in the data stage, so it must know the per-worker rows.
+        stream_rows=recipe.train.batch_size // recipe.scaling.num_workers,
+        stream_block_batches=d.stream_block_batches,
+        char_max_chars=int(recipe.model.overrides.get("max_chars", getattr(preset, "max_chars", 50))),
         tokenize_actors=d.tokenize_actors,
     )
 
@@ -140,7 +153,8 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
 
     init_ray(verbose)
     board = ProgressBoard.remote()
-    dataset = build_dataset(stream_spec(recipe, shards, first_epoch), tok_dir)
+    spec = stream_spec(recipe, shards, first_epoch)
+    dataset = build_dataset(spec, tok_dir)
 
     storage_fs, storage_path = (storage.filesystem(recipe.output_dir, ep) if storage.is_remote(recipe.output_dir) else (None, str(Path(run).parent)))
     trainer = TorchTrainer(
@@ -150,6 +164,7 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
             "tokenizer_files": tokenizer_files(tok_dir),
             "vocab_size": tok.vocab_size,
             "board": board,
+            "stream_ordered": row_kind(spec) == "stream",
         },
         scaling_config=ScalingConfig(
             num_workers=recipe.scaling.num_workers,
@@ -173,7 +188,8 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
         scheme = recipe.output_dir.split("://", 1)[0] + "://" if storage.is_remote(recipe.output_dir) else ""
         ckpt = scheme + result.checkpoint.path
     log(f"checkpoint: {ckpt}")
-    return PretrainResult(run_uri=run, checkpoint_uri=ckpt, metrics=dict(result.metrics or {}))
+    history = ray.get(board.history.remote())
+    return PretrainResult(run_uri=run, checkpoint_uri=ckpt, metrics=dict(result.metrics or {}), history=history)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +220,44 @@ def param_groups(model, weight_decay: float):
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch without its bookkeeping columns: what ``model(**inputs)`` takes."""
     return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}
+
+
+def stream_resets(prev: tuple[int, int] | None, blocks, indices) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """``reset_memory`` of stream-ordered batches, from the order one worker processes them in.
+
+    ``blocks``, ``indices`` (n,): each batch's ``_stream_block`` and ``_stream_index``, in
+    processing order; ``prev``: (block, index) of the batch this worker processed just before, or
+    None. A batch carries the memory over (0) only when it is the successor of the batch before it
+    (same block, index + 1); anything else (a new block, a gap left by a batch another worker got,
+    blocks delivered out of order) gets 1. Returns int64 (n,) and the new ``prev``.
+    """
+    blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)  # (n,)
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)  # (n,)
+    if blocks.size == 0:
+        return np.zeros(0, dtype=np.int64), prev
+    before_block = np.concatenate([[prev[0] if prev else 0], blocks[:-1]])  # (n,)
+    before_index = np.concatenate([[prev[1] if prev else -2], indices[:-1]])  # (n,); -2: no successor
+    follows = (blocks == before_block) & (indices == before_index + 1)  # (n,)
+    return (~follows).astype(np.int64), (int(blocks[-1]), int(indices[-1]))
+
+
+def stream_batches(rows, per_worker: int):
+    """Ray seam: iterate rows that each hold one whole stream-ordered batch (``pipelines.dataset``),
+    squeeze them to (B, ...) and add ``reset_memory`` from what this worker actually receives."""
+    import torch
+
+    prev = None
+    for row in rows:
+        batch = {k: v[0] for k, v in row.items()}  # (1, B, ...) -> (B, ...)
+        if batch["input_ids"].shape[0] != per_worker:
+            raise RuntimeError(
+                f"the data stage cut stream batches of {batch['input_ids'].shape[0]} rows but this worker "
+                f"trains on train.batch_size / num_workers = {per_worker}"
+            )
+        block, index = int(batch["_stream_block"][0]), int(batch["_stream_index"][0])
+        resets, prev = stream_resets(prev, [block], [index])
+        batch["reset_memory"] = torch.full((per_worker,), int(resets[0]), dtype=torch.int64, device=batch["input_ids"].device)
+        yield batch
 
 
 def freeze_unused(model, inputs: dict[str, Any]) -> list[str]:
@@ -241,8 +295,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     t = recipe.train
 
     overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
-    if recipe.data.objective == "mlm" and recipe.model.family in ("bert", "roberta"):
-        overrides.setdefault("nsp", False)  # packed single-segment input: no NSP head to train
+    for key, value in FAMILY_OBJECTIVES[recipe.model.family][recipe.data.objective].items():
+        overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
     torch.manual_seed(t.seed)
     model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides)
     step, samples_seen, tokens_seen, epoch = 0, 0, 0, 0
@@ -258,7 +312,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     device = ray.train.torch.get_device()
     per_worker = t.batch_size // world
-    it = iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=per_worker, drop_last=True, device=device))
+    shard = ray.train.get_dataset_shard("train")
+    if config.get("stream_ordered"):  # one Ray Data row = one whole (B, T) batch of this worker
+        it = stream_batches(shard.iter_torch_batches(batch_size=1, device=device), per_worker)
+    else:
+        it = iter(shard.iter_torch_batches(batch_size=per_worker, drop_last=True, device=device))
     first = next(it, None)
     if first is None:
         raise RuntimeError("the data stream is empty: no full batch of train.batch_size / num_workers rows")
@@ -301,6 +359,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         interval_steps += 1
         samples_seen += per_worker * world
         _accumulate(sums, out)
+        if "_stream_block" in batch:  # share of batches started without memory: 1 / block length if Ray kept blocks whole
+            sums["stream_resets"] = sums.get("stream_resets", 0.0) + float(batch["reset_memory"][0])
+            sums["_w_stream_resets"] = sums.get("_w_stream_resets", 0.0) + 1.0
 
         last = step >= t.max_steps
         if step % t.log_every == 0 or last:

@@ -1,16 +1,41 @@
-"""The Ray Data stream that feeds pretraining.
+"""The Ray Data stream that feeds pretraining, for every objective of the model zoo.
 
 ::
 
     work units {shard, shard_key, epoch}      one row per (epoch, shard), shard order keyed by (seed, epoch)
-      -> map_batches(TokenizePack)             actor pool: read shard, tokenize (Rust batch encoder),
-                                               pack FULL-SENTENCES blocks; sample_id = shard_key<<32 | index
-      -> map_batches(apply_objective)          stateless tasks: MLM masking keyed by (seed, epoch, sample_id)
+      -> map_batches(TokenizePack)             actor pool, stage 1: read the shard, tokenize (Rust batch
+                                               encoder), build the objective's rows (OBJECTIVES[...].rows)
+      -> map_batches(transform_rows)           stateless tasks, stage 2: the objective's transform, keyed
+                                               by (seed, epoch, sample_id)
       -> Ray Train: get_dataset_shard("train")
 
-A shard is the unit of work and ``sample_id`` names a packed sequence by (shard, position in the
-shard), so ids and masks do not depend on how Ray splits or orders the work. The same functions
-run without Ray (``local_batches``) for evaluation and tests.
+Stage 1 builds one of four kinds of rows:
+
+* ``packed``: RoBERTa FULL-SENTENCES rows ``[CLS] ... [SEP]`` (``pipelines.packing``);
+  ``sample_id = shard_key << 32 | index of the row in the shard``;
+* ``nsp-pairs`` / ``sop-pairs``: BERT / ALBERT sentence pairs (``pipelines.pairs``). A document's
+  sentences are its lines: text shards already hold one sentence per line (documents are separated
+  by blank lines), JSON and Parquet documents are split on newlines. ``sample_id`` as above;
+* ``stream``: stream-ordered batches (``pipelines.streams``) for models with memory: row r of a
+  batch continues row r of the previous batch of its *block*. Documents are joined by [SEP].
+
+Stream-ordered batches under Ray Data. Ray re-batches rows and splits them between workers as it
+likes, which would tear row r of one batch away from row r of the next. So a Ray Data row holds a
+whole per-worker batch: every column is (B_worker, ...) in one row, B_worker =
+``StreamSpec.stream_rows`` = ``train.batch_size / num_workers``, plus two bookkeeping columns:
+``_stream_block`` (a stable id of the block of consecutive batches: a hash of shard key, epoch and
+block index) and ``_stream_index`` (the batch's position in its block). One Ray block holds one
+stream block, so its batches go to one worker in order; the training loop iterates with
+``batch_size=1`` and sets ``reset_memory`` itself (``jobs.train.stream_resets``): 1 unless this
+batch is the successor of the previous batch *that worker* processed, whatever order Ray delivers
+blocks in. ``local_batches`` yields the same batches in order, with the batcher's ``reset_memory``.
+
+Batch columns equal the model's ``forward`` keywords; ``sample_id``, ``epoch`` and ``_``-prefixed
+columns are bookkeeping (``doc_start`` of the stream batcher travels as ``_doc_start``).
+
+A shard is the unit of work and ``sample_id`` names a sample by (shard, position in the shard), so
+ids and every random choice keyed by them do not depend on how Ray splits or orders the work. The
+same functions run without Ray (``local_batches``) for evaluation and tests.
 """
 
 from __future__ import annotations
@@ -19,21 +44,30 @@ import posixpath
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
+from pipelines.char_ids import add_char_ids, build_char_table
+from pipelines.lm import causal_lm_targets
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens
 from pipelines.packing import Packer
-from pipelines.rng import keyed_uniform, stable_hash64
+from pipelines.pairs import build_nsp_pairs, build_sop_pairs
+from pipelines.permutation import PlmConfig, plm_targets
+from pipelines.rng import keyed_uniform, mix64, stable_hash64
 from pipelines.sources import Format, iter_documents
-from pipelines.tokenizers import Tokenizer, load_tokenizer
+from pipelines.spans import NgramConfig, SpanConfig, ngram_mask, span_mask
+from pipelines.streams import StreamBatcher
+from pipelines.tokenizers import ROLES, Tokenizer, load_tokenizer
 
 # Ray resources of the data stages: fractional so that, on a small machine, tokenization and
 # masking share cores with the training workers instead of waiting for a whole free CPU.
 TOKENIZE_ACTOR_CPUS = 0.5
 TRANSFORM_TASK_CPUS = 0.25
 PACKED_ROWS_PER_BATCH = 512
+
+RowKind = Literal["packed", "nsp-pairs", "sop-pairs", "stream"]
+STREAM_KEYS = ("_stream_block", "_stream_index")  # bookkeeping of stream-ordered batches
 
 
 @dataclass(frozen=True)
@@ -49,9 +83,136 @@ class StreamSpec:
     fmt: Format = "auto"
     text_field: str = "text"
     endpoint_url: str | None = None
-    objective: str = "mlm"
-    mlm: MlmConfig = field(default_factory=MlmConfig)
+    objective: str = "mlm"  # a key of OBJECTIVES
+    mlm: MlmConfig = field(default_factory=MlmConfig)  # "mlm", "nsp"
+    span: SpanConfig = field(default_factory=SpanConfig)  # "span"
+    ngram: NgramConfig = field(default_factory=NgramConfig)  # "sop"
+    plm: PlmConfig = field(default_factory=PlmConfig)  # "plm"
+    short_seq_prob: float = 0.1  # "nsp", "sop": share of pairs cut shorter than seq_len (BERT: 0.1)
+    plm_stream: bool = True  # "plm": stream-ordered batches (XLNet's memory); False: packed rows
+    stream_rows: int = 0  # stream objectives: rows per worker batch (train.batch_size / num_workers)
+    stream_block_batches: int | None = 32  # stream objectives: batches per block (None: a shard)
+    char_max_chars: int = 50  # "bilm": characters per token (ElmoConfig.max_chars)
     tokenize_actors: int = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The objectives: stage 1 rows and stage 2 transform of each.
+
+
+@dataclass(frozen=True)
+class TransformContext:
+    """What stage-2 transforms read, built once on the driver (``transform_context``)."""
+
+    seed: int
+    mlm: MlmConfig
+    span: SpanConfig
+    ngram: NgramConfig
+    plm: PlmConfig
+    vocab: VocabInfo
+    char_table: np.ndarray | None = None  # int32 (V, max_chars), "bilm" only
+
+
+def _mlm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
+    return mask_tokens(batch, ctx.seed, ctx.mlm, ctx.vocab)
+
+
+def _ngram(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
+    return ngram_mask(batch, ctx.seed, ctx.ngram, ctx.vocab)
+
+
+def _span(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
+    return span_mask(batch, ctx.seed, ctx.span, ctx.vocab)
+
+
+def _clm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
+    out = causal_lm_targets(batch)
+    out.pop("token_type_ids", None)  # GPT's forward takes none; one segment anyway
+    return out
+
+
+def _plm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
+    out = plm_targets(batch, ctx.seed, ctx.plm, ctx.vocab)
+    out.pop("token_type_ids", None)  # one segment: XLNet's relative segment term is then constant
+    if "_stream_block" not in out:  # packed rows are unrelated: no memory from the previous batch
+        out["reset_memory"] = np.ones(len(out["input_ids"]), dtype=np.int64)
+    return out
+
+
+def _bilm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
+    # ELMo derives its forward and backward targets from input_ids; it reads characters.
+    return add_char_ids(batch, ctx.char_table)
+
+
+@dataclass(frozen=True)
+class Objective:
+    rows: RowKind  # how stage 1 builds rows from a shard
+    transform: Callable[[dict[str, np.ndarray], TransformContext], dict[str, np.ndarray]]  # stage 2
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "mlm": Objective(rows="packed", transform=_mlm),  # BERT / RoBERTa: dynamic MLM masking
+    "nsp": Objective(rows="nsp-pairs", transform=_mlm),  # BERT: sentence pairs + MLM
+    "sop": Objective(rows="sop-pairs", transform=_ngram),  # ALBERT: ordered / swapped pairs + n-grams
+    "span": Objective(rows="packed", transform=_span),  # SpanBERT: single segments + spans, SBO targets
+    "clm": Objective(rows="packed", transform=_clm),  # GPT: next token, independent rows
+    "clm-stream": Objective(rows="stream", transform=_clm),  # Transformer-XL: next token, with memory
+    "plm": Objective(rows="stream", transform=_plm),  # XLNet: permutation LM (packed if not plm_stream)
+    "bilm": Objective(rows="stream", transform=_bilm),  # ELMo: both directions, truncated BPTT
+}
+
+
+def objective(name: str) -> Objective:
+    if name not in OBJECTIVES:
+        raise ValueError(f"data.objective: unknown objective {name!r}; known: {sorted(OBJECTIVES)}")
+    return OBJECTIVES[name]
+
+
+def row_kind(spec: StreamSpec) -> RowKind:
+    """The rows stage 1 builds for ``spec``: the objective's, or packed rows for XLNet without memory."""
+    kind = objective(spec.objective).rows
+    if spec.objective == "plm" and not spec.plm_stream:
+        return "packed"
+    return kind
+
+
+def char_table(tok: Tokenizer, max_chars: int) -> np.ndarray:
+    """ELMo's characters of every token id, built as serving builds them (``jobs.serve``)."""
+    tokens = [tok.id_to_token(i) for i in range(tok.vocab_size)]
+    return build_char_table(tokens, max_chars, {role: getattr(tok, f"{role}_id") for role in ROLES})
+
+
+def transform_context(spec: StreamSpec, tok: Tokenizer) -> TransformContext:
+    return TransformContext(
+        seed=spec.seed,
+        mlm=spec.mlm,
+        span=spec.span,
+        ngram=spec.ngram,
+        plm=spec.plm,
+        vocab=VocabInfo.from_tokenizer(tok),
+        char_table=char_table(tok, spec.char_max_chars) if spec.objective == "bilm" else None,
+    )
+
+
+def apply_objective(batch: dict[str, np.ndarray], ctx: TransformContext, name: str) -> dict[str, np.ndarray]:
+    """Stage 2 on plain rows (B, ...): the objective's transform."""
+    return objective(name).transform(batch, ctx)
+
+
+def transform_rows(batch: dict[str, np.ndarray], ctx: TransformContext, name: str) -> dict[str, np.ndarray]:
+    """Stage 2 on a Ray Data batch. Stream rows hold a whole batch each, so every column is
+    (n, B, ...): they are flattened to (n * B, ...) rows for the transform (which is per row) and
+    folded back."""
+    if "_stream_block" not in batch or np.ndim(batch["_stream_block"]) < 2:
+        return apply_objective(batch, ctx, name)
+    n, b = batch["_stream_block"].shape  # (n, B)
+    flat = {k: v.reshape(n * b, *v.shape[2:]) for k, v in batch.items()}
+    out = apply_objective(flat, ctx, name)
+    return {k: v.reshape(n, b, *v.shape[1:]) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Work units.
 
 
 def shard_keys(shards: tuple[str, ...] | list[str]) -> list[int]:
@@ -83,7 +244,7 @@ def work_units(spec: StreamSpec) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 1: tokenize and pack one shard (runs in a Ray Data actor; stateful only in the tokenizer).
+# Stage 1: one shard -> rows (runs in a Ray Data actor; stateful only in the tokenizer).
 
 
 def tokenizer_files(local_dir: str | Path) -> dict[str, bytes]:
@@ -100,6 +261,10 @@ def tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
     return load_tokenizer(root)
 
 
+def _documents(uri: str, spec: StreamSpec) -> Iterator[list[str]]:
+    return iter_documents(uri, spec.fmt, spec.text_field, endpoint_url=spec.endpoint_url)
+
+
 def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec) -> Iterator[dict[str, np.ndarray]]:
     """Packed rows of one shard, in shard order, with their sample ids."""
     packer = Packer(spec.seq_len, tok.cls_id, tok.sep_id, tok.pad_id)
@@ -114,7 +279,7 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec)
         index += n
         return {**block, "sample_id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
 
-    for docs in iter_documents(uri, spec.fmt, spec.text_field, endpoint_url=spec.endpoint_url):
+    for docs in _documents(uri, spec):
         out = emit(packer.add(tok.encode_batch(docs)))
         if out is not None:
             yield out
@@ -123,18 +288,97 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec)
         yield out
 
 
+def pair_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind) -> Iterator[dict[str, np.ndarray]]:
+    """NSP or SOP sentence pairs of one shard, chunk by chunk of documents, with their sample ids."""
+    build = build_nsp_pairs if kind == "nsp-pairs" else build_sop_pairs
+    vocab = VocabInfo.from_tokenizer(tok)
+    index = 0
+    for docs in _documents(uri, spec):
+        sentences = [doc.split("\n") for doc in docs]  # a line is a sentence (module docstring)
+        ids = tok.encode_batch([s for sents in sentences for s in sents])  # one native batch call
+        bounds = np.cumsum([0] + [len(sents) for sents in sentences])  # (D+1,)
+        tokenized = [ids[bounds[d] : bounds[d + 1]] for d in range(len(sentences))]
+        base = (int(key) << 32) | index
+        block = build(tokenized, spec.seq_len, spec.seed, epoch, base, vocab, short_seq_prob=spec.short_seq_prob)
+        index += len(block["input_ids"])
+        if len(block["input_ids"]):
+            yield block
+
+
+def stream_block_id(key: int, epoch: int, block_index: int) -> int:
+    """63-bit id of a block of stream-ordered batches: stable across runs, workers and rows per batch."""
+    h = mix64(np.array([(int(key) << 32) | (int(epoch) & 0xFFFFFFFF)], dtype=np.uint64))
+    h = mix64(h ^ np.uint64(block_index))
+    return int(h[0] & np.uint64(0x7FFFFFFFFFFFFFFF))
+
+
+def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, batch_rows: int) -> Iterator[list[dict[str, np.ndarray]]]:
+    """Stream-ordered batches (batch_rows, seq_len) of one shard, as a list per block.
+
+    Each batch has ``input_ids``, ``attention_mask``, ``reset_memory`` (the batcher's, valid when
+    batches are consumed in order), ``_doc_start``, ``sample_id``, ``epoch``, ``_stream_block``
+    and ``_stream_index`` (the last two (B,), constant over the rows).
+    """
+    if batch_rows < 1:
+        raise ValueError(
+            f"objective {spec.objective!r} cuts stream-ordered batches and needs their rows per worker "
+            f"(StreamSpec.stream_rows = train.batch_size / num_workers), got {batch_rows}"
+        )
+    batcher = StreamBatcher(
+        batch_rows, spec.seq_len, pad_id=tok.pad_id, doc_sep_id=tok.sep_id,
+        block_batches=spec.stream_block_batches, base_sample_id=key, epoch=epoch,
+    )
+    block_index = -1
+
+    def blocks(batches: list[dict[str, np.ndarray]]) -> Iterator[list[dict[str, np.ndarray]]]:
+        """Split the batches of one add/flush call (whole blocks, each opened by reset_memory = 1)."""
+        nonlocal block_index
+        group: list[dict[str, np.ndarray]] = []
+        for batch in batches:
+            if batch["reset_memory"][0] == 1:
+                if group:
+                    yield group
+                block_index, group = block_index + 1, []
+            b = {k: v for k, v in batch.items() if k != "doc_start"}
+            b["_doc_start"] = batch["doc_start"]
+            b["_stream_block"] = np.full(batch_rows, stream_block_id(key, epoch, block_index), dtype=np.int64)
+            b["_stream_index"] = np.full(batch_rows, len(group), dtype=np.int64)
+            group.append(b)
+        if group:
+            yield group
+
+    for docs in _documents(uri, spec):
+        ids = [d for d in tok.encode_batch(docs) if d.size]
+        if not ids:
+            continue
+        ends = np.cumsum([d.size for d in ids])  # (D,): [SEP] after every document
+        yield from blocks(batcher.add(np.insert(np.concatenate(ids).astype(np.int64), ends, tok.sep_id)))
+    yield from blocks(batcher.flush())
+
+
+def stack_stream_rows(group: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One Ray Data row per batch: every column (n_batches, B, ...). ``reset_memory`` is dropped:
+    the training loop derives it from what each worker actually receives."""
+    return {k: np.stack([b[k] for b in group]) for k in group[0] if k != "reset_memory"}
+
+
 class TokenizePack:
     """Ray Data callable class: one input row = one (shard, epoch) work unit."""
 
     def __init__(self, files: dict[str, bytes], spec: StreamSpec):
         self.tok = tokenizer_from_files(files)
         self.spec = spec
+        self.kind = row_kind(spec)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         for uri, key, epoch in zip(batch["shard"], batch["shard_key"], batch["epoch"]):
+            if self.kind == "stream":
+                for group in stream_shard(self.tok, str(uri), int(key), int(epoch), self.spec, self.spec.stream_rows):
+                    yield stack_stream_rows(group)  # one Ray block = one stream block: one worker, in order
+                continue
             buf: list[dict[str, np.ndarray]] = []
             rows = 0
-            for block in pack_shard(self.tok, str(uri), int(key), int(epoch), self.spec):
+            for block in shard_rows(self.tok, str(uri), int(key), int(epoch), self.spec, self.kind):
                 buf.append(block)
                 rows += len(block["input_ids"])
                 if rows >= PACKED_ROWS_PER_BATCH:
@@ -144,18 +388,17 @@ class TokenizePack:
                 yield _concat(buf)
 
 
+def shard_rows(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind) -> Iterator[dict[str, np.ndarray]]:
+    """Stage 1 for the row kinds whose rows are independent samples (packed rows, pairs)."""
+    if kind == "packed":
+        return pack_shard(tok, uri, key, epoch, spec)
+    if kind in ("nsp-pairs", "sop-pairs"):
+        return pair_shard(tok, uri, key, epoch, spec, kind)
+    raise ValueError(f"shard_rows: rows of kind {kind!r} are not independent samples")
+
+
 def _concat(blocks: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
-
-
-# ---------------------------------------------------------------------------------------------
-# Stage 2: the objective's transform (pure function of (batch, seed, cfg)).
-
-
-def apply_objective(batch: dict[str, np.ndarray], seed: int, objective: str, mlm: MlmConfig, vocab: VocabInfo) -> dict[str, np.ndarray]:
-    if objective == "mlm":
-        return mask_tokens(batch, seed, mlm, vocab)
-    raise ValueError(f"data.objective: unknown objective {objective!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,10 +406,16 @@ def apply_objective(batch: dict[str, np.ndarray], seed: int, objective: str, mlm
 
 
 def build_dataset(spec: StreamSpec, tokenizer_dir: str | Path):
-    """The training stream as a lazy Ray Dataset (nothing runs until it is iterated)."""
+    """The training stream as a lazy Ray Dataset (nothing runs until it is iterated).
+
+    For stream objectives every row is one whole worker batch (module docstring): iterate with
+    ``batch_size=1``.
+    """
     import ray
 
     tok = load_tokenizer(tokenizer_dir)
+    if row_kind(spec) == "stream" and spec.stream_rows < 1:
+        raise ValueError(f"data.objective {spec.objective!r}: StreamSpec.stream_rows (rows per worker batch) must be >= 1")
     units = work_units(spec)
     ds = ray.data.from_items(units, override_num_blocks=len(units))
     ds = ds.map_batches(
@@ -178,8 +427,8 @@ def build_dataset(spec: StreamSpec, tokenizer_dir: str | Path):
         num_cpus=TOKENIZE_ACTOR_CPUS,
     )
     return ds.map_batches(
-        apply_objective,
-        fn_kwargs={"seed": spec.seed, "objective": spec.objective, "mlm": spec.mlm, "vocab": VocabInfo.from_tokenizer(tok)},
+        transform_rows,
+        fn_kwargs={"ctx": transform_context(spec, tok), "name": spec.objective},
         batch_format="numpy",
         batch_size=None,
         num_cpus=TRANSFORM_TASK_CPUS,
@@ -187,18 +436,32 @@ def build_dataset(spec: StreamSpec, tokenizer_dir: str | Path):
 
 
 def local_batches(spec: StreamSpec, tok: Tokenizer, batch_size: int, epoch: int, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """The same samples without Ray, in shard order: for evaluation and tests."""
-    vocab = VocabInfo.from_tokenizer(tok)
+    """The same samples without Ray, in shard order: for evaluation and tests.
+
+    For stream objectives ``batch_size`` is the rows of each stream-ordered batch and the batches
+    come in stream order with the batcher's ``reset_memory``.
+    """
+    ctx = transform_context(spec, tok)
+    kind = row_kind(spec)
+    produced = 0
+    if kind == "stream":
+        for uri, key in zip(spec.shards, shard_keys(spec.shards)):
+            for group in stream_shard(tok, uri, key, epoch, spec, batch_size):
+                for batch in group:
+                    yield apply_objective(batch, ctx, spec.objective)
+                    produced += 1
+                    if max_batches is not None and produced >= max_batches:
+                        return
+        return
     pending: list[dict[str, np.ndarray]] = []
     rows = 0
-    produced = 0
     for uri, key in zip(spec.shards, shard_keys(spec.shards)):
-        for block in pack_shard(tok, uri, key, epoch, spec):
+        for block in shard_rows(tok, uri, key, epoch, spec, kind):
             pending.append(block)
             rows += len(block["input_ids"])
             while rows >= batch_size:
                 merged = _concat(pending)
-                yield apply_objective({k: v[:batch_size] for k, v in merged.items()}, spec.seed, spec.objective, spec.mlm, vocab)
+                yield apply_objective({k: v[:batch_size] for k, v in merged.items()}, ctx, spec.objective)
                 produced += 1
                 if max_batches is not None and produced >= max_batches:
                     return
