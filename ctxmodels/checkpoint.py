@@ -8,9 +8,10 @@
     MANIFEST.json       written last: every file above with its size and sha256
 
 Every file is written to a temporary name and renamed into place, and MANIFEST.json comes last, so
-a directory without a manifest (or whose files do not match it) is an interrupted save. Loading
-reads safetensors and JSON only: nothing is unpickled. Directories are local; the jobs layer copies
-them to and from object storage.
+a directory without a manifest (or whose files do not match it) is an interrupted save or copy
+(``checkpoint_problem`` says which). Loading reads safetensors and JSON only: nothing is unpickled.
+Directories are local; the jobs layer copies them to and from object storage
+(``pipelines.storage.copy_dir`` copies the manifest last too).
 """
 
 from __future__ import annotations
@@ -188,31 +189,66 @@ def save_checkpoint(
 # ----------------------------------------------------------------------------------------------
 
 
-def is_complete(ckpt_dir: str | Path, verify_hashes: bool = False) -> bool:
-    """True when MANIFEST.json exists and every file it lists is present with its size (and hash)."""
+def checkpoint_problem(ckpt_dir: str | Path, verify_hashes: bool = False) -> str | None:
+    """What keeps a local checkpoint folder from being complete, or None when nothing does.
+
+    Complete: MANIFEST.json parses, lists the weights and the config, and every file it lists is
+    present with its size (and sha256, with ``verify_hashes``). The same check for a folder in
+    object storage is ``pipelines.storage.checkpoint_problem``.
+    """
     folder = Path(ckpt_dir)
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        if not {WEIGHTS, CONFIG} <= {entry["path"] for entry in manifest["files"]}:
-            return False
-        for entry in manifest["files"]:
-            path = folder / entry["path"]
-            if not path.is_file() or path.stat().st_size != entry["size"]:
-                return False
-            if verify_hashes and _sha256(path) != entry["sha256"]:
-                return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
+        text = (folder / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return f"{MANIFEST} missing"
+    except OSError as e:
+        return f"manifest unreadable ({e})"
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:  # half a JSON document, or not UTF-8
+        return f"manifest unreadable ({e})"
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int for e in entries
+    ):
+        return 'manifest unreadable (expected {"files": [{"path": ..., "size": ..., "sha256": ...}, ...]})'
+    listed = {e["path"] for e in entries}
+    for name in (WEIGHTS, CONFIG):
+        if name not in listed:
+            return f"manifest does not list {name}"
+    problems = []
+    for entry in entries:
+        path = folder / entry["path"]
+        if not path.is_file():
+            problems.append(f"{entry['path']} missing")
+        elif path.stat().st_size != entry["size"]:
+            problems.append(f"{entry['path']}: {path.stat().st_size} bytes, manifest says {entry['size']}")
+        elif verify_hashes and _sha256(path) != entry.get("sha256"):
+            problems.append(f"{entry['path']}: sha256 differs from the manifest")
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def is_complete(ckpt_dir: str | Path, verify_hashes: bool = False) -> bool:
+    """True when MANIFEST.json exists and every file it lists is present with its size (and hash)."""
+    return checkpoint_problem(ckpt_dir, verify_hashes) is None
 
 
 def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> LoadedModel:
     """Load our checkpoint (through the registry) or a Hugging Face folder (through ctxmodels.hf)."""
     folder = Path(ckpt_dir)
+    has_manifest = (folder / MANIFEST).exists()
+    if has_manifest:  # ours: check before reading anything the manifest vouches for
+        _raise_if_incomplete(folder, verify_hashes)
     config_path = folder / CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no {CONFIG}; not a checkpoint directory")
-    payload = json.loads(config_path.read_text())
+    try:
+        payload = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
 
     if payload.get("format") != "ctxmodels":
         if "model_type" in payload:
@@ -221,11 +257,8 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
             return LoadedModel(family, config, model.eval(), folder if has_tok else None)
         raise ValueError(f"{config_path}: neither our format ('format': 'ctxmodels') nor an HF folder ('model_type')")
 
-    if not is_complete(folder, verify_hashes=verify_hashes):
-        raise ValueError(
-            f"{folder} is an incomplete checkpoint: {MANIFEST} is missing or its files do not match "
-            "(an interrupted save?); use an earlier checkpoint"
-        )
+    if not has_manifest:
+        _raise_if_incomplete(folder, verify_hashes)  # names the missing manifest
     family = payload["family"]
     try:
         config = registry.config_from_dict(family, payload["model"])
@@ -252,6 +285,15 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
 
     tok = folder / TOKENIZER
     return LoadedModel(family, config, model.eval(), tok if tok.is_dir() else None)
+
+
+def _raise_if_incomplete(folder: Path, verify_hashes: bool) -> None:
+    problem = checkpoint_problem(folder, verify_hashes)
+    if problem is not None:
+        raise ValueError(
+            f"{folder} is an incomplete checkpoint: {problem} (an interrupted save or copy?); "
+            "use an earlier checkpoint"
+        )
 
 
 def read_extra_json(ckpt_dir: str | Path, name: str) -> dict:

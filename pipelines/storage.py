@@ -8,8 +8,13 @@ server in tests.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import json
 import os
+import random
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -55,18 +60,84 @@ def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[pafs.FileSyst
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
 
 
-def with_retries(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: float = 0.2) -> T:
-    """Retry transient object-store errors (OSError from pyarrow/fsspec) with exponential backoff."""
+# ----------------------------------------------------------------------------------------------
+# Retries
+# ----------------------------------------------------------------------------------------------
+
+# pyarrow reports every S3 failure as a plain OSError without errno; its message carries the AWS
+# error name ("AWS Error SLOW_DOWN during ...") and sometimes "(HTTP status 503)". fsspec backends
+# raise their own OSError subclasses with similar wording.
+_TRANSIENT_WORDS = (
+    "slow_down", "slowdown", "throttl", "too many requests", "service_unavailable", "serviceunavailable",
+    "internal_failure", "internalerror", "network_connection", "request_timeout", "requesttimeout",
+    "timed out", "timeout", "connection reset", "connection aborted", "connection refused",
+    "broken pipe", "temporarily unavailable", "try again",
+)
+_PERMANENT_WORDS = (
+    "access_denied", "accessdenied", "forbidden", "no_such_bucket", "nosuchbucket", "nosuchkey",
+    "invalid_access_key_id", "invalidaccesskeyid", "signature_does_not_match", "signaturedoesnotmatch",
+    "missing_authentication_token", "incomplete_signature", "request_expired", "expired_token",
+    "invalid_parameter_value", "aws error validation",
+)
+_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+_TRANSIENT_ERRNOS = {
+    errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EPIPE,
+    errno.EAGAIN, errno.EINTR, errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTUNREACH,
+}
+_HTTP_STATUS = re.compile(r"(?:HTTP status(?: code)?|status code)[:= ]*(\d{3})", re.IGNORECASE)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether retrying the call that raised ``error`` may succeed (a network blip, throttling, a 5xx).
+
+    A missing file, a refused permission, a bad argument or a full local disk fail the same way
+    on every attempt, so they are not transient: retrying them only delays the real message.
+    """
+    if not isinstance(error, OSError) or isinstance(error, _PERMANENT_TYPES):
+        return False  # ValueError / TypeError (pyarrow's ArrowInvalid is a ValueError): a bad argument
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    message = str(error).lower()
+    # pyarrow puts the bucket and key first ("... key 'runs/timeout-sweep/x' in bucket 'b': AWS Error
+    # ..."): read only what follows, so a path cannot pass for an error name.
+    message = message[message.find("aws error"):] if "aws error" in message else message
+    status = _HTTP_STATUS.search(message)
+    if status:
+        code = int(status.group(1))
+        return code >= 500 or code in (408, 429)
+    if any(w in message for w in _PERMANENT_WORDS):
+        return False
+    if any(w in message for w in _TRANSIENT_WORDS):
+        return True
+    # An errno means the operating system answered (ENOSPC, EROFS, ...): those do not heal. Remote
+    # filesystems raise errno-less OSErrors for anything the network did: worth another try.
+    return error.errno in _TRANSIENT_ERRNOS if error.errno is not None else True
+
+
+_sleep = time.sleep  # the one place retries wait; tests patch it to run in milliseconds
+
+
+def with_retries(
+    fn: Callable[[], T], what: str, attempts: int = 5, base_delay: float = 0.2, max_delay: float = 20.0
+) -> T:
+    """``fn()``, retried on transient errors (see ``is_transient``) with exponential backoff.
+
+    Waits about ``base_delay * 2**i`` (capped at ``max_delay``) before attempt ``i + 2``, with
+    jitter so that many workers throttled at once do not come back in lockstep. Other errors are
+    raised at once, unchanged. ``what`` names the operation and its URI ("list s3://b/run"); the
+    error after the last attempt repeats it with the number of attempts.
+    """
     for i in range(attempts):
         try:
             return fn()
-        except FileNotFoundError:
-            raise
         except OSError as e:
+            if not is_transient(e):
+                raise
             if i == attempts - 1:
-                raise StorageError(f"{what}: {e} (after {attempts} attempts)") from e
-            time.sleep(base_delay * (2**i))
-    raise AssertionError("unreachable")
+                raise StorageError(f"{what}: gave up after {attempts} attempts: {e}") from e
+            delay = min(max_delay, base_delay * 2**i)
+            _sleep(delay / 2 + random.uniform(0, delay / 2))
+    raise ValueError(f"{what}: attempts must be at least 1, got {attempts}")
 
 
 def _has_glob(s: str) -> bool:
@@ -87,14 +158,14 @@ def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes:
             root = path
             while _has_glob(root):
                 root = root.rsplit("/", 1)[0] if "/" in root else ""
-            candidates = _walk(fs, root)
+            candidates = _walk(fs, root, uri)
             matched = [p for p in candidates if fnmatch.fnmatch(p, path)]
         else:
             info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}")
             if info.type == pafs.FileType.File:
                 matched = [path]
             elif info.type == pafs.FileType.Directory:
-                matched = _walk(fs, path)
+                matched = _walk(fs, path, uri)
             else:
                 raise StorageError(f"input {uri!r} matches no file or folder")
         files = sorted(p for p in matched if p.endswith(suffixes))
@@ -104,9 +175,9 @@ def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes:
     return sorted(dict.fromkeys(out))
 
 
-def _walk(fs: pafs.FileSystem, root: str) -> list[str]:
+def _walk(fs: pafs.FileSystem, root: str, uri: str) -> list[str]:
     sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {root}")
+    infos = with_retries(lambda: fs.get_file_info(sel), f"list {uri}")
     return [i.path for i in infos if i.type == pafs.FileType.File]
 
 
@@ -128,9 +199,54 @@ def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = Non
 
 
 def upload_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -> None:
-    fs, path = filesystem(uri, endpoint_url)
-    fs.create_dir(path, recursive=True)
-    with_retries(lambda: pafs.copy_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs), f"upload to {uri}")
+    """Same as ``copy_dir`` (the older name, kept for its callers)."""
+    copy_dir(local_dir, uri, endpoint_url)
+
+
+def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -> None:
+    """Copy a local folder into a local path or a remote folder (created if needed), MANIFEST.json last.
+
+    A destination manifest is deleted before anything else is written, and the new one is copied
+    after every other file, so an interrupted copy (or overwrite) is never mistaken for a complete
+    checkpoint. Each local file lands under a temporary name and is renamed into place; an object
+    store publishes an object whole when its upload completes.
+    """
+    src = Path(local_dir)
+    if not src.is_dir():
+        raise StorageError(f"cannot copy {str(src)!r} to {uri!r}: not a local folder")
+    fs, root = filesystem(uri, endpoint_url)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    if local and Path(root).resolve() == src.resolve():
+        return  # copying onto itself would truncate every file
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    manifest = src / MANIFEST
+    if manifest in files:
+        files = [p for p in files if p != manifest] + [manifest]
+        with_retries(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}")
+    with_retries(lambda: fs.create_dir(root, recursive=True), f"create {uri}")
+    made = {root}
+    for file in files:
+        rel = file.relative_to(src).as_posix()
+        dest = f"{root}/{rel}"
+        parent = dest.rsplit("/", 1)[0]
+        if parent not in made:
+            with_retries(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}")
+            made.add(parent)
+        with_retries(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}")
+
+
+def _put_file(file: Path, fs: pafs.FileSystem, dest: str, rename: bool) -> None:
+    target = f"{dest}.tmp" if rename else dest
+    pafs.copy_files(str(file), target, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    if rename:
+        fs.move(target, dest)
+
+
+def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        pass
 
 
 def exists(uri: str, endpoint_url: str | None = None) -> bool:
@@ -144,13 +260,94 @@ def join(uri: str, *parts: str) -> str:
     return str(Path(uri).joinpath(*parts))
 
 
-def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None, marker: str = "MANIFEST.json") -> str | None:
-    """The newest ``checkpoint_*`` folder under a run that has its manifest (i.e. was committed)."""
+# ----------------------------------------------------------------------------------------------
+# Checkpoints in a run folder
+# ----------------------------------------------------------------------------------------------
+
+# The manifest that ctxmodels.checkpoint.save_checkpoint writes last, and the files every checkpoint
+# has; repeated here because pipelines/ does not import torch (a test checks that they agree).
+MANIFEST = "MANIFEST.json"
+REQUIRED_FILES = ("model.safetensors", "config.json")
+
+
+def checkpoint_problem(uri: str, endpoint_url: str | None = None) -> str | None:
+    """What keeps the checkpoint folder at ``uri`` from being complete, or None when nothing does.
+
+    Complete: MANIFEST.json parses and every file it lists is there with the listed size. Ray Train
+    copies a checkpoint folder to storage in no particular order, so a copy cut off halfway can leave
+    a manifest beside missing or short files. Costs one listing and one read of the manifest; sizes
+    only (``ctxmodels.checkpoint.load_checkpoint(..., verify_hashes=True)`` checks the hashes).
+    """
+    fs, path = filesystem(uri, endpoint_url)
+    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+    infos = with_retries(lambda: fs.get_file_info(selector), f"list {uri}")
+    prefix = path.rstrip("/") + "/"
+    sizes = {
+        i.path[len(prefix):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(prefix)
+    }
+    if MANIFEST not in sizes:
+        return f"{MANIFEST} missing"
+    try:
+        text = with_retries(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}")
+    except FileNotFoundError:  # deleted since the listing (an overwrite in progress)
+        return f"{MANIFEST} missing"
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:  # half a JSON document, or not UTF-8
+        return f"manifest unreadable ({e})"
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
+        return "manifest unreadable (expected {\"files\": [{\"path\": ..., \"size\": ...}, ...]})"
+    listed = {e["path"] for e in entries}
+    for name in REQUIRED_FILES:
+        if name not in listed:
+            return f"manifest does not list {name}"
+    problems = []
+    for e in entries:
+        size = sizes.get(e["path"])
+        if size is None:
+            problems.append(f"{e['path']} missing")
+        elif size != e["size"]:
+            problems.append(f"{e['path']}: {size} bytes, manifest says {e['size']}")
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+def _read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def _is_entry(entry: object) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
+
+
+def checkpoint_order(name: str) -> list:
+    """Sort key for checkpoint folder names: digit runs compare as numbers.
+
+    Ray Train V2 names checkpoints ``checkpoint_%Y-%m-%d_%H-%M-%S.%f`` (local time, fixed width),
+    for which this is plain time order; it also orders Ray V1's ``checkpoint_000012`` and names
+    with unpadded numbers (``checkpoint_step_9`` before ``checkpoint_step_10``).
+    """
+    # re.split with a group alternates text and digit runs, so equal positions hold equal types.
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
+
+
+def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None) -> str | None:
+    """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``).
+
+    Newer folders that are not complete are skipped, each with a line on stderr saying why.
+    """
     fs, path = filesystem(run_uri, endpoint_url)
-    sel = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {run_uri}")
-    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")), reverse=True)
-    for name in names:
-        if fs.get_file_info(f"{path}/{name}/{marker}").type == pafs.FileType.File:
-            return join(run_uri, name)
+    selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
+    infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}")
+    names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
+    for name in sorted(names, key=checkpoint_order, reverse=True):
+        uri = join(run_uri, name)
+        problem = checkpoint_problem(uri, endpoint_url)
+        if problem is None:
+            return uri
+        print(f"warning: skipping incomplete checkpoint {uri}: {problem}", file=sys.stderr)
     return None

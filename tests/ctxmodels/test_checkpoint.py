@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 from ctxmodels import checkpoint as ckpt
 from ctxmodels.checkpoint import (
+    checkpoint_problem,
     is_complete,
     load_checkpoint,
     load_optimizer_state,
@@ -156,6 +159,85 @@ def test_truncated_or_unlisted_checkpoint_is_incomplete(tmp_path):
     assert not is_complete(tmp_path)
     with pytest.raises(ValueError, match="MANIFEST.json"):
         load_checkpoint(tmp_path)
+
+
+def write_small_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A complete checkpoint with every kind of file: weights, config, tokenizer/, extra JSON/tensors."""
+    torch.manual_seed(seed)
+    config, model = build_model("bert", "tiny", {"n_layer": 1})
+    tok = folder.parent / f"{folder.name}-tokenizer"
+    tok.mkdir(parents=True)
+    (tok / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]))
+    (tok / "tokenizer_config.json").write_text('{"do_lower_case": true}')
+    return save_checkpoint(
+        folder, model, "bert", config, tokenizer_dir=tok,
+        extra_json={"trainer_state": {"step": seed}}, extra_tensors={"optimizer": {"x": torch.ones(3)}},
+    )
+
+
+# Ways a copy (or a save) can be cut off halfway. Each cuts a complete checkpoint folder in place and
+# returns the words its problem must contain. tests/pipelines/test_storage.py uses them too.
+def _lose_half_the_files(folder: Path) -> str:
+    entries = json.loads((folder / "MANIFEST.json").read_text())["files"]
+    for entry in entries[::2]:
+        (folder / entry["path"]).unlink()
+    return f"{entries[0]['path']} missing (and {len(entries[::2]) - 1} more)"
+
+
+def _truncate_the_weights(folder: Path) -> str:
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    return f"model.safetensors: {len(data) // 2} bytes, manifest says {len(data)}"
+
+
+def _lose_the_manifest(folder: Path) -> str:
+    (folder / "MANIFEST.json").unlink()
+    return "MANIFEST.json missing"
+
+
+def _half_write_the_manifest(folder: Path) -> str:
+    manifest = folder / "MANIFEST.json"
+    text = manifest.read_bytes()
+    manifest.write_bytes(text[: len(text) // 2])
+    return "manifest unreadable ("
+
+
+CUTS = {
+    "half-the-files-gone": _lose_half_the_files,
+    "weights-truncated": _truncate_the_weights,
+    "manifest-missing": _lose_the_manifest,
+    "manifest-half-written": _half_write_the_manifest,
+}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_checkpoint_cut_in_half_is_incomplete_and_refused(tmp_path, cut):
+    folder = write_small_checkpoint(tmp_path / "ck")
+    assert checkpoint_problem(folder) is None and is_complete(folder, verify_hashes=True)
+    expected = CUTS[cut](folder)
+    assert expected in checkpoint_problem(folder)
+    assert not is_complete(folder)
+    with pytest.raises(ValueError, match=f"incomplete checkpoint: {re.escape(expected)}"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "manifest, problem",
+    [
+        ([], "manifest unreadable"),
+        ({"files": "model.safetensors"}, "manifest unreadable"),
+        ({"files": [{"path": "model.safetensors"}]}, "manifest unreadable"),
+        ({"files": [{"path": "model.safetensors", "size": "12"}]}, "manifest unreadable"),
+        ({"files": [{"path": "config.json", "size": 1}]}, "manifest does not list model.safetensors"),
+    ],
+)
+def test_a_malformed_manifest_is_named(tmp_path, manifest, problem):
+    folder = write_small_checkpoint(tmp_path / "ck")
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert checkpoint_problem(folder).startswith(problem)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        load_checkpoint(folder)
 
 
 def test_overwriting_a_checkpoint_removes_the_old_manifest_first(tmp_path, monkeypatch):

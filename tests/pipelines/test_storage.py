@@ -1,0 +1,314 @@
+"""Run folders on a local disk and in S3 (moto): the newest complete checkpoint, retries, copies.
+
+A checkpoint copy that is cut off halfway is built the way it happens: real checkpoints written
+by ``save_checkpoint``, then the newer one cut (files gone, weights short, manifest gone or half
+written) and, for S3, uploaded object by object with boto3 so the code under test does no writing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ctxmodels import checkpoint as ckpt
+from pipelines import storage
+from tests.ctxmodels.test_checkpoint import CUTS, write_small_checkpoint
+
+# Ray Train V2's names (checkpoint_%Y-%m-%d_%H-%M-%S.%f); NEWER is one microsecond into a new year.
+OLDER = "checkpoint_2025-12-31_23-59-59.999999"
+NEWER = "checkpoint_2026-01-01_00-00-00.000000"
+RAY_NAME = re.compile(r"checkpoint_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}\.\d{6}")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One complete checkpoint, written once and copied into each test's run folder."""
+    return write_small_checkpoint(tmp_path_factory.mktemp("saved") / "checkpoint")
+
+
+@pytest.fixture()
+def sleeps(monkeypatch) -> list[float]:
+    """Retries record their waits here instead of sleeping."""
+    waits: list[float] = []
+    monkeypatch.setattr(storage, "_sleep", waits.append)
+    return waits
+
+
+def local_run(tmp_path: Path, saved: Path, names=(OLDER, NEWER)) -> Path:
+    run = tmp_path / "run"
+    for name in names:
+        shutil.copytree(saved, run / name)
+    return run
+
+
+def publish(run: Path, where: str, request) -> str:
+    """The run's URI: the local folder itself, or a copy uploaded to a fresh moto bucket."""
+    if where == "local":
+        return str(run)
+    import boto3
+
+    bucket = request.getfixturevalue("s3_bucket")
+    client = boto3.client("s3", endpoint_url=request.getfixturevalue("s3_server"))
+    for file in sorted(p for p in run.rglob("*") if p.is_file()):
+        client.upload_file(str(file), bucket, f"runs/r/{file.relative_to(run).as_posix()}")
+    return f"s3://{bucket}/runs/r"
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- the newest complete checkpoint -----------------------------------------------------------
+
+
+def test_checkpoint_names_follow_rays_format():
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    name = StorageContext.make_default_checkpoint_dir_name()
+    assert RAY_NAME.fullmatch(name), f"Ray names checkpoints {name!r} now: update OLDER/NEWER and checkpoint_order"
+    assert RAY_NAME.fullmatch(OLDER) and RAY_NAME.fullmatch(NEWER)
+
+
+def test_checkpoint_order_is_time_order():
+    ray_v2 = [
+        "checkpoint_2025-12-31_23-59-59.999999",
+        "checkpoint_2026-01-01_00-00-00.000000",
+        "checkpoint_2026-01-01_00-00-00.000001",
+        "checkpoint_2026-01-01_00-00-09.000000",
+        "checkpoint_2026-01-01_00-00-10.000000",
+        "checkpoint_2026-02-01_00-00-00.000000",
+    ]
+    ray_v1 = ["checkpoint_000009", "checkpoint_000010", "checkpoint_000100"]
+    steps = ["checkpoint_step_9", "checkpoint_step_10", "checkpoint_step_100"]
+    for names in (ray_v2, ray_v1, steps):
+        assert sorted(reversed(names), key=storage.checkpoint_order) == names
+
+
+def test_manifest_names_agree_with_the_checkpoint_format():
+    assert storage.MANIFEST == ckpt.MANIFEST
+    assert storage.REQUIRED_FILES == (ckpt.WEIGHTS, ckpt.CONFIG)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_newest_complete_checkpoint_wins(tmp_path, saved, where, request, capsys):
+    run = publish(local_run(tmp_path, saved), where, request)
+    assert storage.latest_complete_checkpoint(run) == storage.join(run, NEWER)
+    assert storage.checkpoint_problem(storage.join(run, OLDER)) is None
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("cut", CUTS)
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_newer_checkpoint_cut_in_half_is_skipped(tmp_path, saved, where, cut, request, capsys):
+    local = local_run(tmp_path, saved)
+    expected = CUTS[cut](local / NEWER)
+    run = publish(local, where, request)
+
+    assert storage.latest_complete_checkpoint(run) == storage.join(run, OLDER)
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and storage.join(run, NEWER) in warning and expected in warning, warning
+    # The storage check (a listing and one read) and the local check tell the same story.
+    assert storage.checkpoint_problem(storage.join(run, NEWER)) == ckpt.checkpoint_problem(local / NEWER)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_no_complete_checkpoint_gives_none(tmp_path, saved, where, request, capsys):
+    local = local_run(tmp_path, saved)
+    CUTS["manifest-missing"](local / OLDER)
+    CUTS["weights-truncated"](local / NEWER)
+    (local / "tokenizer").mkdir()  # not a checkpoint folder: ignored
+    run = publish(local, where, request)
+    assert storage.latest_complete_checkpoint(run) is None
+    assert len(capsys.readouterr().err.splitlines()) == 2
+    assert storage.latest_complete_checkpoint(storage.join(run, "no-such-run")) is None
+
+
+def test_names_with_unpadded_numbers_still_pick_the_newest(tmp_path, saved):
+    run = local_run(tmp_path, saved, names=("checkpoint_step_9", "checkpoint_step_10"))
+    assert storage.latest_complete_checkpoint(str(run)) == str(run / "checkpoint_step_10")
+
+
+# ---- retries ------------------------------------------------------------------------------------
+
+
+class FlakyFileSystem:
+    """Wraps a pyarrow filesystem; the first ``failures`` calls to any method raise ``error``."""
+
+    def __init__(self, fs, error: BaseException, failures: int):
+        self.fs, self.error, self.failures, self.calls = fs, error, failures, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.fs, name)
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise self.error
+            return method(*args, **kwargs)
+
+        return call
+
+
+@pytest.fixture()
+def flaky(monkeypatch):
+    """flaky(error, failures): make storage.filesystem hand out a FlakyFileSystem; returns it."""
+    real = storage.filesystem
+
+    def install(error: BaseException, failures: int) -> FlakyFileSystem:
+        wrapper = FlakyFileSystem(None, error, failures)
+
+        def filesystem(uri, endpoint_url=None):
+            fs, path = real(uri, endpoint_url)
+            wrapper.fs = fs
+            return wrapper, path
+
+        monkeypatch.setattr(storage, "filesystem", filesystem)
+        return wrapper
+
+    return install
+
+
+TRANSIENT = {
+    "slow-down": OSError("When listing objects under key 'r/' in bucket 'b': AWS Error SLOW_DOWN during ListObjectsV2 operation: Please reduce your request rate."),
+    "http-503": OSError("AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body."),
+    "network": OSError("AWS Error NETWORK_CONNECTION during ListObjectsV2 operation: curlCode: 7, Could not connect to server"),
+    "connection-reset": ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+    "timeout": TimeoutError("read timed out"),
+    "path-says-forbidden": OSError("When listing objects under key 'forbidden/' in bucket 'b': AWS Error SLOW_DOWN during ListObjectsV2 operation"),
+}
+PERMANENT = {
+    "not-found": FileNotFoundError(errno.ENOENT, "Path does not exist 'b/r'"),
+    "permission": PermissionError(errno.EACCES, "Permission denied"),
+    "access-denied": OSError("AWS Error ACCESS_DENIED (HTTP status 403) during ListObjectsV2 operation: Access Denied"),
+    "no-such-bucket": OSError("AWS Error NO_SUCH_BUCKET during ListObjectsV2 operation: The specified bucket does not exist"),
+    "disk-full": OSError(errno.ENOSPC, "No space left on device"),
+    "invalid-argument": ValueError("Expected a URI"),
+    "path-says-timeout": OSError("When getting information for key 'timeout-sweep/x' in bucket 'b': AWS Error ACCESS_DENIED during HeadObject operation"),
+}
+
+
+@pytest.mark.parametrize("kind", TRANSIENT)
+def test_transient_errors_are_retried_until_the_call_succeeds(tmp_path, saved, flaky, sleeps, kind):
+    run = local_run(tmp_path, saved)
+    fs = flaky(TRANSIENT[kind], failures=2)
+    assert storage.latest_complete_checkpoint(str(run)) == str(run / NEWER)
+    assert fs.calls == 2 + 3  # two failures, then: list the run, list the checkpoint, read its manifest
+    assert len(sleeps) == 2 and 0.1 <= sleeps[0] <= 0.2 <= sleeps[1] <= 0.4  # 0.2 s, 0.4 s, jittered
+
+
+@pytest.mark.parametrize("kind", PERMANENT)
+def test_permanent_errors_are_raised_at_once(tmp_path, saved, flaky, sleeps, kind):
+    fs = flaky(PERMANENT[kind], failures=1)
+    with pytest.raises(type(PERMANENT[kind])) as raised:
+        storage.latest_complete_checkpoint(str(local_run(tmp_path, saved)))
+    assert raised.value is PERMANENT[kind]
+    assert fs.calls == 1 and sleeps == []
+
+
+def test_exhausted_retries_name_the_uri_and_the_attempts(tmp_path, saved, flaky, sleeps):
+    run = local_run(tmp_path, saved)
+    fs = flaky(TRANSIENT["slow-down"], failures=1000)
+    with pytest.raises(storage.StorageError, match=rf"list {re.escape(str(run))}: gave up after 5 attempts: .*SLOW_DOWN"):
+        storage.latest_complete_checkpoint(str(run))
+    assert fs.calls == 5 and len(sleeps) == 4
+
+
+def test_retries_on_s3_reach_the_bucket_after_the_blips(tmp_path, saved, flaky, sleeps, request):
+    run = publish(local_run(tmp_path, saved), "s3", request)
+    flaky(TRANSIENT["http-503"], failures=2)
+    assert storage.latest_complete_checkpoint(run) == storage.join(run, NEWER)
+    assert len(sleeps) == 2
+
+
+def test_backoff_doubles_with_jitter_up_to_a_cap(sleeps):
+    calls = []
+
+    def always_throttled():
+        calls.append(1)
+        raise TRANSIENT["slow-down"]
+
+    with pytest.raises(storage.StorageError, match="gave up after 8 attempts"):
+        storage.with_retries(always_throttled, "list s3://b/r", attempts=8, base_delay=1.0, max_delay=10.0)
+    assert len(calls) == 8 and len(sleeps) == 7
+    for i, wait in enumerate(sleeps):
+        full = min(10.0, 2.0**i)
+        assert full / 2 <= wait <= full, (i, wait)
+
+
+@pytest.mark.parametrize("error", [*TRANSIENT.values(), OSError("flaky network")], ids=[*TRANSIENT, "errno-less"])
+def test_is_transient_says_yes(error):
+    assert storage.is_transient(error)
+
+
+@pytest.mark.parametrize("error", PERMANENT.values(), ids=PERMANENT)
+def test_is_transient_says_no(error):
+    assert not storage.is_transient(error)
+
+
+# ---- copy_dir ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_copy_dir_copies_everything_with_the_manifest_last(tmp_path, saved, where, request, monkeypatch):
+    dest = f"s3://{request.getfixturevalue('s3_bucket')}/runs/r" if where == "s3" else str(tmp_path / "runs" / "r")
+    written = []
+    real_put = storage._put_file
+    monkeypatch.setattr(storage, "_put_file", lambda file, fs, path, rename: (written.append(path), real_put(file, fs, path, rename)))
+
+    storage.copy_dir(saved, storage.join(dest, NEWER))
+    assert written[-1].endswith("/MANIFEST.json") and len(written) == len(tree(saved))
+    assert storage.latest_complete_checkpoint(dest) == storage.join(dest, NEWER)
+    back = storage.download_dir(storage.join(dest, NEWER), tmp_path / "back")
+    assert tree(back) == tree(saved)
+    assert not list(back.rglob("*.tmp"))
+    assert ckpt.load_checkpoint(back, verify_hashes=True).family == "bert"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_copy_dir_cut_off_midway_leaves_no_manifest(tmp_path, saved, where, request, monkeypatch, capsys):
+    """Overwriting a complete copy and dying halfway must not leave the old manifest behind."""
+    dest = f"s3://{request.getfixturevalue('s3_bucket')}/runs/r" if where == "s3" else str(tmp_path / "runs" / "r")
+    storage.copy_dir(saved, storage.join(dest, OLDER))
+    storage.copy_dir(saved, storage.join(dest, NEWER))
+    assert storage.latest_complete_checkpoint(dest) == storage.join(dest, NEWER)
+
+    real_put = storage._put_file
+    written = []
+
+    def dies_on_the_third_file(file, fs, path, rename):
+        if len(written) == 2:
+            raise RuntimeError("worker preempted")
+        written.append(path)
+        real_put(file, fs, path, rename)
+
+    monkeypatch.setattr(storage, "_put_file", dies_on_the_third_file)
+    with pytest.raises(RuntimeError, match="preempted"):
+        storage.copy_dir(saved, storage.join(dest, NEWER))
+    assert storage.checkpoint_problem(storage.join(dest, NEWER)) == "MANIFEST.json missing"
+    assert storage.latest_complete_checkpoint(dest) == storage.join(dest, OLDER)
+    assert "MANIFEST.json missing" in capsys.readouterr().err
+
+
+def test_copy_dir_onto_itself_or_from_nowhere(tmp_path, saved):
+    folder = shutil.copytree(saved, tmp_path / "ck")
+    before = tree(folder)
+    storage.copy_dir(folder, str(folder))
+    assert tree(folder) == before
+    with pytest.raises(storage.StorageError, match="not a local folder"):
+        storage.copy_dir(tmp_path / "missing", str(tmp_path / "out"))
+
+
+def test_copy_dir_without_a_manifest_copies_a_plain_folder(tmp_path):
+    src = tmp_path / "tokenizer"
+    (src / "sub").mkdir(parents=True)
+    (src / "vocab.txt").write_text("a\nb\n")
+    (src / "sub" / "merges.txt").write_text("a b\n")
+    storage.copy_dir(src, f"file://{tmp_path}/out/tokenizer")
+    assert tree(tmp_path / "out" / "tokenizer") == tree(src)
+    storage.copy_dir(src, str(tmp_path / "out" / "tokenizer"))  # again: overwrites in place
+    assert tree(tmp_path / "out" / "tokenizer") == tree(src)
