@@ -5,6 +5,7 @@
     ctx serve --model bert=runs/bert-tiny --model minilm=/path/to/hf-folder
     ctx submit --address http://127.0.0.1:8265 -- pretrain --config configs/bert-tiny.yaml
     ctx demo
+    ctx report runs/bert-tiny
 """
 
 from __future__ import annotations
@@ -36,12 +37,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     tok = train_tokenizer(args.kind, texts, args.vocab_size, lowercase=not args.cased)
     with tempfile.TemporaryDirectory() as d:
         tok.save(d)
-        if storage.is_remote(args.output):
-            storage.upload_dir(d, args.output, args.endpoint_url)
-        else:
-            import shutil
-
-            shutil.copytree(d, storage.filesystem(args.output)[1], dirs_exist_ok=True)
+        storage.copy_dir(d, args.output, args.endpoint_url)
     print(f"{args.kind} tokenizer with {tok.vocab_size} tokens from {len(shards)} shard(s) -> {args.output}")
     return 0
 
@@ -92,6 +88,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(steps=args.steps, port=args.port, verbose=args.verbose)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from jobs.report import write_report
+
+    print(write_report(args.run_uri, out_dir=args.out, endpoint_url=args.endpoint_url))
+    return 0
+
+
 def _add_pretrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/bert-tiny.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any recipe key, e.g. train.lr=3e-4")
@@ -133,6 +136,12 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
 
 
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_uri", metavar="RUN", help="the run folder, <output_dir>/<name> (local, file:// or s3://)")
+    p.add_argument("--out", default=None, help="where to write index.html and the PNGs (default: <run>/report, or ./report-<name> for s3://)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+
+
 # command path -> (help, add-arguments, run)
 COMMANDS = {
     ("tokenizer", "train"): ("train a WordPiece or SentencePiece tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
@@ -140,6 +149,7 @@ COMMANDS = {
     ("serve",): ("serve models over HTTP with Ray Serve", _add_serve, cmd_serve),
     ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
     ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
+    ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
 }
 
 

@@ -41,11 +41,22 @@ def _fmt_eta(seconds: float) -> str:
 
 
 def describe(m: dict[str, Any]) -> str:
-    parts = [f"step {m['step']}/{m['max_steps']}", f"loss {m['loss']:.3f}"]
-    for key, label in (("mlm_acc", "mlm_acc"), ("lm_acc", "lm_acc"), ("ppl", "ppl")):
-        if key in m:
-            parts.append(f"{label} {m[key]:.3f}" if key != "ppl" else f"ppl {m[key]:.1f}")
-    parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    """One line: step/max, loss, accuracies, tokens/s, MFU and data-wait share (fractions, shown
+    as percentages) when the metrics carry them, ETA. Missing keys are left out."""
+    parts = [f"step {m.get('step', '?')}/{m.get('max_steps', '?')}"]
+    if m.get("loss") is not None:
+        parts.append(f"loss {m['loss']:.3f}")
+    for key in ("mlm_acc", "lm_acc"):
+        if m.get(key) is not None:
+            parts.append(f"{key} {m[key]:.3f}")
+    if m.get("ppl") is not None:
+        parts.append(f"ppl {m['ppl']:.1f}")
+    if m.get("tokens_per_s") is not None:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if m.get("data_wait") is not None:
+        parts.append(f"data wait {100 * m['data_wait']:.0f}%")
     if m.get("eta_s") is not None:
         parts.append(f"ETA {_fmt_eta(m['eta_s'])}")
     return " | ".join(parts)
