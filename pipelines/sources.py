@@ -1,4 +1,4 @@
-"""Reading corpus shards into documents.
+"""Reading corpus shards into documents, accounting for every record that is not used.
 
 Formats (picked by suffix, or forced by ``fmt``):
 
@@ -9,20 +9,48 @@ Formats (picked by suffix, or forced by ``fmt``):
 - ``.parquet``: the document is column ``text_field``, read row group by row group.
 
 A shard is read as a stream of document chunks, so a multi-GB shard never sits in memory whole.
+
+Bad data. A *record* is a non-blank line of a text shard (blank lines separate documents and are
+not records), a non-blank line of a JSONL shard, or a row of a Parquet shard. Every record is
+either used or rejected with a reason, so ``read == used + rejected`` for every shard
+(``ReadStats``). By default a bad record is skipped and counted; ``strict=True`` raises
+``CorpusError`` at the first one instead, naming ``shard:line`` (``shard:row R`` for Parquet).
+
+What is rejected, by reason (the short category; ``ReadStats.examples`` keeps the details):
+
+- ``invalid UTF-8``: the line, and reading goes on with the next line (each line's bytes are
+  decoded on their own, so one bad byte costs one line).
+- ``line too long`` / ``value too long``: more than ``max_record_chars`` characters. A long line
+  is skipped as it streams by: no more than about ``max_record_chars`` of it is held in memory.
+- ``corrupt gzip`` / ``truncated gzip``: everything decoded before the damage is used; the
+  unreadable remainder of the shard counts as one rejected record.
+- ``malformed JSON``, ``not an object``, ``missing field``, ``not a string``: JSONL lines.
+- ``empty text`` (blank text) and ``null text`` (a Parquet null).
+- ``unreadable Parquet``: a file pyarrow cannot open counts as one record; a row group it cannot
+  read counts as its rows.
+
+An empty file (or one with only blank lines) has no records: it is not an error, even in strict
+mode, and ``ReadStats.empty`` says so for the data report (``pipelines.datareport``).
 """
 
 from __future__ import annotations
 
-import io
 import json
+import zlib
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Any, ClassVar, Iterator, Literal
 
 import pyarrow.fs as pafs
 
-from pipelines.storage import filesystem, with_retries
+from pipelines.storage import StorageError, filesystem, with_retries
 
 Format = Literal["auto", "text", "jsonl", "parquet"]
+
+MAX_RECORD_CHARS = 1_000_000  # default of data.max_record_chars: a bound on one record, not a tokenizer limit
+_BLOCK = 1 << 16  # bytes read (or inflated) at a time: the unit of memory while reading a shard
+_GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib expects a gzip header and trailer (CRC32, size)
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: every other byte starts a character
+_BOM = b"\xef\xbb\xbf"
 
 
 class CorpusError(ValueError):
@@ -31,21 +59,58 @@ class CorpusError(ValueError):
 
 @dataclass
 class ReadStats:
-    """Per-shard counts: ``read == used + rejected`` always holds."""
+    """What became of the records of one shard: ``read == used + rejected`` always holds.
+
+    ``reasons`` counts rejections by short category (see the module docstring); ``examples``
+    keeps the first ``MAX_EXAMPLES`` rejections as ``(line, message)``, where ``line`` is the
+    1-based line (the 0-based row for Parquet) or None when the whole file is concerned.
+    """
 
     read: int = 0
     used: int = 0
     rejected: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    examples: list[tuple[int | None, str]] = field(default_factory=list)
 
-    def reject(self, reason: str) -> None:
-        self.read += 1
-        self.rejected += 1
-        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+    MAX_EXAMPLES: ClassVar[int] = 5
 
-    def use(self) -> None:
-        self.read += 1
-        self.used += 1
+    @property
+    def empty(self) -> bool:
+        """True when the shard held no record at all (an empty file, or only blank lines)."""
+        return self.read == 0
+
+    def use(self, count: int = 1) -> None:
+        self.read += count
+        self.used += count
+
+    def reject(self, reason: str, message: str | None = None, line: int | None = None, count: int = 1) -> None:
+        """Count ``count`` records rejected for ``reason``; ``message`` says what exactly was wrong."""
+        self.read += count
+        self.rejected += count
+        self.reasons[reason] = self.reasons.get(reason, 0) + count
+        if len(self.examples) < self.MAX_EXAMPLES:
+            self.examples.append((line, message or reason))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values; ``from_dict`` reads them back."""
+        return {
+            "read": self.read,
+            "used": self.used,
+            "rejected": self.rejected,
+            "reasons": dict(self.reasons),
+            "examples": [[line, message] for line, message in self.examples],
+            "empty": self.empty,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReadStats:
+        return cls(
+            read=int(d["read"]),
+            used=int(d["used"]),
+            rejected=int(d["rejected"]),
+            reasons={str(k): int(v) for k, v in d.get("reasons", {}).items()},
+            examples=[(line, str(message)) for line, message in d.get("examples", [])],
+        )
 
 
 def detect_format(path: str) -> Format:
@@ -59,6 +124,21 @@ def detect_format(path: str) -> Format:
     raise CorpusError(f"{path}: unknown corpus format (use .txt, .jsonl, .parquet, optionally .gz, or set data.format)")
 
 
+@dataclass
+class _Shard:
+    """Where rejections of one shard go: counted in ``stats``, or raised when ``strict``."""
+
+    uri: str
+    stats: ReadStats
+    strict: bool
+
+    def reject(self, reason: str, message: str, line: int | None, count: int = 1, row: bool = False) -> None:
+        self.stats.reject(reason, message, line, count)
+        if self.strict:
+            where = self.uri if line is None else f"{self.uri}:row {line}" if row else f"{self.uri}:{line}"
+            raise CorpusError(f"{where}: {message}")
+
+
 def iter_documents(
     uri: str,
     fmt: Format = "auto",
@@ -66,24 +146,29 @@ def iter_documents(
     chunk_docs: int = 2048,
     endpoint_url: str | None = None,
     stats: ReadStats | None = None,
+    strict: bool = False,
+    max_record_chars: int = MAX_RECORD_CHARS,
 ) -> Iterator[list[str]]:
-    """Yield lists of up to ``chunk_docs`` documents from one shard."""
+    """Yield lists of up to ``chunk_docs`` documents from one shard.
+
+    Bad records are skipped and counted in ``stats`` (pass one to read the counts when the
+    iterator is exhausted), or raise ``CorpusError`` at the first one when ``strict``.
+    Records longer than ``max_record_chars`` characters are rejected.
+    """
     fmt = detect_format(uri) if fmt == "auto" else fmt
-    stats = stats if stats is not None else ReadStats()
+    shard = _Shard(uri, stats if stats is not None else ReadStats(), strict)
     fs, path = filesystem(uri, endpoint_url)
     if fmt == "parquet":
-        yield from _parquet_docs(fs, path, uri, text_field, chunk_docs, stats)
+        yield from _parquet_docs(fs, path, shard, text_field, chunk_docs, max_record_chars)
         return
-    compression = "gzip" if path.endswith(".gz") else None
-    stream = with_retries(lambda: fs.open_input_stream(path, compression=compression), f"open {uri}")
+    stream = with_retries(lambda: fs.open_input_stream(path, compression=None), f"open {uri}")
     with stream:
-        text = io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="\n")
-        lines = _lines(text, uri)
-        docs = _text_docs(lines) if fmt == "text" else _jsonl_docs(lines, uri, text_field, stats)
+        blocks = _blocks(stream, uri)
+        pieces = _gunzip(blocks) if path.endswith(".gz") else blocks
+        lines = _decoded_lines(pieces, shard, max_record_chars)
+        docs = _text_docs(lines, shard.stats) if fmt == "text" else _jsonl_docs(lines, shard, text_field)
         chunk: list[str] = []
         for doc in docs:
-            if fmt == "text":
-                stats.use()
             chunk.append(doc)
             if len(chunk) >= chunk_docs:
                 yield chunk
@@ -92,21 +177,149 @@ def iter_documents(
             yield chunk
 
 
-def _lines(text: io.TextIOWrapper, uri: str) -> Iterator[tuple[int, str]]:
+# ---------------------------------------------------------------------------------------------
+# Bytes -> lines, with bounded memory and damage confined to what it damaged.
+
+
+class _GzipDamage(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _blocks(stream: pafs.NativeFile, uri: str) -> Iterator[bytes]:
+    while True:
+        try:
+            block = stream.read(_BLOCK)
+        except OSError as e:  # the store, not the data: let the task be retried
+            raise StorageError(f"read {uri}: {e}") from e
+        if not block:
+            return
+        yield block
+
+
+def _gunzip(blocks: Iterator[bytes]) -> Iterator[bytes]:
+    """Inflate gzip members (``cat a.gz b.gz`` is valid gzip) in pieces of at most ``_BLOCK`` bytes.
+
+    Raises ``_GzipDamage`` where the data stops making sense, after yielding every byte that
+    was decoded before that point (an error inside one zlib call would otherwise drop the whole
+    call's output, so the failing block is replayed one byte at a time from a copy of the
+    decoder's state).
+    """
+    d = zlib.decompressobj(_GZIP_WBITS)
+    fed = False  # has the current member received any input?
+    for block in blocks:
+        while block:
+            fed = True
+            before = d.copy()
+            done = 0
+            try:
+                for piece in _inflate(d, block):
+                    done += len(piece)
+                    yield piece
+            except zlib.error as e:
+                yield from _replay(before, block, skip=done)
+                raise _GzipDamage("corrupt gzip", str(e)) from None
+            if not d.eof:
+                break
+            block = d.unused_data.lstrip(b"\0")  # next member; zero padding after a member is allowed
+            d, fed = zlib.decompressobj(_GZIP_WBITS), False
+    if fed and not d.eof:
+        raise _GzipDamage("truncated gzip", "the compressed data ends before the end of the gzip stream")
+
+
+def _inflate(d: Any, data: bytes) -> Iterator[bytes]:
+    while True:
+        out = d.decompress(data, _BLOCK)
+        if out:
+            yield out
+        if d.eof:
+            return
+        data = d.unconsumed_tail
+        if not data and len(out) < _BLOCK:  # input used up and no output held back
+            return
+
+
+def _replay(d: Any, block: bytes, skip: int) -> Iterator[bytes]:
+    """The output of ``block`` decodable before its damaged byte, minus ``skip`` bytes already given."""
+    try:
+        for i in range(len(block)):
+            for piece in _inflate(d, block[i : i + 1]):
+                if skip >= len(piece):
+                    skip -= len(piece)
+                    continue
+                yield piece[skip:]
+                skip = 0
+    except zlib.error:
+        return
+
+
+def _split_lines(pieces: Iterator[bytes], max_chars: int) -> Iterator[tuple[bytes | None, str]]:
+    """``(line, "")`` for each line (without its newline), or ``(None, length)`` for a line longer
+    than ``max_chars`` characters, which is measured as it streams past instead of being held."""
+    max_bytes = 4 * max_chars  # no valid UTF-8 line of max_chars characters is longer
+    held: list[bytes] = []  # the start of the current line: at most max_chars characters, max_bytes bytes
+    chars = nbytes = 0
+    overflow = False  # the current line is too long: only its length is still tracked
+    for piece in pieces:
+        parts = piece.split(b"\n")
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if not held and not overflow and not last:  # the common case: a whole line inside one piece
+                n = len(part) if len(part) <= max_chars else _chars(part)
+                yield (part, "") if n <= max_chars else (None, _length(n, len(part)))
+                continue
+            chars += _chars(part)
+            nbytes += len(part)
+            if not overflow and (chars > max_chars or nbytes > max_bytes):
+                overflow, held = True, []
+            if not overflow:
+                held.append(part)
+            if not last:
+                yield (None, _length(chars, nbytes)) if overflow else (b"".join(held), "")
+                held, chars, nbytes, overflow = [], 0, 0, False
+    if nbytes:  # a last line without a newline
+        yield (None, _length(chars, nbytes)) if overflow else (b"".join(held), "")
+
+
+def _length(chars: int, nbytes: int) -> str:
+    return f"{chars} characters" if chars * 4 >= nbytes else f"{chars} characters ({nbytes} bytes, not UTF-8)"
+
+
+def _chars(b: bytes) -> int:
+    return len(b.translate(None, _CONTINUATION))
+
+
+def _decoded_lines(pieces: Iterator[bytes], shard: _Shard, max_chars: int) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of every readable line, blank ones included; the rest is rejected."""
     n = 0
     try:
-        for n, line in enumerate(text, 1):
-            yield n, line.rstrip("\n").rstrip("\r")
-    except UnicodeDecodeError as e:
-        raise CorpusError(f"{uri}: invalid UTF-8 after line {n}: {e.reason}") from None
-    except (OSError, EOFError) as e:  # gzip truncated or corrupt
-        raise CorpusError(f"{uri}: cannot read after line {n}: {e}") from None
+        for raw, length in _split_lines(pieces, max_chars):
+            n += 1
+            if raw is None:
+                shard.reject("line too long", f"line of {length} exceeds data.max_record_chars={max_chars}", n)
+                continue
+            if n == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                shard.reject("invalid UTF-8", f"invalid UTF-8 at byte {e.start} of the line: {e.reason}", n)
+                continue
+            yield n, text.rstrip("\r")
+    except _GzipDamage as e:
+        shard.reject(e.reason, f"{e.reason} after line {n}: {e.detail}", n + 1)
 
 
-def _text_docs(lines: Iterator[tuple[int, str]]) -> Iterator[str]:
+# ---------------------------------------------------------------------------------------------
+# Lines -> documents.
+
+
+def _text_docs(lines: Iterator[tuple[int, str]], stats: ReadStats) -> Iterator[str]:
     doc: list[str] = []
     for _, line in lines:
         if line.strip():
+            stats.use()
             doc.append(line.strip())
         elif doc:
             yield "\n".join(doc)
@@ -115,56 +328,85 @@ def _text_docs(lines: Iterator[tuple[int, str]]) -> Iterator[str]:
         yield "\n".join(doc)
 
 
-def _jsonl_docs(lines: Iterator[tuple[int, str]], uri: str, text_field: str, stats: ReadStats) -> Iterator[str]:
+def _jsonl_docs(lines: Iterator[tuple[int, str]], shard: _Shard, text_field: str) -> Iterator[str]:
     for n, line in lines:
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise CorpusError(f"{uri}:{n}: malformed JSON: {e.msg}") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise CorpusError(f"{uri}:{n}: record has no {text_field!r} field (set data.text_field)")
+            shard.reject("malformed JSON", f"malformed JSON: {e.msg} (column {e.colno})", n)
+            continue
+        if not isinstance(record, dict):
+            shard.reject("not an object", f"record is a JSON {type(record).__name__}, not an object", n)
+            continue
+        if text_field not in record:
+            shard.reject("missing field", f"record has no {text_field!r} field (set data.text_field)", n)
+            continue
         value = record[text_field]
         if not isinstance(value, str):
-            raise CorpusError(f"{uri}:{n}: field {text_field!r} is {type(value).__name__}, not a string")
-        if value.strip():
-            stats.use()
-            yield value
+            shard.reject("not a string", f"field {text_field!r} is {type(value).__name__}, not a string", n)
+        elif not value.strip():
+            shard.reject("empty text", f"field {text_field!r} is blank", n)
         else:
-            stats.reject("empty text")
+            shard.stats.use()
+            yield value
 
 
-def _parquet_docs(fs: pafs.FileSystem, path: str, uri: str, text_field: str, chunk_docs: int, stats: ReadStats) -> Iterator[list[str]]:
+def _parquet_docs(fs: pafs.FileSystem, path: str, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int) -> Iterator[list[str]]:
     import pyarrow.parquet as pq
 
+    with with_retries(lambda: fs.open_input_file(path), f"open {shard.uri}") as f:
+        if f.size() == 0:
+            return  # an empty file: no records
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises ArrowInvalid for corrupt footers
+            shard.reject("unreadable Parquet", f"not a readable Parquet file: {e}", None)
+            return
+        if text_field not in pf.schema_arrow.names:
+            message = f"no column {text_field!r} (columns: {pf.schema_arrow.names}; set data.text_field)"
+            if pf.metadata.num_rows:
+                shard.reject("missing field", message, None, count=pf.metadata.num_rows)
+            return
+        start = 0  # row index of the row group's first row
+        for rg in range(pf.num_row_groups):
+            yield from _row_group_docs(pf, rg, start, shard, text_field, chunk_docs, max_chars)
+            start += pf.metadata.row_group(rg).num_rows
+
+
+def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int) -> Iterator[list[str]]:
     try:
-        pf = pq.ParquetFile(with_retries(lambda: fs.open_input_file(path), f"open {uri}"))
-    except Exception as e:  # pyarrow raises ArrowInvalid for corrupt footers
-        raise CorpusError(f"{uri}: not a readable Parquet file: {e}") from None
-    if text_field not in pf.schema_arrow.names:
-        raise CorpusError(f"{uri}: no column {text_field!r} (columns: {pf.schema_arrow.names}; set data.text_field)")
-    for rg in range(pf.num_row_groups):
-        col = pf.read_row_group(rg, columns=[text_field]).column(0).to_pylist()
-        chunk = []
-        for value in col:
-            if isinstance(value, str) and value.strip():
-                stats.use()
-                chunk.append(value)
-            else:
-                stats.reject("empty or null text")
+        values = pf.read_row_group(rg, columns=[text_field]).column(0).to_pylist()
+    except Exception as e:  # a damaged page or column chunk: the footer said how many rows are lost
+        rows = pf.metadata.row_group(rg).num_rows
+        shard.reject("unreadable Parquet", f"row group {rg} (rows {start}-{start + rows - 1}) unreadable: {e}", start, count=rows, row=True)
+        return
+    chunk: list[str] = []
+    for row, value in enumerate(values, start):
+        if value is None:
+            shard.reject("null text", f"column {text_field!r} is null", row, row=True)
+        elif not isinstance(value, str):
+            shard.reject("not a string", f"column {text_field!r} holds {type(value).__name__}, not a string", row, row=True)
+        elif not value.strip():
+            shard.reject("empty text", f"column {text_field!r} is blank", row, row=True)
+        elif len(value) > max_chars:
+            shard.reject("value too long", f"value of {len(value)} characters exceeds data.max_record_chars={max_chars}", row, row=True)
+        else:
+            shard.stats.use()
+            chunk.append(value)
             if len(chunk) >= chunk_docs:
                 yield chunk
                 chunk = []
-        if chunk:
-            yield chunk
+    if chunk:
+        yield chunk
 
 
 def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text", endpoint_url: str | None = None) -> Iterator[str]:
     """Documents from the first shards until ``max_chars`` characters: what tokenizers train on.
 
     Shards are visited round-robin (one chunk from each in turn) so a sample of a large corpus
-    is not all from its first file.
+    is not all from its first file. Bad records are skipped.
     """
     iters = [iter_documents(u, fmt, text_field, chunk_docs=256, endpoint_url=endpoint_url) for u in uris]
     total = 0

@@ -9,7 +9,7 @@ import pytest
 
 from pipelines import storage
 from pipelines.dataset import shard_keys, shard_order
-from pipelines.sources import CorpusError, iter_documents, sample_text
+from pipelines.sources import CorpusError, ReadStats, iter_documents, sample_text
 
 DOCS = ["the river bank was muddy.\nwe walked along it.", "the bank approved the loan.", "a third document\nwith two lines."]
 
@@ -57,25 +57,40 @@ def test_inputs_that_match_nothing_say_so(tmp_path):
         storage.list_files(str(tmp_path / "*.zzz"))
 
 
-def test_bad_records_name_the_shard_and_line(tmp_path):
+def test_strict_reading_names_the_shard_and_line_of_the_first_bad_record(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
     with pytest.raises(CorpusError, match=r"bad.jsonl:2: malformed JSON"):
-        all_docs(str(bad))
+        all_docs(str(bad), strict=True)
     nofield = tmp_path / "nofield.jsonl"
     nofield.write_text('{"body": "x"}\n')
     with pytest.raises(CorpusError, match=r"nofield.jsonl:1: record has no 'text' field"):
-        all_docs(str(nofield))
+        all_docs(str(nofield), strict=True)
     trunc = tmp_path / "trunc.txt.gz"
     words = [f"w{i * 7919 % 100003}" for i in range(20000)]  # little redundancy: compresses poorly
     full = gzip.compress(" ".join(words).encode())
     trunc.write_bytes(full[: len(full) // 2])
-    with pytest.raises(CorpusError, match="trunc.txt.gz"):
-        all_docs(str(trunc))
+    with pytest.raises(CorpusError, match=r"trunc.txt.gz:1: truncated gzip after line 0"):
+        all_docs(str(trunc), strict=True)
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9\n".encode("latin-1"))
-    with pytest.raises(CorpusError, match="latin.txt: invalid UTF-8"):
-        all_docs(str(latin))
+    with pytest.raises(CorpusError, match="latin.txt:1: invalid UTF-8"):
+        all_docs(str(latin), strict=True)
+
+
+def test_bad_records_are_skipped_and_counted_by_default(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n{"body": "x"}\n')
+    stats = ReadStats()
+    assert all_docs(str(bad), stats=stats) == ["fine"]
+    assert (stats.read, stats.used, stats.rejected) == (3, 1, 2)
+    assert stats.reasons == {"malformed JSON": 1, "missing field": 1}
+    assert [line for line, _ in stats.examples] == [2, 3]
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9\ntea\n".encode("latin-1"))
+    stats = ReadStats()
+    assert all_docs(str(latin), stats=stats) == ["tea"]
+    assert stats.reasons == {"invalid UTF-8": 1} and stats.read == 2
 
 
 def test_sample_text_stops_at_budget_and_visits_every_shard(tmp_path):
