@@ -331,10 +331,18 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-def optimizer_state_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
+def optimizer_state_to_tensors(optimizer: torch.optim.Optimizer | dict, name: str | None = None) -> tuple[dict[str, Tensor], dict]:
     """(tensors, meta): tensors named "state.<param index>.<key>" / "param_groups.<group>.<key>"
-    (CPU copies, for a safetensors file) and meta (JSON-able: hyper-parameters and scalar state)."""
-    sd = optimizer.state_dict()
+    (CPU copies, for a safetensors file) and meta (JSON-able: hyper-parameters and scalar state).
+
+    ``optimizer``: an optimizer, or a state dict in its layout (e.g. gathered from FSDP shards)
+    with ``name`` the optimizer's class name."""
+    if isinstance(optimizer, dict):
+        if name is None:
+            raise ValueError("optimizer_state_to_tensors: a state dict needs the optimizer's class name")
+        sd = optimizer
+    else:
+        sd, name = optimizer.state_dict(), type(optimizer).__name__
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, param_state in sd["state"].items():
@@ -352,16 +360,20 @@ def optimizer_state_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[s
             else:
                 plain[key] = _to_json(value)
         groups.append(plain)
-    meta = {"optimizer": type(optimizer).__name__, "state": scalars, "param_groups": groups}
+    meta = {"optimizer": name, "state": scalars, "param_groups": groups}
     return tensors, meta
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict) -> None:
     """Inverse of ``optimizer_state_to_tensors``: load into an optimizer over the same parameters."""
-    if meta.get("optimizer") != type(optimizer).__name__:
-        raise ValueError(
-            f"optimizer state was saved from {meta.get('optimizer')!r}, cannot load into {type(optimizer).__name__}"
-        )
+    optimizer.load_state_dict(optimizer_state_from_tensors(tensors, meta, type(optimizer).__name__))
+
+
+def optimizer_state_from_tensors(tensors: dict[str, Tensor], meta: dict, expect: str | None = None) -> dict[str, Any]:
+    """The optimizer state dict saved by ``optimizer_state_to_tensors`` (``expect``: the class
+    name of the optimizer it is for; a mismatch is refused)."""
+    if expect is not None and meta.get("optimizer") != expect:
+        raise ValueError(f"optimizer state was saved from {meta.get('optimizer')!r}, cannot load into {expect}")
     groups = [_from_json(g) for g in meta["param_groups"]]
     state: dict[int, dict[str, Any]] = {}
     for pid, values in meta["state"].items():
@@ -374,4 +386,4 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, Te
             groups[int(index)][key] = tensor
         else:
             raise ValueError(f"unexpected optimizer tensor name {name!r}")
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}

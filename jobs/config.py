@@ -106,6 +106,8 @@ class DataSection(_Section):
     shuffle_files: bool = True  # a new shard order each epoch, keyed by (seed, epoch)
     max_epochs: int = Field(100, ge=1)  # the stream ends after this many passes
     tokenize_actors: int = Field(1, ge=1)  # size of the Ray Data actor pool that tokenizes
+    strict: bool = False  # fail at the first bad record (shard:line: reason) instead of counting it
+    max_record_chars: int = Field(1_000_000, ge=1)  # longer lines/records are rejected as bad data
     endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
 
 
@@ -124,7 +126,10 @@ FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 class TrainSection(_Section):
-    batch_size: int = Field(32, ge=1)  # global: summed over workers
+    batch_size: int = Field(32, ge=1)  # global, per optimizer step: fixed whatever the worker count
+    # Rows per worker forward/backward; default batch_size / the most workers. Fewer workers run
+    # more micro-batches per step (gradient accumulation), so the global batch stays batch_size.
+    micro_batch_size: int | None = Field(None, ge=1)
     lr: float = Field(5e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.98)  # RoBERTa's beta2 = 0.98 for large-batch stability
     eps: float = Field(1e-6, gt=0)
@@ -135,6 +140,9 @@ class TrainSection(_Section):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(100, ge=1)
     seed: int = 0  # model initialisation
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU, fp32 weights and optimizer
+    compile: bool = False  # torch.compile the model
+    sample_log: bool = False  # write every consumed sample id (and a digest of its tokens) to <run>/sample_log/
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -143,9 +151,30 @@ class TrainSection(_Section):
 
 
 class ScalingSection(_Section):
-    num_workers: int = Field(2, ge=1)
+    # An int, or [min, max] for elastic training: Ray Train starts with as many workers as the
+    # cluster can place (at least min) and restarts the group at a new size when that changes.
+    num_workers: int | tuple[int, int] = 2
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
+    max_failures: int = Field(2, ge=-1)  # worker-group restarts after failures before the run fails; -1: no limit
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: parameters, gradients and optimizer sharded
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple):
+            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v) or not 1 <= v[0] <= v[1]:
+                raise ValueError(f"num_workers: expected an int or [min, max] with 1 <= min <= max, got {list(v)}")
+        elif isinstance(v, int) and v < 1:
+            raise ValueError(f"num_workers: must be >= 1, got {v}")
+        return v
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        n = self.num_workers
+        return (n, n) if isinstance(n, int) else n
 
 
 class Recipe(_Section):
@@ -157,12 +186,26 @@ class Recipe(_Section):
     train: TrainSection = TrainSection()
     scaling: ScalingSection = ScalingSection()
 
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.micro_batch_size or self.train.batch_size // self.scaling.worker_range[1]
+
+    def accumulation(self, world: int) -> int:
+        """Micro-batches each of ``world`` workers runs per optimizer step."""
+        return self.train.batch_size // (world * self.micro_batch_size)
+
     @model_validator(mode="after")
     def _check_batch(self) -> "Recipe":
-        if self.train.batch_size % self.scaling.num_workers:
+        lo, hi = self.scaling.worker_range
+        g, m = self.train.batch_size, self.micro_batch_size
+        if m < 1:
+            raise ValueError(f"train.batch_size: {g} is smaller than scaling.num_workers={hi}")
+        bad = [w for w in range(lo, hi + 1) if g % (w * m)]
+        if bad:
             raise ValueError(
-                f"train.batch_size: {self.train.batch_size} is not divisible by "
-                f"scaling.num_workers={self.scaling.num_workers}"
+                f"train.batch_size: {g} is not a multiple of micro_batch_size ({m}) x workers for "
+                f"{bad} worker(s); every worker count in scaling.num_workers must run whole micro-batches "
+                f"(set train.micro_batch_size or choose the range so that it divides)"
             )
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")

@@ -39,15 +39,17 @@ def epoch_dir(run_uri: str, epoch: int) -> str:
     return join(run_uri, REPORTS_DIR, f"epoch-{epoch:05d}")
 
 
-def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int, stats: ReadStats, endpoint_url: str | None = None) -> str:
-    """Write the counts of one shard read in one epoch; returns the report's URI.
+def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int, stats: ReadStats, endpoint_url: str | None = None, samples: int | None = None) -> str:
+    """Write the counts of one shard read in one epoch; returns the report's URI. ``samples``:
+    how many training samples the shard's used records made (0 tells training that the shard
+    is done for the epoch although none of its samples will ever arrive).
 
     Idempotent: the file is named by ``(epoch, shard_key)`` and holds nothing else, so writing
     it again (a retried task) leaves the same report. Readers never see half a file: on a local
     disk it is written under a temporary name and renamed; on an object store it is one PUT.
     """
     uri = join(epoch_dir(run_uri, epoch), f"{shard_key:08x}.json")
-    record = {"epoch": epoch, "shard": shard_uri, "shard_key": shard_key, **stats.to_dict()}
+    record = {"epoch": epoch, "shard": shard_uri, "shard_key": shard_key, "samples": samples, **stats.to_dict()}
     data = (json.dumps(record, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
     fs, path = filesystem(uri, endpoint_url)
     folder = path.rsplit("/", 1)[0]
@@ -138,9 +140,32 @@ def _read_shard_report(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, An
         shard, key = str(raw["shard"]), int(raw["shard_key"])
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise StorageError(f"{uri}: not a shard report ({e}); delete it and read the shard again") from None
-    row = {"shard": shard, "shard_key": key, **stats.to_dict()}
+    row = {"shard": shard, "shard_key": key, "samples": raw.get("samples"), **stats.to_dict()}
     row["empty"] = stats.empty
     return row
+
+
+def write_epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None) -> dict[str, Any]:
+    """Merge one epoch's shard reports and write them as ``data_reports/epoch-NNNNN.json``."""
+    report = epoch_report(run_uri, epoch, endpoint_url)
+    uri = join(run_uri, REPORTS_DIR, f"epoch-{epoch:05d}.json")
+    fs, path = filesystem(uri, endpoint_url)
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    data = (json.dumps(report, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+
+    def put() -> None:
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+
+    with_retries(put, f"write data report {uri}")
+    return report
+
+
+def sampleless_shards(run_uri: str, epoch: int, endpoint_url: str | None = None) -> set[int]:
+    """Keys of the shards read whole in ``epoch`` that made no training samples (empty, or every
+    record rejected, or too short to pack)."""
+    return {s["shard_key"] for s in epoch_report(run_uri, epoch, endpoint_url)["shards"] if s.get("samples") == 0}
 
 
 def format_report(report: dict[str, Any]) -> str:

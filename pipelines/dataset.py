@@ -22,7 +22,7 @@ Stage 1 builds one of four kinds of rows:
 Stream-ordered batches under Ray Data. Ray re-batches rows and splits them between workers as it
 likes, which would tear row r of one batch away from row r of the next. So a Ray Data row holds a
 whole per-worker batch: every column is (B_worker, ...) in one row, B_worker =
-``StreamSpec.stream_rows`` = ``train.batch_size / num_workers``, plus two bookkeeping columns:
+``StreamSpec.stream_rows`` = ``train.micro_batch_size`` (fixed whatever the worker count), plus two bookkeeping columns:
 ``_stream_block`` (a stable id of the block of consecutive batches: a hash of shard key, epoch and
 block index) and ``_stream_index`` (the batch's position in its block). One Ray block holds one
 stream block, so its batches go to one worker in order; the training loop iterates with
@@ -48,14 +48,17 @@ from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
+from pipelines import storage
 from pipelines.char_ids import add_char_ids, build_char_table
 from pipelines.lm import causal_lm_targets
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens
 from pipelines.packing import Packer
 from pipelines.pairs import build_nsp_pairs, build_sop_pairs
 from pipelines.permutation import PlmConfig, plm_targets
+from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform, mix64, stable_hash64
-from pipelines.sources import Format, iter_documents
+from pipelines.datareport import write_shard_report
+from pipelines.sources import Format, ReadStats, iter_documents
 from pipelines.spans import NgramConfig, SpanConfig, ngram_mask, span_mask
 from pipelines.streams import StreamBatcher
 from pipelines.tokenizers import ROLES, Tokenizer, load_tokenizer
@@ -90,10 +93,17 @@ class StreamSpec:
     plm: PlmConfig = field(default_factory=PlmConfig)  # "plm"
     short_seq_prob: float = 0.1  # "nsp", "sop": share of pairs cut shorter than seq_len (BERT: 0.1)
     plm_stream: bool = True  # "plm": stream-ordered batches (XLNet's memory); False: packed rows
-    stream_rows: int = 0  # stream objectives: rows per worker batch (train.batch_size / num_workers)
+    stream_rows: int = 0  # stream objectives: rows per worker micro-batch (train.micro_batch_size)
     stream_block_batches: int | None = 32  # stream objectives: batches per block (None: a shard)
     char_max_chars: int = 50  # "bilm": characters per token (ElmoConfig.max_chars)
     tokenize_actors: int = 1
+    strict: bool = False  # fail at the first bad record instead of counting it (pipelines.sources)
+    max_record_chars: int = 1_000_000  # longer records are rejected as bad data
+    # The run this stream feeds. Its latest committed checkpoint holds the data position
+    # (pipelines.position): samples listed there are dropped when the stream starts. Each shard's
+    # read/used/rejected counts go to <run_uri>/data_reports/ (pipelines.datareport).
+    # None: a stream from scratch, no reports.
+    run_uri: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,19 +263,27 @@ def tokenizer_files(local_dir: str | Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
+def tokenizer_dir_from_files(files: dict[str, bytes]) -> Path:
+    """``tokenizer_files`` written back to a fresh local folder."""
     root = Path(tempfile.mkdtemp(prefix="ctx-tokenizer-"))
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
-    return load_tokenizer(root)
+    return root
 
 
-def _documents(uri: str, spec: StreamSpec) -> Iterator[list[str]]:
-    return iter_documents(uri, spec.fmt, spec.text_field, endpoint_url=spec.endpoint_url)
+def tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
+    return load_tokenizer(tokenizer_dir_from_files(files))
 
 
-def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec) -> Iterator[dict[str, np.ndarray]]:
+def _documents(uri: str, spec: StreamSpec, stats: ReadStats | None) -> Iterator[list[str]]:
+    return iter_documents(
+        uri, spec.fmt, spec.text_field, endpoint_url=spec.endpoint_url,
+        stats=stats, strict=spec.strict, max_record_chars=spec.max_record_chars,
+    )
+
+
+def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Packed rows of one shard, in shard order, with their sample ids."""
     packer = Packer(spec.seq_len, tok.cls_id, tok.sep_id, tok.pad_id)
     index = 0
@@ -279,7 +297,7 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec)
         index += n
         return {**block, "sample_id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
 
-    for docs in _documents(uri, spec):
+    for docs in _documents(uri, spec, stats):
         out = emit(packer.add(tok.encode_batch(docs)))
         if out is not None:
             yield out
@@ -288,12 +306,12 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec)
         yield out
 
 
-def pair_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind) -> Iterator[dict[str, np.ndarray]]:
+def pair_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """NSP or SOP sentence pairs of one shard, chunk by chunk of documents, with their sample ids."""
     build = build_nsp_pairs if kind == "nsp-pairs" else build_sop_pairs
     vocab = VocabInfo.from_tokenizer(tok)
     index = 0
-    for docs in _documents(uri, spec):
+    for docs in _documents(uri, spec, stats):
         sentences = [doc.split("\n") for doc in docs]  # a line is a sentence (module docstring)
         ids = tok.encode_batch([s for sents in sentences for s in sents])  # one native batch call
         bounds = np.cumsum([0] + [len(sents) for sents in sentences])  # (D+1,)
@@ -312,7 +330,7 @@ def stream_block_id(key: int, epoch: int, block_index: int) -> int:
     return int(h[0] & np.uint64(0x7FFFFFFFFFFFFFFF))
 
 
-def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, batch_rows: int) -> Iterator[list[dict[str, np.ndarray]]]:
+def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, batch_rows: int, stats: ReadStats | None = None) -> Iterator[list[dict[str, np.ndarray]]]:
     """Stream-ordered batches (batch_rows, seq_len) of one shard, as a list per block.
 
     Each batch has ``input_ids``, ``attention_mask``, ``reset_memory`` (the batcher's, valid when
@@ -322,7 +340,7 @@ def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpe
     if batch_rows < 1:
         raise ValueError(
             f"objective {spec.objective!r} cuts stream-ordered batches and needs their rows per worker "
-            f"(StreamSpec.stream_rows = train.batch_size / num_workers), got {batch_rows}"
+            f"(StreamSpec.stream_rows = train.micro_batch_size), got {batch_rows}"
         )
     batcher = StreamBatcher(
         batch_rows, spec.seq_len, pad_id=tok.pad_id, doc_sep_id=tok.sep_id,
@@ -347,7 +365,7 @@ def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpe
         if group:
             yield group
 
-    for docs in _documents(uri, spec):
+    for docs in _documents(uri, spec, stats):
         ids = [d for d in tok.encode_batch(docs) if d.size]
         if not ids:
             continue
@@ -363,37 +381,95 @@ def stack_stream_rows(group: list[dict[str, np.ndarray]]) -> dict[str, np.ndarra
 
 
 class TokenizePack:
-    """Ray Data callable class: one input row = one (shard, epoch) work unit."""
+    """Ray Data callable class: one input row = one (shard, epoch) work unit.
+
+    Every row it emits carries ``_shard`` (the shard key) and ``_shard_total`` (the shard's row
+    count on the rows of its last output batch, -1 elsewhere), so training can record exactly
+    which samples it consumed (``pipelines.position``). Samples already committed in the run's
+    latest checkpoint are dropped here, after they are built, so the rest keep their ids and masks;
+    shards whose every sample is committed are not read at all.
+    """
 
     def __init__(self, files: dict[str, bytes], spec: StreamSpec):
         self.tok = tokenizer_from_files(files)
         self.spec = spec
         self.kind = row_kind(spec)
+        self._position: DataPosition | None = None
+
+    def position(self) -> DataPosition:
+        # Read when the stream starts running, not when it is built: after a worker failure Ray
+        # Train restarts the workers and re-executes the dataset, and by then the run may have
+        # committed newer checkpoints than the driver saw.
+        if self._position is None:
+            run = self.spec.run_uri
+            latest = storage.latest_complete_checkpoint(run, self.spec.endpoint_url) if run else None
+            self._position = load_position(latest, self.spec.endpoint_url)
+        return self._position
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        pos = self.position()
         for uri, key, epoch in zip(batch["shard"], batch["shard_key"], batch["epoch"]):
-            if self.kind == "stream":
-                for group in stream_shard(self.tok, str(uri), int(key), int(epoch), self.spec, self.spec.stream_rows):
-                    yield stack_stream_rows(group)  # one Ray block = one stream block: one worker, in order
+            uri, key, epoch = str(uri), int(key), int(epoch)
+            if pos.shard_complete(epoch, key):
                 continue
-            buf: list[dict[str, np.ndarray]] = []
-            rows = 0
-            for block in shard_rows(self.tok, str(uri), int(key), int(epoch), self.spec, self.kind):
-                buf.append(block)
-                rows += len(block["input_ids"])
-                if rows >= PACKED_ROWS_PER_BATCH:
-                    yield _concat(buf)
-                    buf, rows = [], 0
-            if buf:
+            stats, made = ReadStats(), [0]
+            yield from self.rows(uri, key, epoch, pos, stats, made)
+            if self.spec.run_uri:  # the whole shard was read: its counts are final
+                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.endpoint_url, samples=made[0])
+
+    def rows(self, uri: str, key: int, epoch: int, pos: DataPosition, stats: ReadStats, made: list[int]) -> Iterator[dict[str, np.ndarray]]:
+        """One work unit's output batches, committed samples dropped; ``made[0]`` counts the
+        samples the shard made (dropped ones included)."""
+        if self.kind == "stream":
+            groups = stream_shard(self.tok, uri, key, epoch, self.spec, self.spec.stream_rows, stats)
+            for group, total in _with_total(groups, lambda g: sum(len(b["sample_id"]) for b in g)):
+                rows = _tag_shard(stack_stream_rows(group), key, total)  # (n, B, ...)
+                made[0] += rows["sample_id"].size
+                keep = ~pos.is_consumed(epoch, key, rows["sample_id"]).any(axis=1)  # a batch is consumed whole
+                if keep.any():
+                    yield {k: v[keep] for k, v in rows.items()}  # one Ray block = one stream block
+            return
+        buf: list[dict[str, np.ndarray]] = []
+        n_buf = 0
+        blocks = shard_rows(self.tok, uri, key, epoch, self.spec, self.kind, stats)
+        for block, total in _with_total(blocks, lambda b: len(b["input_ids"])):
+            block = _tag_shard(block, key, total)
+            made[0] += len(block["sample_id"])
+            keep = ~pos.is_consumed(epoch, key, block["sample_id"])
+            if not keep.all():
+                block = {k: v[keep] for k, v in block.items()}
+            buf.append(block)
+            n_buf += len(block["input_ids"])
+            if n_buf >= PACKED_ROWS_PER_BATCH:
                 yield _concat(buf)
+                buf, n_buf = [], 0
+        if n_buf:
+            yield _concat(buf)
 
 
-def shard_rows(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind) -> Iterator[dict[str, np.ndarray]]:
+def _with_total(items: Iterator[Any], size: Callable[[Any], int]) -> Iterator[tuple[Any, int]]:
+    """``(item, -1)`` for every item but the last, which comes with the sum of all sizes."""
+    total, prev = 0, None
+    for item in items:
+        if prev is not None:
+            yield prev, -1
+        total += size(item)
+        prev = item
+    if prev is not None:
+        yield prev, total
+
+
+def _tag_shard(rows: dict[str, np.ndarray], key: int, total: int) -> dict[str, np.ndarray]:
+    shape = rows["sample_id"].shape  # (n,) or (n, B) for stream rows
+    return {**rows, "_shard": np.full(shape, key, dtype=np.int64), "_shard_total": np.full(shape, total, dtype=np.int64)}
+
+
+def shard_rows(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Stage 1 for the row kinds whose rows are independent samples (packed rows, pairs)."""
     if kind == "packed":
-        return pack_shard(tok, uri, key, epoch, spec)
+        return pack_shard(tok, uri, key, epoch, spec, stats)
     if kind in ("nsp-pairs", "sop-pairs"):
-        return pair_shard(tok, uri, key, epoch, spec, kind)
+        return pair_shard(tok, uri, key, epoch, spec, kind, stats)
     raise ValueError(f"shard_rows: rows of kind {kind!r} are not independent samples")
 
 

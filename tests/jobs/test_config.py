@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.config import RecipeError, load_recipe, parse_override
+from jobs.config import Recipe, RecipeError, load_recipe, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))
@@ -68,3 +68,21 @@ def test_parse_override_forms():
     assert parse_override("data.input=[a, b]") == (["data", "input"], ["a", "b"])
     with pytest.raises(RecipeError, match="KEY=VALUE"):
         parse_override("train.lr")
+
+
+def test_elastic_worker_range_keeps_the_global_batch():
+    r = load_recipe(REPO / "configs" / "bert-tiny.yaml", ["scaling.num_workers=[1, 2]", "train.batch_size=32"])
+    assert r.scaling.num_workers == (1, 2) and r.micro_batch_size == 16  # batch / the most workers
+    assert (r.accumulation(1), r.accumulation(2)) == (2, 1)
+    r = load_recipe(REPO / "configs" / "bert-tiny.yaml", ["scaling.num_workers=[2, 3]", "train.batch_size=48", "train.micro_batch_size=8"])
+    assert (r.accumulation(2), r.accumulation(3)) == (3, 2)
+    assert all(r.accumulation(w) * w * 8 == 48 for w in (2, 3))
+    # 3 workers cannot run whole micro-batches of 8 in a batch of 32: refused, naming the count
+    with pytest.raises(RecipeError, match=r"train.batch_size.*\[3\] worker"):
+        load_recipe(REPO / "configs" / "bert-tiny.yaml", ["scaling.num_workers=[1, 4]", "train.batch_size=32"])
+    for bad in ("[0, 2]", "[3, 2]", "[1, 2, 3]"):
+        with pytest.raises(RecipeError, match="scaling.num_workers"):
+            load_recipe(REPO / "configs" / "bert-tiny.yaml", [f"scaling.num_workers={bad}"])
+    # the range survives the JSON round trip the recipe makes to reach the workers
+    again = Recipe.model_validate(r.model_dump(mode="json"))
+    assert again.scaling.num_workers == (2, 3)
