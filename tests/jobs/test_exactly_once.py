@@ -146,3 +146,22 @@ def test_two_workers_then_one_consumes_each_sample_once(ray_session, corpus, tmp
     # the global batch stayed 8 (one worker ran 2 micro-batches of 4 per step)
     assert last["samples_seen"] == 80 * 8 and last["world_size"] == 1 and last["epoch"] >= 1
     assert_epoch_exactly_once(rec, run, epoch=0)
+
+
+def test_resume_skips_a_checkpoint_cut_in_half(ray_session, corpus, tmp_path):
+    """The newest checkpoint's weights are cut to half their bytes (an upload cut off after the
+    manifest landed): the rerun resumes from the one before, and its data position with it."""
+    run = tmp_path / "once"
+    pretrain(recipe(corpus, tmp_path, "train.max_steps=20", "scaling.num_workers=1"), progress=False, log=lambda *_: None)
+    ckpts = sorted(p for p in run.iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
+    assert len(ckpts) == 2
+    weights = ckpts[-1] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    lines = []
+    rec = recipe(corpus, tmp_path, "train.max_steps=85", "scaling.num_workers=1")  # past the end of epoch 0
+    pretrain(rec, progress=False, log=lines.append)
+    assert any("resume: step 10 " in x for x in lines), lines
+    heads = [json.loads(f.read_text().splitlines()[0]) for f in (run / "sample_log").glob("*.jsonl")]
+    assert sorted(h["resumed_step"] for h in heads) == [0, 10]
+    assert {h["resumed_from"] for h in heads if h["resumed_step"] == 10} == {str(ckpts[0])}
+    assert_epoch_exactly_once(rec, run, epoch=0)  # steps 11-20 of the first run were rolled back
