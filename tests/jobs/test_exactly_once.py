@@ -106,7 +106,7 @@ def state(run: Path) -> dict:
 
 
 def test_worker_killed_mid_epoch_finishes_and_consumes_each_sample_once(ray_session, corpus, tmp_path):
-    rec = recipe(corpus, tmp_path, "train.max_steps=80", "scaling.num_workers=2")
+    rec = recipe(corpus, tmp_path, "train.max_steps=80", "scaling.num_workers=[1, 2]")  # elastic: Ray places what fits
     run = tmp_path / "once"
     killed: dict = {}
 
@@ -129,7 +129,7 @@ def test_worker_killed_mid_epoch_finishes_and_consumes_each_sample_once(ray_sess
     assert killed["pid"] is not None, "the run ended before the worker could be killed"
     _, starts = committed(run)
     assert starts[0] == 0 and len(starts) == 2 and 20 <= starts[1] < 30, starts  # resumed from its checkpoint
-    assert result.metrics["step"] == 80 and state(run)["samples_seen"] == 80 * 8
+    assert result.metrics["step"] == 80 and state(run)["samples_seen"] == 80 * 8 and result.metrics["workers"] in (1, 2)
     n = assert_epoch_exactly_once(rec, run, epoch=0)
     assert n > 8 * 40  # the epoch really was longer than the kill point
 
