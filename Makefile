@@ -26,6 +26,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masking.py
+	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/data_pipeline.py
 
 clean:
 	rm -rf $(VENV) runs
