@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import html
-import importlib.util
 import json
 import math
 import struct
@@ -88,12 +87,10 @@ def list_checkpoints(run_uri: str, endpoint_url: str | None = None) -> list[dict
 
 
 def _data_reports(run_uri: str, endpoint_url: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    """([{epoch, report, text}], error) from pipelines.datareport; ([], None) without that module."""
-    if importlib.util.find_spec("pipelines.datareport") is None:
-        return [], None
-    try:
-        from pipelines import datareport
+    """([{epoch, report, text}], error): the run's per-epoch data reports (pipelines.datareport)."""
+    from pipelines import datareport
 
+    try:
         out = []
         for epoch in datareport.list_epochs(run_uri, endpoint_url) or []:
             report = datareport.epoch_report(run_uri, epoch, endpoint_url)
@@ -105,11 +102,8 @@ def _data_reports(run_uri: str, endpoint_url: str | None) -> tuple[list[dict[str
 
 
 def _totals(report: dict[str, Any]) -> dict[str, float]:
-    """read / used / rejected counts of one epoch's data report, wherever its dict keeps them."""
-    source = report.get("totals", report) if isinstance(report, dict) else {}
-    if not isinstance(source, dict):
-        return {}
-    return {k: source[k] for k in ("read", "used", "rejected") if isinstance(source.get(k), (int, float))}
+    """read / used / rejected counts of one epoch's data report."""
+    return {k: report[k] for k in ("read", "used", "rejected") if isinstance(report.get(k), (int, float))}
 
 
 # ----------------------------------------------------------------------------------------------

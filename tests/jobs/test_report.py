@@ -161,17 +161,19 @@ def test_report_with_missing_keys_and_no_checkpoint(tmp_path):
     assert "0.3" in page and "none yet" in page and "gpt-run" in page
 
 
-def test_report_includes_data_reports_when_the_module_exists(tmp_path, monkeypatch):
+def test_report_includes_the_data_reports(tmp_path):
+    from pipelines.datareport import write_shard_report
+    from pipelines.sources import ReadStats
+
     run = make_run(tmp_path / "run", checkpoint_step=None)
-    fake = types.ModuleType("pipelines.datareport")
-    fake.list_epochs = lambda run_uri, endpoint_url=None: [0, 1]
-    fake.epoch_report = lambda run_uri, epoch, endpoint_url=None: {"totals": {"read": 100 + epoch, "used": 90, "rejected": 10 + epoch}}
-    fake.format_report = lambda report: f"read {report['totals']['read']} <used> {report['totals']['used']}"
-    monkeypatch.setitem(sys.modules, "pipelines.datareport", fake)
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "pipelines.datareport" else None)
+    for epoch in (0, 1):
+        stats = ReadStats()
+        stats.use(90)
+        stats.reject("malformed JSON", "bad <json>", line=7, count=10 + epoch)
+        write_shard_report(str(run), epoch, "s3://b/corpus/part-0.jsonl", 1, stats, samples=30)
     page = write_report(str(run)).read_text()
-    assert "epoch 1" in page and "read 101 &lt;used&gt; 90" in page  # escaped
-    assert "201" in page and "rejected (all epochs)" in page  # totals summed over epochs
+    assert "epoch 1" in page and "malformed JSON" in page and "bad &lt;json&gt;" in page  # escaped
+    assert "201" in page and "rejected (all epochs)" in page  # totals summed over epochs: 100 + 101 read
 
 
 def test_report_on_s3_run(s3_bucket, s3_server, tmp_path, monkeypatch):
