@@ -8,8 +8,12 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
+from ctxmodels import layers
 from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
+from ctxmodels.flops import train_flops_per_step
 from ctxmodels.features import mean_pool, token_embeddings
 from ctxmodels.outputs import PretrainOutput
 
@@ -250,3 +254,93 @@ def test_mean_pool_averages_real_tokens_only():
     torch.testing.assert_close(pooled[0], hidden[0, :2].mean(0))
     torch.testing.assert_close(pooled[1], hidden[1].mean(0))
     torch.testing.assert_close(mean_pool(hidden, torch.zeros_like(mask)), torch.zeros(2, 3))
+
+
+# ---- training kernels (ctxmodels.layers) and the FLOP count ------------------------------------
+
+
+def test_masked_lm_loss_equals_cross_entropy_with_its_gradients(monkeypatch):
+    monkeypatch.setattr(layers, "LOSS_CHUNK_ROWS", 7)  # several row chunks ...
+    monkeypatch.setattr(layers, "VOCAB_BLOCK", 40)  # ... and vocabulary blocks, one of them short
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 19):
+        h = torch.randn(n, 16, generator=g, requires_grad=True)
+        w = torch.randn(150, 16, generator=g, requires_grad=True)
+        b = torch.randn(150, generator=g, requires_grad=True)
+        target = torch.randint(0, 150, (n,), generator=g)
+        loss, correct = layers.masked_lm_loss(h, w, b, target)
+        (3.0 * loss).backward()  # the incoming gradient scales all three
+        got = [t.grad for t in (h, w, b)]
+        for t in (h, w, b):
+            t.grad = None
+        logits = F.linear(h, w, b)
+        ref = F.cross_entropy(logits, target) if n else logits.sum() * 0.0
+        (3.0 * ref).backward()
+        torch.testing.assert_close(loss, ref)
+        assert int(correct) == int((logits.argmax(-1) == target).sum())
+        for a, t in zip(got, (h, w, b)):
+            torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # evaluation: the loss alone
+        loss, _ = layers.masked_lm_loss(h, w, b, target)
+    torch.testing.assert_close(loss, ref)
+
+
+def test_training_gradients_equal_those_of_plain_cross_entropy():
+    model = tiny(dropout=0.0, attn_dropout=0.0).train()
+    batch = make_batch(model.cfg)
+    batch.pop("next_sentence_label")
+    model(**batch).loss.backward()
+    fused = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    x = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    selected = batch["labels"] != -100
+    F.cross_entropy(model.mlm_logits(**x)[selected], batch["labels"][selected]).backward()
+    plain = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert fused.keys() == plain.keys()
+    for name in fused:
+        torch.testing.assert_close(fused[name], plain[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_dropout_keeps_one_minus_p_and_preserves_the_mean():
+    torch.manual_seed(0)
+    x = torch.ones(1000, 1000, requires_grad=True)
+    y = layers.dropout(x, 0.1, training=True)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.002
+    q = round(0.1 * 2**16) / 2**16  # p as the 16-bit draws resolve it
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - q)))
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # the same mask and scale flow back
+    assert layers.dropout(x, 0.1, training=False) is x and layers.dropout(x, 0.0) is x
+    torch.manual_seed(1)
+    a = layers.dropout(x, 0.3)
+    torch.manual_seed(1)
+    assert torch.equal(a, layers.dropout(x, 0.3))  # reproducible under torch.manual_seed
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_training_attention_equals_sdpa(padded):
+    model = tiny(attn_dropout=1e-6)  # rounds to no dropped draw: the explicit path, nothing dropped
+    attn = model.backbone.layers[0].attn
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, model.cfg.d_model, generator=g)
+    mask = None
+    if padded:
+        mask = torch.ones(B, 1, 1, T, dtype=torch.bool)
+        mask[1, ..., 11:] = False
+    attn.eval()
+    expected = attn(x, mask)  # F.scaled_dot_product_attention
+    attn.train()
+    torch.testing.assert_close(attn(x, mask), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_flop_count_equals_flop_counter(train):
+    """ctxmodels.flops counts the products this model runs: masked rows only through the decoder."""
+    model = tiny(nsp=False).train(train)
+    batch = make_batch(model.cfg)
+    batch.pop("next_sentence_label")
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # CPU flash has no formula
+        model(**batch).loss.backward()
+    n_pred = int((batch["labels"] != -100).sum())
+    assert counter.get_total_flops() == train_flops_per_step("bert", model.cfg, B, T, n_pred)

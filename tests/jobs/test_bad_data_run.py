@@ -23,7 +23,7 @@ def recipe(bucket: str, *extra: str):
         f"data.input=s3://{bucket}/corpus/", f"output_dir=s3://{bucket}/runs", "name=mixed",
         "data.eval_input=null", f"data.max_record_chars={MAX_CHARS}", "data.max_epochs=1",
         "tokenizer.vocab_size=500", "data.seq_len=32", "model.max_seq_len=32",
-        "train.batch_size=8", "train.max_steps=100000", "train.log_every=10", "train.checkpoint_every=50",
+        "train.batch_size=64", "train.max_steps=100000", "train.log_every=10", "train.checkpoint_every=50",
         "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", *extra,
     ])
 

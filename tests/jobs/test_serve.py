@@ -284,8 +284,13 @@ def test_wrong_paths_fail_before_serve_starts(tmp_path):
     (tmp_path / "run" / "checkpoint_000001").mkdir(parents=True)  # never completed
     with pytest.raises(StorageError, match="complete checkpoint_"):
         resolve_checkpoint(str(tmp_path / "run"))
-    (tmp_path / "run" / "checkpoint_000001" / "MANIFEST.json").write_text("{}")
-    assert resolve_checkpoint(str(tmp_path / "run")).endswith("checkpoint_000001")
+    (tmp_path / "run" / "checkpoint_000001" / "MANIFEST.json").write_text("{}")  # lists no weights
+    with pytest.raises(StorageError, match="complete checkpoint_"):
+        resolve_checkpoint(str(tmp_path / "run"))
+    from tests.ctxmodels.test_checkpoint import write_small_checkpoint
+
+    write_small_checkpoint(tmp_path / "run" / "checkpoint_000002")
+    assert resolve_checkpoint(str(tmp_path / "run")).endswith("checkpoint_000002")
 
 
 def test_elmo_backbone_reads_token_ids_through_the_char_table(minilm_dir):
