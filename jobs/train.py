@@ -210,19 +210,26 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
         scheme = recipe.output_dir.split("://", 1)[0] + "://" if storage.is_remote(recipe.output_dir) else ""
         ckpt = scheme + result.checkpoint.path
     log(f"checkpoint: {ckpt}")
-    _log_data_report(run, ep, log)
+    _log_data_report(run, ep, log, (result.metrics or {}).get("epoch"), len(shards))
     history = ray.get(board.history.remote())
     return PretrainResult(run_uri=run, checkpoint_uri=ckpt, metrics=dict(result.metrics or {}), history=history)
 
 
-def _log_data_report(run: str, endpoint_url: str | None, log) -> None:
-    """The newest epoch's data report (records read, used, rejected per shard and reason)."""
+def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int) -> None:
+    """The data report (records read, used, rejected per shard and reason) of the epoch training
+    ended in (the data stage reads ahead, so later epochs may have reports too)."""
     from pipelines import datareport
 
     epochs = datareport.list_epochs(run, endpoint_url)
-    if epochs:
-        for line in datareport.format_report(datareport.epoch_report(run, epochs[-1], endpoint_url)).splitlines():
-            log(f"data: {line}")
+    if not epochs:
+        return
+    epoch = epoch if epoch in epochs else epochs[-1]
+    report = datareport.epoch_report(run, epoch, endpoint_url)
+    lines = datareport.format_report(report).splitlines()
+    if report["n_shards"] < n_shards:
+        lines[0] += f" (so far: {report['n_shards']} of {n_shards} shards read)"
+    for line in lines:
+        log(f"data: {line}")
 
 
 # ---------------------------------------------------------------------------------------------
