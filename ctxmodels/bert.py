@@ -15,6 +15,11 @@ layer's hidden states and the head logits), and the real ``all-MiniLM-L6-v2`` ch
 head was read against facebookresearch/SpanBERT ``pretraining/fairseq/models/pair_bert.py``
 (``BertPairTargetPredictionHead``); there is no HF class to compare it with.
 
+Speed (training on CPU, ``benchmarks/train_throughput.py``): the MLM loss runs the decoder only at
+the masked rows and never materialises their (N, V) logits (``ops.masked_lm_loss``), dropout
+draws 16-bit numbers (``ops.dropout``), and training attention with dropout is written out
+(``SelfAttention.attend_with_dropout``) instead of SDPA's CPU reference path. Same math throughout.
+
 Shape legend:
     B  batch size              T  sequence length          D  d_model
     H  n_head                  Dh head size = D // H       F  d_ff
@@ -24,6 +29,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Literal, get_args
@@ -32,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ctxmodels.ops import Dropout, dropout, masked_lm_loss
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -134,7 +141,7 @@ class BertEmbeddings(nn.Module):
         self.position = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
         self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def position_ids(self, input_ids: Tensor) -> Tensor:
         T = input_ids.shape[1]
@@ -172,12 +179,31 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
         B, T, D = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, Dh)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, Dh), views, no copy
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
-        )  # (B, H, T, Dh)
+        if self.training and self.attn_dropout > 0 and x.device.type == "cpu":
+            y = self.attend_with_dropout(qkv, attn_mask)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, Dh), views, no copy
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
+            )  # (B, H, T, Dh)
         y = y.transpose(1, 2).reshape(B, T, D)  # (B, T, H, Dh) -> (B, T, D)
         return self.proj(y)
+
+    def attend_with_dropout(self, qkv: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """What SDPA computes, spelled out for CPU training: with dropout, SDPA on CPU takes its
+        reference ("math") path and draws the attention dropout with ``bernoulli_``; here the
+        dropout is ``ops.dropout``, and the mask is added by the score product itself."""
+        B, T, _, H, Dh = qkv.shape
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).reshape(3, B * H, T, Dh)  # one copy; 3 x (B*H, T, Dh)
+        if attn_mask is None:
+            scores = torch.bmm(q, k.transpose(1, 2)).mul_(1.0 / math.sqrt(Dh))  # (B*H, T, T)
+        else:
+            # True = may attend. finfo.min, not -inf: a row with no key left stays finite (uniform).
+            bias = q.new_zeros(attn_mask.shape).masked_fill_(~attn_mask, torch.finfo(q.dtype).min)  # (B, 1, 1, T)
+            bias = bias.expand(B, H, 1, T).reshape(B * H, 1, T)  # (B*H, 1, T), broadcast over queries
+            scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=1.0 / math.sqrt(Dh))  # (B*H, T, T)
+        probs = dropout(scores.softmax(dim=-1), self.attn_dropout)  # (B*H, T, T)
+        return torch.bmm(probs, v).view(B, H, T, Dh)  # (B, H, T, Dh)
 
 
 class FeedForward(nn.Module):
@@ -200,7 +226,7 @@ class BertBlock(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.ffn = FeedForward(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
         x = self.ln1(x + self.drop(self.attn(x, attn_mask)))
@@ -241,7 +267,14 @@ class BertModel(nn.Module):
     ) -> list[Tensor]:
         """``n_layer + 1`` tensors (B, T, D); index 0 is the embedding output after LayerNorm."""
         attn_mask = None
-        if attention_mask is not None:
+        # A mask of all ones (packed rows) is dropped on CPU, where it would cost passes over the
+        # (B, H, T, T) scores in every layer; on GPU the check would wait for the device, and under
+        # torch.compile it would break the graph.
+        all_ones = (
+            attention_mask is not None and attention_mask.device.type == "cpu"
+            and not torch.compiler.is_compiling() and bool(attention_mask.all())
+        )
+        if attention_mask is not None and not all_ones:
             # True = may attend. Padding keys are hidden from every query; padding queries still see
             # the real tokens, so their rows stay finite (they are ignored downstream anyway).
             attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
@@ -282,9 +315,11 @@ class MLMHead(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
+    def transform(self, h: Tensor) -> Tensor:
+        return self.ln(self.act(self.dense(h)))  # (..., D)
+
     def forward(self, h: Tensor, word_embeddings: Tensor) -> Tensor:
-        h = self.ln(self.act(self.dense(h)))  # (..., D)
-        return F.linear(h, word_embeddings, self.bias)  # (..., V)
+        return F.linear(self.transform(h), word_embeddings, self.bias)  # (..., V)
 
 
 class SBOHead(nn.Module):
@@ -308,14 +343,17 @@ class SBOHead(nn.Module):
         self.act = activation_fn(cfg.activation)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
-    def forward(self, left: Tensor, right: Tensor, pos: Tensor, word_embeddings: Tensor) -> Tensor:
+    def transform(self, left: Tensor, right: Tensor, pos: Tensor) -> Tensor:
         """left, right (N, D): hidden states of the boundary tokens; pos (N,) 0-based position in
-        the span -> logits (N, V)."""
+        the span -> y (N, D), the vector scored against the output embeddings."""
         p = self.position(pos.clamp(0, SBO_MAX_SPAN - 1))  # (N, D)
         h = torch.cat([left, right, p], dim=-1)  # (N, 3D)
         h = self.ln1(self.act(self.fc1(h)))  # (N, D)
-        h = self.ln2(self.act(self.fc2(h)))  # (N, D)
-        return F.linear(h, word_embeddings, self.bias)  # (N, V)
+        return self.ln2(self.act(self.fc2(h)))  # (N, D)
+
+    def forward(self, left: Tensor, right: Tensor, pos: Tensor, word_embeddings: Tensor) -> Tensor:
+        """-> logits (N, V)."""
+        return F.linear(self.transform(left, right, pos), word_embeddings, self.bias)  # (N, V)
 
 
 class BertForPreTraining(nn.Module):
@@ -354,12 +392,19 @@ class BertForPreTraining(nn.Module):
     def sbo_logits(self, last: Tensor, selected: Tensor, sbo_left: Tensor, sbo_right: Tensor, sbo_pos: Tensor) -> Tensor:
         """SBO logits (N, V) at the ``selected`` (B, T) positions, in row-major order, from the
         last hidden states (B, T, D): each target reads only its span's two boundary states."""
+        y = self.sbo_hidden(last, selected, sbo_left, sbo_right, sbo_pos)  # (N, D)
+        return F.linear(y, self.backbone.embeddings.word.weight, self.sbo.bias)  # (N, V)
+
+    def sbo_hidden(
+        self, last: Tensor, selected: Tensor, sbo_left: Tensor, sbo_right: Tensor, sbo_pos: Tensor
+    ) -> Tensor:
+        """The SBO head before its decoder: (N, D), rows as in ``sbo_logits``."""
         if self.sbo is None:
             raise ValueError("this model has no SBO head (config.sbo is False)")
         rows = selected.nonzero(as_tuple=True)[0]  # (N,) row of each target
         left = last[rows, sbo_left[selected].clamp(min=0)]  # (N, D)
         right = last[rows, sbo_right[selected].clamp(min=0)]  # (N, D)
-        return self.sbo(left, right, sbo_pos[selected], self.backbone.embeddings.word.weight)
+        return self.sbo.transform(left, right, sbo_pos[selected])
 
     def forward(
         self,
@@ -394,21 +439,19 @@ class BertForPreTraining(nn.Module):
         metrics: dict[str, Tensor] = {}
         losses: list[Tensor] = []
 
+        word = self.backbone.embeddings.word.weight  # (V, D), the decoder of both MLM and SBO
         if labels is not None:
             # The speed trick: run the head (and its D x V matmul) only where a label exists,
-            # typically 15% of the positions, instead of B*T rows.
+            # typically 15% of the positions, instead of B*T rows. masked_lm_loss is
+            # cross_entropy(F.linear(h, word, bias), target) without materialising the (N, V)
+            # logits; with N = 0 it is a zero loss whose graph stays connected (DDP needs every
+            # parameter used).
             selected = labels.ne(IGNORE_INDEX)  # (B, T)
-            h = last[selected]  # (N, D)
+            h = self.mlm.transform(last[selected])  # (N, D)
             target = labels[selected]  # (N,)
-            logits = self.mlm(h, self.backbone.embeddings.word.weight)  # (N, V)
             n_pred = target.numel()
-            if n_pred > 0:
-                mlm_loss = F.cross_entropy(logits.float(), target)
-                mlm_acc = (logits.argmax(-1) == target).float().mean()
-            else:
-                # keeps the graph connected (DDP needs every parameter used) with a zero loss
-                mlm_loss = logits.sum() * 0.0
-                mlm_acc = torch.zeros((), device=last.device)
+            mlm_loss, n_correct = masked_lm_loss(h, word, self.mlm.bias, target)
+            mlm_acc = n_correct.float() / max(n_pred, 1)
             losses.append(mlm_loss)
             metrics.update(
                 mlm_loss=mlm_loss.detach(),
@@ -417,13 +460,9 @@ class BertForPreTraining(nn.Module):
             )
 
         if self.sbo is not None and sbo_left is not None:
-            sbo_logits = self.sbo_logits(last, selected, sbo_left, sbo_right, sbo_pos)  # (N, V), same N as MLM
-            if n_pred > 0:
-                sbo_loss = F.cross_entropy(sbo_logits.float(), target)
-                sbo_acc = (sbo_logits.argmax(-1) == target).float().mean()
-            else:
-                sbo_loss = sbo_logits.sum() * 0.0
-                sbo_acc = torch.zeros((), device=last.device)
+            y = self.sbo_hidden(last, selected, sbo_left, sbo_right, sbo_pos)  # (N, D), same N as MLM
+            sbo_loss, sbo_correct = masked_lm_loss(y, word, self.sbo.bias, target)
+            sbo_acc = sbo_correct.float() / max(n_pred, 1)
             losses.append(sbo_loss)
             metrics.update(sbo_loss=sbo_loss.detach(), sbo_acc=sbo_acc.detach())
 

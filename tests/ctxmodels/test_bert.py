@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ctxmodels import layers
+from ctxmodels import ops
 from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
 from ctxmodels.flops import train_flops_per_step
 from ctxmodels.features import mean_pool, token_embeddings
@@ -256,19 +256,19 @@ def test_mean_pool_averages_real_tokens_only():
     torch.testing.assert_close(mean_pool(hidden, torch.zeros_like(mask)), torch.zeros(2, 3))
 
 
-# ---- training kernels (ctxmodels.layers) and the FLOP count ------------------------------------
+# ---- training kernels (ctxmodels.ops) and the FLOP count ------------------------------------
 
 
 def test_masked_lm_loss_equals_cross_entropy_with_its_gradients(monkeypatch):
-    monkeypatch.setattr(layers, "LOSS_CHUNK_ROWS", 7)  # several row chunks ...
-    monkeypatch.setattr(layers, "VOCAB_BLOCK", 40)  # ... and vocabulary blocks, one of them short
+    monkeypatch.setattr(ops, "LOSS_CHUNK_ROWS", 7)  # several row chunks ...
+    monkeypatch.setattr(ops, "VOCAB_BLOCK", 40)  # ... and vocabulary blocks, one of them short
     g = torch.Generator().manual_seed(0)
     for n in (0, 1, 19):
         h = torch.randn(n, 16, generator=g, requires_grad=True)
         w = torch.randn(150, 16, generator=g, requires_grad=True)
         b = torch.randn(150, generator=g, requires_grad=True)
         target = torch.randint(0, 150, (n,), generator=g)
-        loss, correct = layers.masked_lm_loss(h, w, b, target)
+        loss, correct = ops.masked_lm_loss(h, w, b, target)
         (3.0 * loss).backward()  # the incoming gradient scales all three
         got = [t.grad for t in (h, w, b)]
         for t in (h, w, b):
@@ -281,7 +281,7 @@ def test_masked_lm_loss_equals_cross_entropy_with_its_gradients(monkeypatch):
         for a, t in zip(got, (h, w, b)):
             torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-4)
     with torch.no_grad():  # evaluation: the loss alone
-        loss, _ = layers.masked_lm_loss(h, w, b, target)
+        loss, _ = ops.masked_lm_loss(h, w, b, target)
     torch.testing.assert_close(loss, ref)
 
 
@@ -304,18 +304,18 @@ def test_training_gradients_equal_those_of_plain_cross_entropy():
 def test_dropout_keeps_one_minus_p_and_preserves_the_mean():
     torch.manual_seed(0)
     x = torch.ones(1000, 1000, requires_grad=True)
-    y = layers.dropout(x, 0.1, training=True)
+    y = ops.dropout(x, 0.1, training=True)
     kept = y != 0
     assert abs(kept.float().mean().item() - 0.9) < 0.002
     q = round(0.1 * 2**16) / 2**16  # p as the 16-bit draws resolve it
     torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - q)))
     y.sum().backward()
     assert torch.equal(x.grad, y.detach())  # the same mask and scale flow back
-    assert layers.dropout(x, 0.1, training=False) is x and layers.dropout(x, 0.0) is x
+    assert ops.dropout(x, 0.1, training=False) is x and ops.dropout(x, 0.0) is x
     torch.manual_seed(1)
-    a = layers.dropout(x, 0.3)
+    a = ops.dropout(x, 0.3)
     torch.manual_seed(1)
-    assert torch.equal(a, layers.dropout(x, 0.3))  # reproducible under torch.manual_seed
+    assert torch.equal(a, ops.dropout(x, 0.3))  # reproducible under torch.manual_seed
 
 
 @pytest.mark.parametrize("padded", [False, True])

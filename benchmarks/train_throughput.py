@@ -1,0 +1,255 @@
+"""Training-step throughput on CPU: our BERT against transformers' ``BertForMaskedLM``, side by side.
+
+Run: ``python benchmarks/train_throughput.py`` (2 to 4 minutes on 2 cores). Options: ``--threads``,
+``--rounds``, ``--dropout``, ``--adamw`` (see ``--help``). The last two lines are
+``speedup_vs_transformers: X`` (our tokens/s over theirs) and ``mfu: X`` (ours).
+
+The same network on both sides: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 30522, exact GELU,
+post-LN, the decoder tied to the word embeddings, dropout 0.1 on hidden states and attention
+probabilities (BERT's, and our config's default; ``--dropout 0`` turns it off on both sides).
+Ours is ``ctxmodels.bert.BertForPreTraining`` without NSP; its weights are copied into the
+transformers model through ``ctxmodels.hf``'s name tables, and before timing the script checks that
+both give the same loss and the same word-embedding gradient on a batch (dropout off).
+
+One timed step, on both sides: ``model(input_ids, attention_mask, labels).loss``, its backward,
+``clip_grad_norm_(params, 1.0)``, ``AdamW.step()``, ``zero_grad(set_to_none=True)``. AdamW: lr 1e-4,
+weight decay 0.01 on matrices, none on biases and LayerNorm (as ``jobs.train.param_groups``), and
+``fused=True``, which transformers' ``Trainer`` uses by default with this PyTorch;
+``--adamw default`` gives both sides the Python loop over parameters that ``AdamW()`` runs on CPU
+without the flag (0.1 s or more per step, the same for both). Batches: 32 rows of 128 random
+word-piece ids, ``[CLS] ... [SEP]``, no padding (packed rows), masked by
+``pipelines.masking.mask_tokens`` (15% of the non-special tokens become targets, 80/10/10);
+``labels`` is -100 elsewhere. Both sides see the same batches in the same order. transformers runs
+as a user would run it: eager mode, its default attention implementation (``sdpa``).
+
+The objective is the same: mean cross-entropy over the masked positions. transformers computes the
+vocabulary logits at all B*T positions and ignores the unmasked ones; ours computes them only at the
+masked rows. Model FLOPs (``ctxmodels.flops.train_flops_per_step``) count the matrix products of
+the objective as ours runs it: ``2 m n k`` per product forward, twice that backward, attention's
+score and context products included, the vocabulary projection at the masked positions only,
+embedding lookups free; checked against ``torch.utils.flop_counter.FlopCounterMode`` on one step of
+our model. MFU = model FLOPs per step / median step time / the matmul peak: the best FLOP/s of
+2048 x 2048 fp32 products on the same threads (``ctxmodels.flops.measure_matmul_peak``), measured
+after every round, so it sees about the same machine load.
+
+Timing: a round times one step of each model on every batch of the set, the two models taking
+turns step by step (ABBA), so that both run under the same machine load; tokens/s are medians over
+rounds. The machine is shared: compare the ratio, not the absolute numbers, with other runs. Under
+heavy load two OpenMP threads wait for each other at every operation, which costs a step of many
+short operations (ours) more than one of fewer long ones (theirs): ``--threads 1`` shows the
+comparison without that effect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
+from ctxmodels.flops import measure_matmul_peak, train_flops_per_step  # noqa: E402
+from ctxmodels.hf import BERT_BACKBONE, BERT_HEADS, BERT_LAYER, expand_layers, state_dict_to_hf  # noqa: E402
+from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
+
+BATCH, SEQ_LEN = 32, 128
+N_BATCHES = 3  # distinct batches, cycled; a round times each once per model
+ROUNDS = 7
+WARMUP_STEPS = 2  # per model, before the first round
+SEED = 1234
+LR, WEIGHT_DECAY, MAX_NORM = 1e-4, 0.01, 1.0
+# bert-base-uncased's special ids: [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103
+VOCAB = VocabInfo(vocab_size=30522, pad_id=0, mask_id=103, cls_id=101, sep_id=102, special_ids=(0, 100, 101, 102, 103))
+
+
+def model_config(dropout: float) -> BertConfig:
+    """BERT-mini of the issue: 4 x 256, 4 heads, d_ff 1024, vocab 30522; MLM only."""
+    return replace(PRESETS["mini"], nsp=False, dropout=dropout, attn_dropout=dropout)
+
+
+def make_batches(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    batches = []
+    for i in range(n):
+        ids = rng.integers(999, VOCAB.vocab_size, size=(BATCH, SEQ_LEN))  # ordinary word pieces
+        ids[:, 0], ids[:, -1] = VOCAB.cls_id, VOCAB.sep_id
+        raw = dict(
+            input_ids=ids,
+            attention_mask=np.ones((BATCH, SEQ_LEN), dtype=np.int64),
+            sample_id=np.arange(i * BATCH, (i + 1) * BATCH),
+            epoch=np.zeros(BATCH, dtype=np.int64),
+        )
+        masked = mask_tokens(raw, seed, MlmConfig(), VOCAB)
+        batches.append({k: torch.from_numpy(masked[k]) for k in ("input_ids", "attention_mask", "labels")})
+    return batches
+
+
+def hf_twin(ours: BertForPreTraining):
+    """transformers' BertForMaskedLM with the same config and our weights."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = ours.cfg
+    hf_cfg = transformers.BertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, intermediate_size=cfg.d_ff, max_position_embeddings=cfg.max_seq_len,
+        type_vocab_size=cfg.type_vocab_size, hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.attn_dropout, layer_norm_eps=cfg.layer_norm_eps, hidden_act="gelu",
+        pad_token_id=cfg.pad_token_id,
+    )
+    hf = transformers.BertForMaskedLM(hf_cfg)
+    state = ours.state_dict()
+    table = {f"backbone.{k}": v for k, v in {**BERT_BACKBONE, **expand_layers(BERT_LAYER, cfg.n_layer)}.items()}
+    tensors = state_dict_to_hf(table, state, prefix="bert.")
+    tensors.update(state_dict_to_hf({k: v for k, v in BERT_HEADS.items() if k in state}, state))
+    result = hf.load_state_dict(tensors, strict=False)
+    tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise RuntimeError(f"weight copy into transformers failed: {result}")
+    if hf.cls.predictions.decoder.weight.data_ptr() != hf.bert.embeddings.word_embeddings.weight.data_ptr():
+        raise RuntimeError("transformers' decoder is not tied to its word embeddings")
+    return hf
+
+
+def check_same_objective(ours: nn.Module, hf: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """Loss of each and the largest word-embedding gradient difference, dropout off."""
+    ours.eval(), hf.eval()
+    loss_ours = ours(**batch).loss
+    loss_ours.backward()
+    loss_hf = hf(**batch).loss
+    loss_hf.backward()
+    grad_diff = (ours.backbone.embeddings.word.weight.grad - hf.bert.embeddings.word_embeddings.weight.grad).abs().max()
+    ours.zero_grad(set_to_none=True), hf.zero_grad(set_to_none=True)
+    ours.train(), hf.train()
+    return loss_ours.item(), loss_hf.item(), grad_diff.item()
+
+
+def counted_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward + backward as FlopCounterMode sees them. SDPA's CPU flash kernel (our
+    attention without dropout) has no FLOP formula: the math backend's bmm products are counted."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on matrices only, as ``jobs.train.param_groups`` (not imported: it pulls in Ray)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_step(model: nn.Module, fused_adamw: bool = True):
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=fused_adamw or None)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        model(**batch).loss.backward()
+        nn.utils.clip_grad_norm_(params, MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(step, batch) -> float:
+    start = time.perf_counter()
+    step(batch)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both (default 2)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout of both (default 0.1)")
+    parser.add_argument("--adamw", choices=("fused", "default"), default="fused",
+                        help="AdamW implementation of both: fused (default), or what AdamW() picks without the "
+                             "flag (on CPU a Python loop over the parameters)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    torch.manual_seed(SEED)
+    ours = BertForPreTraining(model_config(args.dropout)).train()
+    hf = hf_twin(ours).train()
+    batches = make_batches(N_BATCHES, SEED)
+    n_pred = [int((b["labels"] != -100).sum()) for b in batches]
+    print(f"threads {torch.get_num_threads()}, batch {BATCH} x {SEQ_LEN}, dropout {args.dropout}, "
+          f"AdamW {args.adamw}, masked positions per batch {n_pred}")
+
+    loss_ours, loss_hf, grad_diff = check_same_objective(ours, hf, batches[0])
+    print(f"same objective: loss ours {loss_ours:.6f} transformers {loss_hf:.6f}; "
+          f"word-embedding gradient max diff {grad_diff:.2e}")
+    if abs(loss_ours - loss_hf) > 1e-4 or grad_diff > 1e-5:
+        raise SystemExit("the two models disagree: the comparison would be meaningless")
+
+    cfg = ours.cfg
+    flops_ours = [train_flops_per_step("bert", cfg, BATCH, SEQ_LEN, n) for n in n_pred]
+    flops_hf = train_flops_per_step("bert", cfg, BATCH, SEQ_LEN, BATCH * SEQ_LEN)  # logits everywhere
+    seen = counted_flops(ours, batches[0])
+    print(f"model FLOPs per step, ours: {flops_ours[0] / 1e9:.2f} G (FlopCounterMode: {seen / 1e9:.2f} G)")
+    if abs(seen - flops_ours[0]) > 1e-6 * seen:
+        raise SystemExit("ctxmodels.flops and FlopCounterMode disagree on our model's FLOPs")
+
+    fused = args.adamw == "fused"
+    sides = {"ours": make_step(ours, fused), "transformers": make_step(hf, fused)}
+    for step in sides.values():
+        for i in range(WARMUP_STEPS):
+            step(batches[i % N_BATCHES])
+
+    tokens_per_round = N_BATCHES * BATCH * SEQ_LEN
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    peaks: list[float] = []
+    for r in range(args.rounds):
+        # step by step, ours and theirs in turn (ABBA), so that both see the same machine load
+        spent = dict.fromkeys(sides, 0.0)
+        for i, batch in enumerate(batches):
+            order = list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]
+            for name in order:
+                spent[name] += timed(sides[name], batch)
+        for name in sides:
+            seconds[name].append(spent[name])
+        peaks.append(measure_matmul_peak("cpu", torch.float32, n=2048, seconds=1.0))
+        print(f"round {r + 1}/{args.rounds}: "
+              + ", ".join(f"{name} {tokens_per_round / seconds[name][-1]:,.0f} tokens/s" for name in sides)
+              + f", matmul {peaks[-1] / 1e9:.1f} GFLOP/s")
+
+    med = {name: statistics.median(s) for name, s in seconds.items()}
+    tps = {name: tokens_per_round / med[name] for name in sides}
+    round_ratios = [theirs / ours for ours, theirs in zip(seconds["ours"], seconds["transformers"])]
+    peak = max(peaks)
+    achieved = sum(flops_ours) / med["ours"]
+    achieved_hf = N_BATCHES * flops_hf / med["transformers"]
+    print(f"ours:         {tps['ours']:,.0f} tokens/s, {med['ours'] / N_BATCHES * 1e3:.0f} ms/step, "
+          f"{achieved / 1e9:.1f} GFLOP/s (medians over {args.rounds} rounds)")
+    print(f"transformers: {tps['transformers']:,.0f} tokens/s, {med['transformers'] / N_BATCHES * 1e3:.0f} ms/step; "
+          f"its own products, logits at all {BATCH * SEQ_LEN} positions: {flops_hf / 1e9:.1f} GFLOP/step, "
+          f"{achieved_hf / 1e9:.1f} GFLOP/s")
+    print(f"per-round speedups: {', '.join(f'{x:.2f}' for x in round_ratios)} "
+          f"(median {statistics.median(round_ratios):.2f})")
+    print(f"matmul peak:  {peak / 1e9:.1f} GFLOP/s (fp32 2048^3 products, {torch.get_num_threads()} threads, "
+          f"best of {len(peaks)} rounds)")
+    print(f"model FLOPs per step (ours, vocabulary projection at the masked positions only): "
+          f"{statistics.mean(flops_ours) / 1e9:.2f} G")
+    print(f"speedup_vs_transformers: {tps['ours'] / tps['transformers']:.2f}")
+    print(f"mfu: {achieved / peak:.2f}")
+
+
+if __name__ == "__main__":
+    main()
