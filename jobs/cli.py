@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 
 def _quiet_env(verbose: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ctxmodels.registry import FAMILIES
-from jobs.config import FAMILY_OBJECTIVES, Recipe, RecipeError, model_overrides_with_vocab
+from jobs.config import FAMILY_OBJECTIVES, Recipe, model_overrides_with_vocab
 from pipelines import storage
 from pipelines.dataset import StreamSpec, build_dataset, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files
 from pipelines.masking import MlmConfig
