@@ -66,6 +66,10 @@ def main(steps: int = 300, port: int = 8000, verbose: bool = False) -> int:
     trained = load_checkpoint(ckpt).model
     before, after = evaluate_mlm(initial, batches), evaluate_mlm(trained, batches)
     print(f"   before: {before:.1%}   after: {after:.1%}   ({sum(int((b['labels'] != -100).sum()) for b in batches):,} masked tokens)")
+    from jobs.report import write_report
+
+    report = write_report(result.run_uri, out_dir=Path("runs") / "demo-report")  # outlives the demo's temp folder
+    print(f"   report (plots of loss, perplexity, throughput and MFU; data report): {report}")
 
     print(f"== 4. serving {ckpt.name} on http://127.0.0.1:{port}")
     serve.run({"bert-tiny": str(ckpt)}, host="127.0.0.1", port=port, blocking=False, verbose=verbose)
