@@ -578,19 +578,19 @@ def _interval_metrics(sums, interval, world: int, torch) -> dict[str, float]:
 
 
 def _commit_position(position: DataPosition, pending: DataPosition, shard_keys: list[int], world: int, rank: int, run: str, endpoint_url: str | None, torch) -> DataPosition:
-    """Every worker's samples since the last checkpoint, merged into the committed position (the
-    same on every rank); epochs whose every shard is complete are closed, and rank 0 writes and
-    prints their data report (read = used + rejected per shard)."""
+    """Every worker's samples since the last checkpoint, merged on rank 0 (which writes the
+    checkpoint) into the committed position; epochs whose every shard is complete are closed, and
+    their data report (read = used + rejected per shard) is written and printed."""
     from pipelines import datareport
 
     parts = [pending.to_arrays()]
     if world > 1 and torch.distributed.is_initialized():
         parts = [None] * world
         torch.distributed.all_gather_object(parts, pending.to_arrays())
+    if rank != 0:
+        return position  # only rank 0's position is written; the others keep none
     for arrays in parts:
         position.merge(DataPosition.from_arrays(arrays))
-    if rank != 0:
-        return position  # only rank 0's position is written
     for epoch in position.close_epochs(shard_keys, lambda e: datareport.sampleless_shards(run, e, endpoint_url)):
         report = datareport.write_epoch_report(run, epoch, endpoint_url)
         print("data: " + datareport.format_report(report).replace("\n", "\ndata: "))
