@@ -161,7 +161,7 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
     first_epoch = 0
     if resumed:
         state, position = resumed
-        first_epoch = position.first_epoch if "world_size" in state else int(state["epoch"])
+        first_epoch = int(state["epoch"])  # the position's oldest open epoch
         log(f"resume: step {state['step']} from the latest checkpoint of {run} "
             f"(epoch {first_epoch}, {position.committed(first_epoch)} of its samples already trained on)")
 
@@ -344,40 +344,48 @@ def row_digests(batch: dict[str, Any]) -> list[str]:
 class SampleLog:
     """``train.sample_log``: every consumed sample id, per worker and attempt, as JSON lines under
     ``<run>/sample_log/``, for audits and the exactly-once tests. A line is written when its
-    optimizer step is done; the first line of a file says which step the attempt resumed from."""
+    optimizer step is done; the first line of a file says which step the attempt resumed from.
+    A local file is appended to; an object-store file (no appends there) is rewritten whole."""
 
     def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None) -> None:
         import uuid
 
         self.uri = storage.join(run, "sample_log", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}-rank{rank}.jsonl")
         self.endpoint_url = endpoint_url
-        self.lines = [json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})]
-        self.flush()
+        self.fs, self.path = storage.filesystem(self.uri, endpoint_url)
+        self.remote = storage.is_remote(self.uri)
+        if not self.remote:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.lines: list[str] = []  # the lines an object-store file must hold
+        self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
 
     def step(self, step: int, batches: list[dict[str, Any]]) -> None:
-        for b in batches:
-            self.lines.append(json.dumps({
+        self.write([
+            json.dumps({
                 "step": step,
                 "epoch": np.asarray(b["epoch"].cpu()).reshape(-1).tolist(),
                 "ids": np.asarray(b["sample_id"].cpu()).reshape(-1).tolist(),
                 "digests": row_digests(b),
-            }))
-        self.flush()
+            })
+            for b in batches
+        ])
 
-    def flush(self) -> None:
-        fs, path = storage.filesystem(self.uri, self.endpoint_url)
-        if not storage.is_remote(self.uri):
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        data = ("\n".join(self.lines) + "\n").encode()
+    def write(self, new: list[str]) -> None:
+        if not self.remote:
+            with open(self.path, "a") as f:
+                f.write("".join(line + "\n" for line in new))
+            return
+        self.lines.extend(new)
+        data = "".join(line + "\n" for line in self.lines).encode()
 
-        def write() -> None:
-            with fs.open_output_stream(path) as f:
+        def put() -> None:
+            with self.fs.open_output_stream(self.path) as f:
                 f.write(data)
 
-        storage.with_retries(write, f"write {self.uri}")
+        storage.with_retries(put, f"write {self.uri}")
 
 
-def _load_resume(run: str, endpoint_url: str | None, model, torch):
+def _load_resume(run: str, endpoint_url: str | None, model):
     """The run's latest committed checkpoint (the same one the data stage reads the position of):
     loads the weights into ``model``; returns (uri, trainer_state, optimizer tensors, position)."""
     from ctxmodels.checkpoint import load_checkpoint
@@ -390,7 +398,7 @@ def _load_resume(run: str, endpoint_url: str | None, model, torch):
     model.load_state_dict(load_checkpoint(local).model.state_dict())
     state = json.loads((local / "trainer_state.json").read_text())
     opt = load_file(str(local / "optimizer.safetensors"))
-    return uri, state, opt, load_position(uri, endpoint_url)
+    return uri, state, opt, load_position(str(local))  # the downloaded copy: no second read
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -418,7 +426,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides)
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count): Ray's get_checkpoint() could name a checkpoint whose upload was cut.
-    resumed_from, state, opt_tensors, position = _load_resume(run, ep, model, torch)
+    resumed_from, state, opt_tensors, position = _load_resume(run, ep, model)
     step = int(state["step"]) if state else 0
     samples_seen = int(state["samples_seen"]) if state else 0
     tokens_seen = int(state["tokens_seen"]) if state else 0

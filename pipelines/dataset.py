@@ -44,7 +44,7 @@ import posixpath
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Generator, Iterator, Literal
 
 import numpy as np
 
@@ -412,29 +412,30 @@ class TokenizePack:
             uri, key, epoch = str(uri), int(key), int(epoch)
             if pos.shard_complete(epoch, key):
                 continue
-            stats, made = ReadStats(), [0]
-            yield from self.rows(uri, key, epoch, pos, stats, made)
+            stats = ReadStats()
+            made = yield from self.rows(uri, key, epoch, pos, stats)
             if self.spec.run_uri:  # the whole shard was read: its counts are final
-                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.endpoint_url, samples=made[0])
+                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.endpoint_url, samples=made)
 
-    def rows(self, uri: str, key: int, epoch: int, pos: DataPosition, stats: ReadStats, made: list[int]) -> Iterator[dict[str, np.ndarray]]:
-        """One work unit's output batches, committed samples dropped; ``made[0]`` counts the
-        samples the shard made (dropped ones included)."""
+    def rows(self, uri: str, key: int, epoch: int, pos: DataPosition, stats: ReadStats) -> Generator[dict[str, np.ndarray], None, int]:
+        """One work unit's output batches, committed samples dropped; returns how many samples
+        the shard made (dropped ones included)."""
+        made = 0
         if self.kind == "stream":
             groups = stream_shard(self.tok, uri, key, epoch, self.spec, self.spec.stream_rows, stats)
             for group, total in _with_total(groups, lambda g: sum(len(b["sample_id"]) for b in g)):
                 rows = _tag_shard(stack_stream_rows(group), key, total)  # (n, B, ...)
-                made[0] += rows["sample_id"].size
+                made = max(made, total)
                 keep = ~pos.is_consumed(epoch, key, rows["sample_id"]).any(axis=1)  # a batch is consumed whole
                 if keep.any():
                     yield {k: v[keep] for k, v in rows.items()}  # one Ray block = one stream block
-            return
+            return made
         buf: list[dict[str, np.ndarray]] = []
         n_buf = 0
         blocks = shard_rows(self.tok, uri, key, epoch, self.spec, self.kind, stats)
         for block, total in _with_total(blocks, lambda b: len(b["input_ids"])):
             block = _tag_shard(block, key, total)
-            made[0] += len(block["sample_id"])
+            made = max(made, total)
             keep = ~pos.is_consumed(epoch, key, block["sample_id"])
             if not keep.all():
                 block = {k: v[keep] for k, v in block.items()}
@@ -445,6 +446,7 @@ class TokenizePack:
                 buf, n_buf = [], 0
         if n_buf:
             yield _concat(buf)
+        return made  # total: the last block's row count of the shard (0 if it made none)
 
 
 def _with_total(items: Iterator[Any], size: Callable[[Any], int]) -> Iterator[tuple[Any, int]]:

@@ -160,14 +160,13 @@ def load_position(ckpt_uri: str | None, endpoint_url: str | None = None) -> Data
     """The position committed with a checkpoint (an empty one for None or an older checkpoint)."""
     if ckpt_uri is None:
         return DataPosition()
+    import pyarrow.fs as pafs
     from safetensors.numpy import load
 
     from pipelines import storage
 
     fs, path = storage.filesystem(ckpt_uri, endpoint_url)
     target = f"{path.rstrip('/')}/{POSITION_FILE}"
-    import pyarrow.fs as pafs
-
     info = storage.with_retries(lambda: fs.get_file_info(target), f"stat {ckpt_uri}/{POSITION_FILE}")
     if info.type == pafs.FileType.NotFound:
         return DataPosition()
