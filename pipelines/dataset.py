@@ -11,13 +11,16 @@
 
 Stage 1 builds one of four kinds of rows:
 
-* ``packed``: RoBERTa FULL-SENTENCES rows ``[CLS] ... [SEP]`` (``pipelines.packing``);
+* ``packed``: RoBERTa FULL-SENTENCES rows ``[CLS] ... [SEP]`` (``pipelines.packing``): whole
+  sentences up to ``seq_len``, [SEP] between documents, right-padded;
   ``sample_id = shard_key << 32 | index of the row in the shard``;
-* ``nsp-pairs`` / ``sop-pairs``: BERT / ALBERT sentence pairs (``pipelines.pairs``). A document's
-  sentences are its lines: text shards already hold one sentence per line (documents are separated
-  by blank lines), JSON and Parquet documents are split on newlines. ``sample_id`` as above;
+* ``nsp-pairs`` / ``sop-pairs``: BERT / ALBERT sentence pairs (``pipelines.pairs``). ``sample_id`` as above;
 * ``stream``: stream-ordered batches (``pipelines.streams``) for models with memory: row r of a
   batch continues row r of the previous batch of its *block*. Documents are joined by [SEP].
+
+For packed rows and pairs a document's sentences are its lines: text shards already hold one
+sentence per line (documents are separated by blank lines), JSON and Parquet documents are split
+on newlines.
 
 Stream-ordered batches under Ray Data. Ray re-batches rows and splits them between workers as it
 likes, which would tear row r of one batch away from row r of the next. So a Ray Data row holds a
@@ -283,6 +286,14 @@ def _documents(uri: str, spec: StreamSpec, stats: ReadStats | None) -> Iterator[
     )
 
 
+def _sentence_ids(tok: Tokenizer, docs: list[str]) -> list[list[np.ndarray]]:
+    """Token ids of each document's sentences (its lines, module docstring), in one native batch call."""
+    sentences = [doc.split("\n") for doc in docs]
+    ids = tok.encode_batch([s for sents in sentences for s in sents])
+    bounds = np.cumsum([0] + [len(sents) for sents in sentences])  # (D+1,)
+    return [ids[bounds[d] : bounds[d + 1]] for d in range(len(sentences))]
+
+
 def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Packed rows of one shard, in shard order, with their sample ids."""
     packer = Packer(spec.seq_len, tok.cls_id, tok.sep_id, tok.pad_id)
@@ -298,7 +309,7 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
         return {**block, "sample_id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
 
     for docs in _documents(uri, spec, stats):
-        out = emit(packer.add(tok.encode_batch(docs)))
+        out = emit(packer.add(_sentence_ids(tok, docs)))
         if out is not None:
             yield out
     out = emit(packer.flush())
@@ -312,10 +323,7 @@ def pair_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
     vocab = VocabInfo.from_tokenizer(tok)
     index = 0
     for docs in _documents(uri, spec, stats):
-        sentences = [doc.split("\n") for doc in docs]  # a line is a sentence (module docstring)
-        ids = tok.encode_batch([s for sents in sentences for s in sents])  # one native batch call
-        bounds = np.cumsum([0] + [len(sents) for sents in sentences])  # (D+1,)
-        tokenized = [ids[bounds[d] : bounds[d + 1]] for d in range(len(sentences))]
+        tokenized = _sentence_ids(tok, docs)
         base = (int(key) << 32) | index
         block = build(tokenized, spec.seq_len, spec.seed, epoch, base, vocab, short_seq_prob=spec.short_seq_prob)
         index += len(block["input_ids"])

@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.dataset import StreamSpec, build_dataset, local_batches, work_units
+from pipelines.dataset import StreamSpec, build_dataset, local_batches, pack_shard, shard_keys, work_units
+from pipelines.sources import iter_documents
 from pipelines.masking import MlmConfig
 from pipelines.tokenizers import train_tokenizer
 from pipelines.sources import sample_text
@@ -36,6 +37,40 @@ def test_work_units_cover_every_shard_once_per_epoch():
     assert len(units) == 15
     for e in (2, 3, 4):
         assert sorted(u["shard"] for u in units if u["epoch"] == e) == sorted(spec.shards)
+
+
+def test_pack_shard_keeps_sentences_whole(tok_dir):
+    """RoBERTa FULL-SENTENCES on a real shard: rows end at sentence (line) ends, [SEP] between
+    documents, every token once, sample ids = shard key << 32 | row index, the same every time."""
+    from pipelines.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(tok_dir)
+    spec = StreamSpec(shards=SHARDS, seq_len=128)
+    key = shard_keys(SHARDS)[0]
+    runs = [list(pack_shard(tok, SHARDS[0], key, 0, spec)) for _ in range(2)]
+    rows = {k: np.concatenate([b[k] for b in runs[0]]) for k in runs[0][0]}
+    for k in rows:
+        np.testing.assert_array_equal(np.concatenate([b[k] for b in runs[1]]), rows[k])
+    np.testing.assert_array_equal(rows["sample_id"], (key << 32) | np.arange(len(rows["sample_id"])))
+    docs = [d for chunk in iter_documents(SHARDS[0]) for d in chunk]
+    sentences = [tok.encode_batch(d.split("\n")) for d in docs]
+    assert max(s.size for d in sentences for s in d) <= 126  # so no sentence may be cut
+    expected, ends = [], set()  # the token stream with separators; where sentences end in it
+    for d, sents in enumerate(sentences):
+        for s in sents:
+            expected.extend(([tok.sep_id] if d and s is sents[0] else []) + s.tolist())
+            ends.add(len(expected))
+    body, at = [], 0
+    for ids, mask in zip(rows["input_ids"], rows["attention_mask"]):
+        n = int(mask.sum())
+        assert ids[0] == tok.cls_id and ids[n - 1] == tok.sep_id and (ids[n:] == tok.pad_id).all()
+        piece = ids[1 : n - 1].tolist()
+        if expected[at] == tok.sep_id:
+            at += 1  # a row that starts a document drops the separator
+        assert piece == expected[at : at + len(piece)]
+        at += len(piece)
+        assert at in ends  # the row ends where a sentence ends
+    assert at == len(expected)
 
 
 def test_ray_stream_equals_local_path(ray_session, tok_dir):

@@ -1,83 +1,174 @@
-"""FULL-SENTENCES packing: no token lost or reordered, shapes, streaming == one-shot, padding."""
+"""FULL-SENTENCES packing (RoBERTa sec. 4.2): whole sentences, document separators, every token once
+in order, rows <= seq_len; equal to a plain-Python greedy reference; streaming == one-shot."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipelines.packing import COLUMNS, Packer, concat_rows, pack_documents
+from pipelines.packing import COLUMNS, Packer, block_starts, concat_rows, pack_documents, split_long
 
 PAD, CLS, SEP = 0, 101, 102
-FIRST_ID, VOCAB = 1000, 5000  # document tokens never collide with the special ids
+FIRST_ID = 1000  # document tokens never collide with the special ids
 
 
-def random_docs(seed: int, n_docs: int = 200, max_len: int = 300) -> list[np.ndarray]:
+def random_docs(seed: int, n_docs: int = 120, max_sents: int = 8, max_len: int = 40) -> list[list[np.ndarray]]:
+    """Documents of sentences whose token ids are FIRST_ID + the token's position in the whole input,
+    so every token names its sentence and document. Some sentences and documents are empty."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, max_len, size=n_docs)
-    lengths[rng.random(n_docs) < 0.1] = 0  # some empty documents
-    return [rng.integers(FIRST_ID, VOCAB, size=n).astype(np.int32) for n in lengths]
+    docs, next_id = [], FIRST_ID
+    for _ in range(n_docs):
+        n_sents = int(rng.integers(0, max_sents + 1))
+        lengths = rng.integers(1, max_len, size=n_sents)
+        lengths[rng.random(n_sents) < 0.1] = 0  # empty sentences
+        lengths[rng.random(n_sents) < 0.05] *= 6  # some sentences longer than small blocks
+        doc = []
+        for n in lengths:
+            doc.append(np.arange(next_id, next_id + n, dtype=np.int32))
+            next_id += n
+        docs.append(doc)
+    return docs
 
 
-def unpack(out: dict[str, np.ndarray]) -> np.ndarray:
-    """The token stream back: per row, what lies between [CLS] and the last real token ([SEP])."""
-    pieces = []
+def reference_pack(docs: list[list[np.ndarray]], seq_len: int) -> list[list[int]]:
+    """The rows' bodies (between [CLS] and [SEP]) by the definition, one sentence at a time."""
+    body = seq_len - 2
+    rows, cur, seen_doc = [], [], False
+    for doc in docs:
+        sents = [list(map(int, s)) for s in doc if len(s)]
+        for k, sent in enumerate(sents):
+            sep = [SEP] if (k == 0 and seen_doc) else []
+            pieces = [sent[i : i + body] for i in range(0, len(sent), body)]
+            for p, piece in enumerate(pieces):
+                lead = sep if p == 0 else []
+                if cur and len(cur) + len(lead) + len(piece) <= body:
+                    cur += lead + piece
+                else:
+                    if cur:
+                        rows.append(cur)
+                    cur = list(piece)  # a block's first sentence drops its separator
+        seen_doc = seen_doc or bool(sents)
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def bodies(out: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Per row, the tokens between [CLS] and the last real token ([SEP]); checks the frame."""
+    out_rows = []
     for ids, mask in zip(out["input_ids"], out["attention_mask"]):
         n = int(mask.sum())
-        assert ids[0] == CLS and ids[n - 1] == SEP, ids
-        pieces.append(ids[1 : n - 1])
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        assert (mask[:n] == 1).all() and (mask[n:] == 0).all()  # right-padded
+        assert ids[0] == CLS and ids[n - 1] == SEP and (ids[n:] == PAD).all(), ids
+        out_rows.append(ids[1 : n - 1])
+    return out_rows
 
 
-def expected_stream(docs: list[np.ndarray]) -> np.ndarray:
-    parts = []
-    for d in (d for d in docs if len(d)):
-        if parts:
-            parts.append(np.array([SEP]))
-        parts.append(d)
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+def doc_and_sentence_of(docs: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token id - FIRST_ID: its document, its sentence and its sentence's length."""
+    doc_of, sent_of, len_of = [], [], []
+    s = 0
+    for d, doc in enumerate(docs):
+        for sent in doc:
+            doc_of += [d] * len(sent)
+            sent_of += [s] * len(sent)
+            len_of += [len(sent)] * len(sent)
+            s += 1
+    return np.array(doc_of), np.array(sent_of), np.array(len_of)
 
 
-@pytest.mark.parametrize("seq_len", [3, 16, 128, 512])
-def test_every_token_once_in_order(seq_len):
+SEQ_LENS = [3, 8, 16, 64, 512]
+
+
+@pytest.mark.parametrize("seq_len", SEQ_LENS)
+def test_equals_reference_greedy(seq_len):
     docs = random_docs(seed=seq_len)
     out = pack_documents(docs, seq_len, CLS, SEP, PAD)
-    stream = unpack(out)
-    np.testing.assert_array_equal(stream, expected_stream(docs))  # documents joined by exactly one [SEP]
-    doc_tokens = stream[stream != SEP]
-    np.testing.assert_array_equal(doc_tokens, np.concatenate(docs))
+    got = [list(map(int, b)) for b in bodies(out)]
+    assert got == reference_pack(docs, seq_len)
 
 
-@pytest.mark.parametrize("seq_len", [3, 16, 512])
-def test_shapes_and_dtypes(seq_len):
-    docs = random_docs(seed=1)
+@pytest.mark.parametrize("seq_len", SEQ_LENS)
+def test_every_token_once_in_order_and_rows_fit(seq_len):
+    docs = random_docs(seed=10 + seq_len)
     out = pack_documents(docs, seq_len, CLS, SEP, PAD)
-    n_stream = expected_stream(docs).size
-    n_rows = -(-n_stream // (seq_len - 2))
+    assert out["input_ids"].shape[1] == seq_len and (out["attention_mask"].sum(1) <= seq_len).all()
+    stream = np.concatenate(bodies(out))
+    everything = np.concatenate([s for d in docs for s in d]).astype(np.int64)
+    np.testing.assert_array_equal(stream[stream != SEP], everything)
+
+
+@pytest.mark.parametrize("seq_len", SEQ_LENS)
+def test_no_sentence_cut_unless_longer_than_a_block(seq_len):
+    body = seq_len - 2
+    docs = random_docs(seed=20 + seq_len)
+    _, sent_of, len_of = doc_and_sentence_of(docs)
+    rows = [b[b != SEP] - FIRST_ID for b in bodies(pack_documents(docs, seq_len, CLS, SEP, PAD))]
+    row_of = np.concatenate([np.full(r.size, i) for i, r in enumerate(rows)])  # (tokens,)
+    sent = sent_of[np.concatenate(rows)]
+    for s in np.unique(sent):
+        in_rows = np.unique(row_of[sent == s])
+        n = int(len_of[sent == s][0])
+        if n <= body:
+            assert in_rows.size == 1, f"sentence {s} of {n} tokens cut across rows {in_rows}"
+        else:  # cut into full blocks, each a row of its own, and a remainder
+            assert in_rows.size == -(-n // body)
+            for r in in_rows[:-1]:
+                assert rows[r].size == body and (sent_of[rows[r]] == s).all()
+
+
+@pytest.mark.parametrize("seq_len", SEQ_LENS)
+def test_separators_exactly_between_documents_inside_a_row(seq_len):
+    docs = random_docs(seed=30 + seq_len)
+    doc_of, _, _ = doc_and_sentence_of(docs)
+    for b in bodies(pack_documents(docs, seq_len, CLS, SEP, PAD)):
+        is_sep = b == SEP
+        assert not is_sep[0] and not is_sep[-1]  # [CLS] / [SEP] frame the row: no separator at its edges
+        assert not (is_sep[1:] & is_sep[:-1]).any()  # empty documents add none
+        tok_doc = doc_of[b[~is_sep] - FIRST_ID]
+        # one separator exactly where the document changes, none inside a document
+        changes = np.flatnonzero(tok_doc[1:] != tok_doc[:-1])  # index in the token-only view
+        np.testing.assert_array_equal(np.flatnonzero(is_sep) - np.arange(is_sep.sum()) - 1, changes)
+
+
+@pytest.mark.parametrize("seq_len", SEQ_LENS)
+def test_blocks_are_greedy(seq_len):
+    """A row ends only when the next sentence (with its separator) does not fit."""
+    body = seq_len - 2
+    docs = random_docs(seed=40 + seq_len)
+    doc_of, sent_of, len_of = doc_and_sentence_of(docs)
+    rows = bodies(pack_documents(docs, seq_len, CLS, SEP, PAD))
+    for a, b in zip(rows[:-1], rows[1:]):
+        last, first = int(a[-1]) - FIRST_ID, int(b[0]) - FIRST_ID
+        if sent_of[first] == sent_of[last]:
+            continue  # a sentence longer than a block, cut
+        sep = int(doc_of[first] != doc_of[last])
+        assert a.size + sep + min(int(len_of[first]), body) > body
+
+
+def test_small_example():
+    a = [np.array([1001, 1002]), np.array([1003])]  # document 1: two sentences
+    b = [np.array([1004, 1005, 1006])]  # document 2
+    c = [np.array([1007] * 9)]  # document 3: one sentence longer than a block
+    out = pack_documents([a, b, c], 8, CLS, SEP, PAD)  # 6 tokens per row
+    np.testing.assert_array_equal(out["input_ids"], [
+        [CLS, 1001, 1002, 1003, SEP, PAD, PAD, PAD],  # 2 + 1 + [SEP] + 3 = 7 > 6: document 2 starts a row
+        [CLS, 1004, 1005, 1006, SEP, PAD, PAD, PAD],  # the long sentence does not fit: a row of its own
+        [CLS, 1007, 1007, 1007, 1007, 1007, 1007, SEP],
+        [CLS, 1007, 1007, 1007, SEP, PAD, PAD, PAD],
+    ])
+    out = pack_documents([a, b], 9, CLS, SEP, PAD)  # 7 tokens: both documents, one separator
+    np.testing.assert_array_equal(out["input_ids"], [[CLS, 1001, 1002, 1003, SEP, 1004, 1005, 1006, SEP]])
+    assert (out["attention_mask"] == 1).all() and (out["token_type_ids"] == 0).all()
+
+
+def test_shapes_and_dtypes():
+    out = pack_documents(random_docs(seed=1), 32, CLS, SEP, PAD)
     assert set(out) == set(COLUMNS)
+    n = out["input_ids"].shape[0]
     for name in COLUMNS:
-        assert out[name].shape == (n_rows, seq_len) and out[name].dtype == np.int64, name
+        assert out[name].shape == (n, 32) and out[name].dtype == np.int64, name
     assert (out["token_type_ids"] == 0).all()
-
-
-def test_attention_mask_matches_padding():
-    docs = random_docs(seed=2)
-    seq_len = 64
-    out = pack_documents(docs, seq_len, CLS, SEP, PAD)
-    ids, mask = out["input_ids"], out["attention_mask"]
-    assert set(np.unique(mask)) <= {0, 1}
-    assert (mask[:-1] == 1).all()  # only the last row may be padded
-    n_real = int(mask[-1].sum())
-    assert (mask[-1, :n_real] == 1).all() and (mask[-1, n_real:] == 0).all()  # padding only at the end
-    assert (ids[mask == 0] == PAD).all()
-    assert not (ids[mask == 1] == PAD).any()
-    tail = expected_stream(docs).size % (seq_len - 2)
-    assert n_real == (tail + 2 if tail else seq_len)
-
-
-def test_exact_multiple_has_no_padded_row():
-    docs = [np.arange(FIRST_ID, FIRST_ID + 7), np.arange(FIRST_ID, FIRST_ID + 6)]  # 7 + [SEP] + 6 = 14 = 2 x 7
-    out = pack_documents(docs, 9, CLS, SEP, PAD)
-    assert out["input_ids"].shape == (2, 9) and (out["attention_mask"] == 1).all()
 
 
 @pytest.mark.parametrize("chunk_seed", [0, 1, 2])
@@ -96,17 +187,16 @@ def test_streaming_equals_one_shot(chunk_seed):
     streamed = concat_rows(parts, seq_len)
     for name in COLUMNS:
         np.testing.assert_array_equal(streamed[name], whole[name], err_msg=name)
-    assert sum(p["input_ids"].shape[0] for p in parts[:-1]) == whole["input_ids"].shape[0] - parts[-1]["input_ids"].shape[0]
+    assert parts[-1]["input_ids"].shape[0] == 1  # only the open block waits for flush
 
 
-def test_add_returns_only_full_rows_and_keeps_the_rest():
+def test_add_returns_only_completed_rows():
     packer = Packer(6, CLS, SEP, PAD)  # 4 tokens per row
-    first = packer.add([np.arange(FIRST_ID, FIRST_ID + 6)])
-    assert first["input_ids"].shape == (1, 6) and (first["attention_mask"] == 1).all()
-    second = packer.add([np.arange(FIRST_ID + 10, FIRST_ID + 11)])  # 2 kept + [SEP] + 1 = 4: one more full row
-    np.testing.assert_array_equal(second["input_ids"], [[CLS, FIRST_ID + 4, FIRST_ID + 5, SEP, FIRST_ID + 10, SEP]])
-    tail = packer.flush()
-    assert tail["input_ids"].shape == (0, 6)
+    first = packer.add([[np.array([1001, 1002]), np.array([1003])]])
+    assert first["input_ids"].shape == (0, 6)  # 3 tokens: the block may still take a 1-token sentence
+    second = packer.add([[np.array([1004])]])  # 3 + [SEP] + 1 = 5 > 4: the first block is complete
+    np.testing.assert_array_equal(second["input_ids"], [[CLS, 1001, 1002, 1003, SEP, PAD]])
+    np.testing.assert_array_equal(packer.flush()["input_ids"], [[CLS, 1004, SEP, PAD, PAD, PAD]])
 
 
 def test_packer_is_reusable_after_flush():
@@ -118,7 +208,7 @@ def test_packer_is_reusable_after_flush():
 
 
 def test_empty_inputs():
-    for docs in ([], [np.zeros(0, dtype=np.int64)] * 3):
+    for docs in ([], [[]] * 2, [[np.zeros(0, dtype=np.int64)]] * 3):
         out = pack_documents(docs, 16, CLS, SEP, PAD)
         for name in COLUMNS:
             assert out[name].shape == (0, 16) and out[name].dtype == np.int64
@@ -129,21 +219,34 @@ def test_empty_inputs():
 
 
 def test_empty_documents_add_no_separator():
-    a, b = np.array([FIRST_ID, FIRST_ID + 1]), np.array([FIRST_ID + 2])
-    out = pack_documents([np.zeros(0, int), a, np.zeros(0, int), np.zeros(0, int), b], 8, CLS, SEP, PAD)
-    np.testing.assert_array_equal(out["input_ids"], [[CLS, FIRST_ID, FIRST_ID + 1, SEP, FIRST_ID + 2, SEP, PAD, PAD]])
+    a, b = [np.array([1001, 1002])], [np.zeros(0, int), np.array([1003])]
+    out = pack_documents([[], a, [np.zeros(0, int)], [], b], 8, CLS, SEP, PAD)
+    np.testing.assert_array_equal(out["input_ids"], [[CLS, 1001, 1002, SEP, 1003, SEP, PAD, PAD]])
+
+
+def test_helpers():
+    lengths, sep = split_long(np.array([3, 10, 4]), np.array([False, True, True]), 4)
+    np.testing.assert_array_equal(lengths, [3, 4, 4, 2, 4])
+    np.testing.assert_array_equal(sep, [False, True, False, False, True])
+    np.testing.assert_array_equal(block_starts(lengths, sep, 4), [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(block_starts(np.array([1, 1, 1, 1, 1]), np.array([0, 1, 0, 1, 0], bool), 3), [0, 2, 4])
+    with pytest.raises(ValueError, match="split_long"):
+        block_starts(np.array([5]), np.array([False]), 4)
 
 
 def test_inputs_not_modified():
     docs = random_docs(seed=5, n_docs=10)
-    before = [d.copy() for d in docs]
+    before = [[s.copy() for s in d] for d in docs]
     pack_documents(docs, 16, CLS, SEP, PAD)
     for d, b in zip(docs, before):
-        np.testing.assert_array_equal(d, b)
+        for s, t in zip(d, b):
+            np.testing.assert_array_equal(s, t)
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="seq_len"):
         Packer(2, CLS, SEP, PAD)
     with pytest.raises(ValueError, match="integer"):
-        pack_documents([np.array([1.5, 2.5])], 8, CLS, SEP, PAD)
+        pack_documents([[np.array([1.5, 2.5])]], 8, CLS, SEP, PAD)
+    with pytest.raises(ValueError, match="list of sentences"):
+        pack_documents([np.array([1, 2])], 8, CLS, SEP, PAD)
