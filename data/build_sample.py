@@ -134,12 +134,12 @@ def render(s: Synset) -> list[str]:
     return [line for line in lines if line]
 
 
-def documents(synsets: list[Synset]) -> list[list[str]]:
-    """Group consecutive synsets of one lexicographer file into documents of 3-6 synsets.
+def groups(synsets: list[Synset]) -> list[list[Synset]]:
+    """Consecutive synsets of one lexicographer file in groups of 3-6 (fewer at a file's end).
 
     The group size comes from a CRC of the first synset's offset: varied, yet fixed across runs.
     """
-    docs: list[list[str]] = []
+    out: list[list[Synset]] = []
     i = 0
     while i < len(synsets):
         size = 3 + zlib.crc32(str(synsets[i].offset).encode()) % 4
@@ -148,9 +148,14 @@ def documents(synsets: list[Synset]) -> list[list[str]]:
         while j < len(synsets) and len(group) < size and synsets[j].lex_filenum == synsets[i].lex_filenum:
             group.append(synsets[j])
             j += 1
-        docs.append([line for s in group for line in render(s)])
+        out.append(group)
         i = j
-    return docs
+    return out
+
+
+def documents(synsets: list[Synset]) -> list[list[str]]:
+    """One document per group of synsets (``groups``): their sentences, in order."""
+    return [[line for s in group for line in render(s)] for group in groups(synsets)]
 
 
 def read_synsets(wordnet_dir: Path) -> list[Synset]:
