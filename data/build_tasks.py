@@ -349,44 +349,44 @@ def _definition_in(s: Synset, line: str) -> str:
     return definition
 
 
-def _synonym_spans(line: str) -> list[tuple[str, int]]:
-    """(name, offset in ``line``) of the names in render's "Another word for it is X." /
-    "Other words for it are X, Y and Z." sentence."""
-    for prefix in ("Another word for it is ", "Other words for it are "):
-        if line.startswith(prefix):
-            names = line[len(prefix) : -1]
-            break
-    else:
+def _synonym_spans(s: Synset, line: str) -> list[tuple[str, int]]:
+    """(name, offset in ``line``) of the other names of ``s`` if ``line`` is render's "Another word
+    for it is X." / "Other words for it are X, Y and Z." sentence, else []. The names are the ones
+    render listed, found left to right (splitting at " and " would cut "Bosnia and Herzegovina")."""
+    if not line.startswith(("Another word for it is ", "Other words for it are ")):
         return []
-    parts = names.split(", ")
-    if prefix.startswith("Other"):
-        *parts, last = parts
-        parts.extend(last.rsplit(" and ", 1))
-    spans, at = [], len(prefix)
-    for name in parts:
+    others = [w for w in dict.fromkeys(s.lemmas[1:]) if w != s.lemmas[0]]  # as render lists them
+    spans, at = [], len("Another word for it is ")  # == len("Other words for it are ")
+    for name in others:
         at = line.index(name, at)
         spans.append((name, at))
         at += len(name)
     return spans
 
 
-def _question(s: Synset) -> str:
-    """The definition question, worded as the defining sentence is."""
-    head = s.lemmas[0]
+def _question(s: Synset, name: str) -> str:
+    """The definition question about ``name`` (one of the synset's lemmas), worded as the defining
+    sentence would be."""
     if s.pos == "v":
-        return f"What does it mean to {head}?"
+        return f"What does it mean to {name}?"
     if s.pos != "n":
-        return f"What does {head} mean?"
+        return f"What does {name} mean?"
     definition = _definition_in(s, render(s)[0])
-    if head[:1].isupper() or not definition.lower().startswith(_COUNTABLE_START):
-        return f"What is {head}?"
-    return f"What is {'an' if head[:1].lower() in 'aeiou' else 'a'} {head}?"
+    if name[:1].isupper() or not definition.lower().startswith(_COUNTABLE_START):
+        return f"What is {name}?"
+    return f"What is {'an' if name[:1].lower() in 'aeiou' else 'a'} {name}?"
 
 
 def qa_document(group: list[Synset]) -> tuple[str, list[dict]]:
-    """A context (the group's rendered sentences joined by spaces) and its questions: per synset
-    whose head lemma names no other synset of the group, "what is it" (answer: its first
-    definition) and, if it has other names, "what is another word for it" (answers: those names)."""
+    """A context (the group's rendered sentences joined by spaces) and its questions, per synset:
+
+    * "what is it" about one of its names, chosen by hash (answer: its first definition). Asked
+      about another name than the first, the question needs a hop: "What is a depository financial
+      institution?" is answered by "A bank is ...", linked by "Another word for it is ...";
+    * "what is another word for <its first name>" if it has other names (answers: those names).
+
+    A question is left out when its name also names another synset of the group (two answers).
+    """
     context, offsets = "", []  # offsets: per synset, per rendered line, where the line starts
     for s in group:
         lines = render(s)
@@ -400,16 +400,16 @@ def qa_document(group: list[Synset]) -> tuple[str, list[dict]]:
     names = Counter(w.lower() for s in group for w in set(s.lemmas))
     questions = []
     for s, (lines, starts) in zip(group, offsets):
-        if names[s.lemmas[0].lower()] > 1:
-            continue  # "What is a bank?" would have two answers in this context
         key = synset_id(s)
-        if s.definitions:
+        own = list(dict.fromkeys(s.lemmas))
+        name = own[rank(key, "qa-name") % len(own)]
+        if s.definitions and names[name.lower()] == 1:
             answer = _definition_in(s, lines[0])
             start = starts[0] + lines[0].rindex(answer)
-            questions.append({"id": f"{key}.def", "question": _question(s), "answers": {"text": [answer], "answer_start": [start]}})
+            questions.append({"id": f"{key}.def", "question": _question(s, name), "answers": {"text": [answer], "answer_start": [start]}})
         for line, line_start in zip(lines, starts):
-            spans = _synonym_spans(line)
-            if spans:
+            spans = _synonym_spans(s, line)
+            if spans and names[s.lemmas[0].lower()] == 1:
                 questions.append({
                     "id": f"{key}.syn", "question": f"What is another word for {s.lemmas[0]}?",
                     "answers": {"text": [n for n, _ in spans], "answer_start": [line_start + a for _, a in spans]},
