@@ -176,9 +176,14 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # rows: [query; key; value]
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        B, T, D = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, Dh)
+    def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+        """``x`` (B, T, D), or (N, D) real tokens only when ``packing`` says where they sit."""
+        D = x.shape[-1]
+        qkv = self.qkv(x)  # (B, T, 3D) or (N, 3D)
+        if packing is not None:
+            qkv = packing.unpack(qkv)  # (B, T, 3D), zeros at padding
+        B, T = qkv.shape[:2]
+        qkv = qkv.view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, Dh)
         if self.training and self.attn_dropout > 0 and x.device.type == "cpu":
             y = self.attend_with_dropout(qkv, attn_mask)
         else:
@@ -187,7 +192,29 @@ class SelfAttention(nn.Module):
                 q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
             )  # (B, H, T, Dh)
         y = y.transpose(1, 2).reshape(B, T, D)  # (B, T, H, Dh) -> (B, T, D)
+        if packing is not None:
+            y = packing.pack(y)  # (N, D): padding queries are dropped before the output projection
         return self.proj(y)
+
+    def first_query(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+        """(B, D): the attention output at position 0 alone, every position as keys and values.
+
+        ``x`` as in ``forward``. The query projection runs for one row per sequence and the keys
+        and values for all: what the last block costs when only [CLS] is read (classification).
+        """
+        D = x.shape[-1]
+        w_q, w_kv = self.qkv.weight[:D], self.qkv.weight[D:]  # rows: [query; key; value]
+        b_q, b_kv = self.qkv.bias[:D], self.qkv.bias[D:]
+        kv = F.linear(x, w_kv, b_kv)  # (B, T, 2D) or (N, 2D)
+        first = x[:, 0] if packing is None else packing.first(x)  # (B, D)
+        if packing is not None:
+            kv = packing.unpack(kv)  # (B, T, 2D)
+        B, T = kv.shape[:2]
+        H, Dh = self.n_head, D // self.n_head
+        k, v = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, H, T, Dh)
+        q = F.linear(first, w_q, b_q).view(B, H, 1, Dh)  # (B, H, 1, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0)
+        return self.proj(y.reshape(B, D))  # (B, H, 1, Dh) -> (B, D)
 
     def attend_with_dropout(self, qkv: Tensor, attn_mask: Tensor | None) -> Tensor:
         """What SDPA computes, spelled out for CPU training: with dropout, SDPA on CPU takes its
@@ -228,15 +255,54 @@ class BertBlock(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        x = self.ln1(x + self.drop(self.attn(x, attn_mask)))
+    def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+        x = self.ln1(x + self.drop(self.attn(x, attn_mask, packing)))
         x = self.ln2(x + self.drop(self.ffn(x)))
         return x
+
+    def first_row(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+        """(B, D): this block's output at position 0 only (see ``SelfAttention.first_query``)."""
+        first = x[:, 0] if packing is None else packing.first(x)  # (B, D)
+        h = self.ln1(first + self.drop(self.attn.first_query(x, attn_mask, packing)))
+        return self.ln2(h + self.drop(self.ffn(h)))
 
 
 # ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
+
+
+class Packing:
+    """Where the real tokens of a padded (B, T) batch sit, to run token-wise layers on them alone.
+
+    Fine-tuning batches are padded to their longest row; the rows' real lengths vary, so a third
+    to two thirds of the positions are often padding. Every layer but attention treats tokens
+    independently, so it can run on the (N, D) real tokens: N / (B * T) of the work. ``pack`` and
+    ``unpack`` are one gather / scatter each (differentiable); the padded positions of an unpacked
+    tensor are zeros. (The idea of "unpadding" in NVIDIA's BERT and FlashAttention's varlen kernels,
+    here on CPU around the ordinary attention.)
+    """
+
+    def __init__(self, keep: Tensor, batch: int, seq_len: int):
+        self.keep, self.batch, self.seq_len = keep, batch, seq_len  # keep: (N,) flat indices into B * T
+        # (B,): where each sequence's position 0 sits among the packed rows
+        self.starts = torch.searchsorted(keep, torch.arange(batch, device=keep.device) * seq_len)
+
+    @classmethod
+    def of(cls, attention_mask: Tensor) -> "Packing":
+        B, T = attention_mask.shape
+        return cls(attention_mask.reshape(-1).nonzero().squeeze(1), B, T)
+
+    def pack(self, x: Tensor) -> Tensor:
+        return x.reshape(self.batch * self.seq_len, x.shape[-1]).index_select(0, self.keep)  # (B, T, C) -> (N, C)
+
+    def first(self, x: Tensor) -> Tensor:
+        """(N, C) packed -> (B, C): each sequence's first token (position 0 is never padding)."""
+        return x.index_select(0, self.starts)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        full = x.new_zeros(self.batch * self.seq_len, x.shape[-1]).index_copy(0, self.keep, x)  # (B*T, C)
+        return full.view(self.batch, self.seq_len, x.shape[-1])  # (B, T, C)
 
 
 def init_bert_weights(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
@@ -265,25 +331,52 @@ class BertModel(nn.Module):
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
     ) -> list[Tensor]:
-        """``n_layer + 1`` tensors (B, T, D); index 0 is the embedding output after LayerNorm."""
-        attn_mask = None
+        """``n_layer + 1`` tensors (B, T, D); index 0 is the embedding output after LayerNorm.
+
+        Rows padded by ``attention_mask`` hold zeros in the block outputs on CPU (they are computed
+        only where a real token sits; see ``Packing``) and meaningless values elsewhere: read
+        hidden states at real tokens only.
+        """
+        x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
+        out = [x]
+        if packing is not None:
+            # Batches padded to their longest row: the projections, feed-forward layers and
+            # LayerNorms run on the real tokens only; attention sees the (B, T) layout.
+            x = packing.pack(x)  # (N, D)
+        for block in self.layers:
+            x = block(x, attn_mask, packing)
+            out.append(x if packing is None else packing.unpack(x))  # (B, T, D), zeros at padding
+        return out
+
+    def first_token_state(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """(B, D): the last hidden state at position 0 ([CLS] / <s>), what the pooler reads.
+
+        Equal to ``hidden_states(...)[-1][:, 0]``; the last block runs its queries, output
+        projection and feed-forward layer for that one row per sequence (sequence classification
+        reads nothing else), which saves most of a block's work.
+        """
+        x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
+        if packing is not None:
+            x = packing.pack(x)  # (N, D)
+        for block in self.layers[:-1]:
+            x = block(x, attn_mask, packing)
+        return self.layers[-1].first_row(x, attn_mask, packing)
+
+    def _embed(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None):
+        """(embedding output (B, T, D), attention mask for SDPA or None, Packing or None)."""
+        attn_mask, packing = None, None
         # A mask of all ones (packed rows) is dropped on CPU, where it would cost passes over the
-        # (B, H, T, T) scores in every layer; on GPU the check would wait for the device, and under
-        # torch.compile it would break the graph.
-        all_ones = (
-            attention_mask is not None and attention_mask.device.type == "cpu"
-            and not torch.compiler.is_compiling() and bool(attention_mask.all())
-        )
-        if attention_mask is not None and not all_ones:
+        # (B, H, T, T) scores in every layer, and padding is skipped by the token-wise layers; on
+        # GPU either check would wait for the device, and under torch.compile it would break the graph.
+        cpu_eager = attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
+        if attention_mask is not None and not (cpu_eager and bool(attention_mask.all())):
             # True = may attend. Padding keys are hidden from every query; padding queries still see
             # the real tokens, so their rows stay finite (they are ignored downstream anyway).
             attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
-        x = self.embeddings(input_ids, token_type_ids)  # (B, T, D)
-        out = [x]
-        for block in self.layers:
-            x = block(x, attn_mask)
-            out.append(x)
-        return out
+            packing = Packing.of(attention_mask) if cpu_eager else None
+        return self.embeddings(input_ids, token_type_ids), attn_mask, packing  # (B, T, D), ...
 
     def pool(self, last_hidden: Tensor) -> Tensor:
         return torch.tanh(self.pooler(last_hidden[:, 0]))  # (B, D) from the [CLS] / <s> position

@@ -71,16 +71,20 @@ class StepFlops:
 # ----------------------------------------------------------------------------------------------
 
 
-def _bert(c: StepFlops, cfg: Any, B: int, T: int, N: int, memory_len: int | None) -> None:
-    """ctxmodels/bert.py: post-LN encoder, MLM head on the N masked rows, NSP and SBO heads."""
+def _bert(c: StepFlops, cfg: Any, B: int, T: int, N: int, memory_len: int | None, real_tokens: int | None = None) -> None:
+    """ctxmodels/bert.py: post-LN encoder, MLM head on the N masked rows, NSP and SBO heads.
+
+    ``real_tokens``: the batch's non-padding tokens when it is padded; on CPU the token-wise
+    products run on those alone (``bert.Packing``), attention on the whole (B, T) layout."""
     D, F, BT = cfg.d_model, cfg.d_ff, B * T
+    R = BT if real_tokens is None else real_tokens
     for _ in range(cfg.n_layer):
-        c.add(mm(BT, 3 * D, D))  # fused QKV
+        c.add(mm(R, 3 * D, D))  # fused QKV
         c.add(mm(BT, T, D))  # scores Q K^T, all heads: B * H * (T x Dh x T)
         c.add(mm(BT, D, T))  # context P V
-        c.add(mm(BT, D, D))  # output projection
-        c.add(mm(BT, F, D))  # feed-forward in
-        c.add(mm(BT, D, F))  # feed-forward out
+        c.add(mm(R, D, D))  # output projection
+        c.add(mm(R, F, D))  # feed-forward in
+        c.add(mm(R, D, F))  # feed-forward out
     c.add(mm(N, D, D))  # MLM transform
     c.add(mm(N, cfg.vocab_size, D))  # decoder tied to the word embeddings
     if cfg.sbo:
@@ -213,7 +217,8 @@ FAMILY_FLOPS: dict[str, tuple[Callable[..., None], Callable[[int, int], int]]] =
 
 
 def step_flops(
-    family: str, cfg: Any, batch_size: int, seq_len: int, n_predicted: int | None = None, memory_len: int | None = None
+    family: str, cfg: Any, batch_size: int, seq_len: int, n_predicted: int | None = None, memory_len: int | None = None,
+    real_tokens: int | None = None,
 ) -> StepFlops:
     """Forward and backward FLOPs of one training step; see ``train_flops_per_step``."""
     if family not in FAMILY_FLOPS:
@@ -225,7 +230,12 @@ def step_flops(
     if n < 0:
         raise ValueError(f"n_predicted must be >= 0, got {n_predicted}")
     c = StepFlops()
-    count(c, cfg, batch_size, seq_len, n, memory_len)
+    if real_tokens is None:
+        count(c, cfg, batch_size, seq_len, n, memory_len)
+    elif count is _bert:
+        count(c, cfg, batch_size, seq_len, n, memory_len, real_tokens=real_tokens)
+    else:
+        raise ValueError(f"real_tokens: family {family!r} runs every position of a padded batch; count it without real_tokens")
     return c
 
 
@@ -236,6 +246,7 @@ def train_flops_per_step(
     seq_len: int,
     n_predicted: int | None = None,
     memory_len: int | None = None,
+    real_tokens: int | None = None,
 ) -> float:
     """Model FLOPs of one forward + backward pass over a (batch_size, seq_len) batch.
 
@@ -244,9 +255,11 @@ def train_flops_per_step(
     positions), ``B * (T - 1)`` for gpt/transformer-xl and per direction for elmo (every position
     but the one with no next token), ``B * ceil(T / 6)`` prediction slots for xlnet (its P).
     ``memory_len``: Transformer-XL / XLNet memory length; None means ``cfg.mem_len``.
+    ``real_tokens``: non-padding tokens of a padded batch, for the BERT families, whose token-wise
+    layers skip padding on CPU; None counts every position.
     The optimizer step is not included (it is elementwise).
     """
-    return step_flops(family, cfg, batch_size, seq_len, n_predicted, memory_len).total
+    return step_flops(family, cfg, batch_size, seq_len, n_predicted, memory_len, real_tokens).total
 
 
 # ----------------------------------------------------------------------------------------------

@@ -343,4 +343,31 @@ def test_flop_count_equals_flop_counter(train):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # CPU flash has no formula
         model(**batch).loss.backward()
     n_pred = int((batch["labels"] != -100).sum())
-    assert counter.get_total_flops() == train_flops_per_step("bert", model.cfg, B, T, n_pred)
+    real = int(batch["attention_mask"].sum())  # the padded row's padding skips the token-wise layers
+    assert real < B * T
+    assert counter.get_total_flops() == train_flops_per_step("bert", model.cfg, B, T, n_pred, real_tokens=real)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_encoder_and_first_token_state_equal_the_plain_path(padded):
+    """Skipping padding (bert.Packing) and running only [CLS] through the last block change no
+    value a caller reads: the real tokens' states, and their gradients."""
+    model = tiny(nsp=False, dropout=0.0, attn_dropout=0.0).train()
+    batch = make_batch(model.cfg)
+    mask = batch["attention_mask"] if padded else torch.ones_like(batch["attention_mask"])
+    ids, types = batch["input_ids"], batch["token_type_ids"]
+    real = mask.bool()
+    packed = model.backbone.hidden_states(ids, mask, types)
+    attn_mask = mask.bool()[:, None, None, :] if padded else None
+    x = model.backbone.embeddings(ids, types)
+    plain = [x]
+    for block in model.backbone.layers:  # the (B, T) path, padding included
+        x = block(x, attn_mask)
+        plain.append(x)
+    for a, b in zip(packed, plain):
+        torch.testing.assert_close(a[real], b[real], atol=1e-5, rtol=1e-5)
+    first = model.backbone.first_token_state(ids, mask, types)
+    torch.testing.assert_close(first, plain[-1][:, 0], atol=1e-5, rtol=1e-5)
+    (g_fast,) = torch.autograd.grad(first.square().sum(), model.backbone.embeddings.word.weight)
+    (g_plain,) = torch.autograd.grad(plain[-1][:, 0].square().sum(), model.backbone.embeddings.word.weight)
+    torch.testing.assert_close(g_fast, g_plain, atol=1e-4, rtol=1e-3)  # float rounding of two summation orders

