@@ -246,7 +246,11 @@ def _type_name(v: Any) -> str:
 
 
 class _Errors:
-    """Record errors of one scan: raised at the first (``collect=False``) or gathered."""
+    """Record errors of one scan: raised at the first (``collect=False``) or gathered.
+
+    The ``pick_*`` functions take one as their optional last argument: by default they raise the
+    first ``RecordError``; ``check_records`` passes a collecting one to list them all.
+    """
 
     def __init__(self, collect: bool):
         self.collect = collect
@@ -412,22 +416,22 @@ def pick_multiple_choice(records: dict, cfg: TaskDataConfig, errors: _Errors | N
     return contexts, options, labels
 
 
-def example_ids(records: dict, cfg: TaskDataConfig) -> np.ndarray:
+def example_ids(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None) -> np.ndarray:
     """int64 (N,): the records' ids (``cfg.id_field``, else id/idx): integers as they are, strings
     hashed (63-bit, stable across processes); without an id field, the row index in the batch."""
+    errors = errors or _Errors(collect=False)
     n = _n_records(records)
     field = cfg.id_field or _first_present(records, ID_FIELDS)
     if field is None:
         return np.arange(n, dtype=np.int64)
-    values = list(_column(records, field))
-    out = np.empty(n, dtype=np.int64)
-    for i, v in enumerate(values):
-        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+    out = np.zeros(n, dtype=np.int64)
+    for i, v in enumerate(_column(records, field)):
+        if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
             out[i] = int(v)
         elif isinstance(v, str):
             out[i] = stable_hash64(v)
         else:
-            raise RecordError(i, field, f"expected an integer or string id, got {_type_name(v)}")
+            errors.add(i, field, f"expected an integer or string id, got {_type_name(v)}")
     return out
 
 
@@ -444,6 +448,7 @@ def check_records(records: dict, cfg: TaskDataConfig) -> list[RecordError]:
         pick_tagged_words(records, cfg, errors)
     else:
         pick_squad(records, cfg, errors)
+    example_ids(records, cfg, errors)
     return sorted(errors.errors, key=lambda e: e.index)
 
 

@@ -388,6 +388,34 @@ def test_other_record_errors(tok):
         encode_regression({"sentence1": ["a"], "label": [float("nan")]}, tok, reg)
     with pytest.raises(ValueError, match="TaskDataConfig.labels is empty"):
         encode_classification({"sentence1": ["a"], "label": ["a"]}, tok, TaskDataConfig())
+    errors = check_records({"sentence1": ["a", "b"], "label": ["a", "b"], "id": ["x", 1.5]}, cls)
+    assert [(e.index, e.field) for e in errors] == [(1, "id")]
+
+
+def test_arrow_numpy_batches_encode_like_python_lists(tok):
+    """Ray Data hands encoders pyarrow columns as NumPy (object arrays, nested lists as arrays)."""
+    pa = pytest.importorskip("pyarrow")
+
+    def arrow_numpy(records):
+        table = pa.table(records)
+        return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+    questions, contexts, answers = _squad_cases()
+    cases = [
+        (TaskDataConfig(kind="question-answering", max_len=40, doc_stride=8, max_query_len=12, version_2=True),
+         {"id": [f"q{i}" for i in range(7)], "question": questions, "context": contexts, "answers": answers}),
+        (TaskDataConfig(kind="token-classification", max_len=12, labels=("B-X", "I-X", "O")),
+         {"tokens": [["a", "Bb", "c"], ["dd"]], "tags": [["B-X", "I-X", "O"], ["O"]]}),
+        (TaskDataConfig(kind="classification", max_len=12, labels=("0", "1")), {"sentence1": ["a b", "c"], "sentence2": ["d", "e f"], "label": [1, 0], "idx": [3, 4]}),
+        (TaskDataConfig(kind="multiple-choice", max_len=12), {"context": ["a", "b"], "options": [["x", "y"], ["z", "w"]], "label": [1, 0]}),
+    ]
+    for cfg, records in cases:
+        batch = arrow_numpy(records)
+        assert check_records(batch, cfg) == []
+        ours, ref = encode_task(batch, tok, cfg), encode_task(records, tok, cfg)
+        assert ours.keys() == ref.keys()
+        for key in ours:
+            np.testing.assert_array_equal(ours[key], ref[key], err_msg=f"{cfg.kind} {key}")
 
 
 def test_config_errors_name_the_key():
