@@ -12,7 +12,8 @@ How a token finds its word: words are character spans of the text (words given a
 joined by single spaces; a plain text's words are its whitespace-separated runs), and a token
 belongs to the last word that starts at or before the token's start, if the token starts no later
 than that word's end. Tokenizers never emit a token across whitespace, so a token lies inside its
-word. Tokens outside every word (byte-level BPE's whitespace-only tokens) get word -1. A given word
+word (the one exception, a SentencePiece piece that swallows a deleted zero-width character before
+a space, is trimmed to what follows the space). Tokens outside every word (byte-level BPE's whitespace-only tokens) get word -1. A given word
 that yields no token at all (an empty string, or only characters the normaliser deletes, such as
 a zero-width space under BERT's normaliser) gets one ``[UNK]`` token spanning it, so that every
 word can carry a label; plain texts are left as the tokenizer made them (QA must match it).
@@ -178,8 +179,9 @@ def _with_unk_for_empty_words(al: Aligned, unk_id: int) -> Aligned:
 def encode_texts(tok, texts: Sequence[str]) -> Aligned:
     """Tokens of plain texts with character offsets; words are whitespace-separated runs.
 
-    Tokens are exactly the tokenizer's (no ``[UNK]`` is inserted), so token spans equal what
-    ``transformers`` reports for the same tokenizer (SQuAD features are checked against it).
+    Tokens are exactly the tokenizer's (no ``[UNK]`` is inserted) and their spans what
+    ``transformers`` reports for the same tokenizer (SQuAD features are checked against it), but
+    for the whitespace trim described in the module doc.
     """
     texts = list(texts)
     ids, offsets, splits = tokenize_with_offsets(tok, texts)

@@ -325,10 +325,20 @@ def test_squad_features_equal_hf_prepare_train_features(tok, hf, max_len, doc_st
         assert crossing > 0  # some windows cut an answer and must point at [CLS]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from tests.pipelines.test_alignment import _byte_level_bpe
+
+    lines = _lines(2000)
+    out = {kind: train_tokenizer(kind, lines, vocab_size=800) for kind in ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe")}
+    out["byte-level-bpe"] = _byte_level_bpe(lines, tmp_path_factory.mktemp("bbpe"))
+    return out
+
+
 @pytest.mark.parametrize("style", ["bert", "xlnet", "gpt"])
-@pytest.mark.parametrize("kind", ["wordpiece", "sentencepiece-unigram"])
-def test_squad_positions_recover_the_answer_any_style_and_tokenizer(style, kind):
-    tok = train_tokenizer(kind, _lines(2000), vocab_size=800)
+@pytest.mark.parametrize("kind", ["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe"])
+def test_squad_positions_recover_the_answer_any_style_and_tokenizer(style, kind, trained):
+    tok = trained[kind]
     questions, contexts, answers = _squad_cases()
     cfg = TaskDataConfig(kind="question-answering", max_len=48, doc_stride=24, max_query_len=8, version_2=True, input_style=style)
     out = encode_question_answering({"question": questions, "context": contexts, "answers": answers}, tok, cfg)
