@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ctxmodels.registry import FAMILIES
+from pipelines.objectives import family_objectives
 
 TokenizerKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
 
@@ -88,7 +89,8 @@ class TokenizerSection(_Section):
 
 class DataSection(_Section):
     input: str | list[str] = "data/sample"  # folder/prefix URI, glob, file, or a list of them
-    eval_input: str | list[str] | None = None  # held-out shards for evaluation
+    eval_input: str | list[str] | None = None  # held-out shards: eval loss/ppl/accuracy every train.eval_every steps
+    eval_max_samples: int = Field(512, ge=1)  # evaluate on at most this many samples of eval_input
     format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
     text_field: str = "text"  # where JSON/Parquet records keep their text
     seq_len: int = Field(128, ge=8)
@@ -112,17 +114,9 @@ class DataSection(_Section):
 
 
 # Which objectives each family trains with, and the model fields an objective implies (applied
-# unless the recipe sets them; a recipe that sets them otherwise is refused).
-FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
-    "bert": {"mlm": {"nsp": False}, "nsp": {"nsp": True}},
-    "roberta": {"mlm": {"nsp": False}},
-    "spanbert": {"span": {"sbo": True, "nsp": False}},
-    "albert": {"sop": {"sop": True}, "mlm": {"sop": False}},
-    "gpt": {"clm": {}},
-    "transformer-xl": {"clm-stream": {}},
-    "xlnet": {"plm": {}},
-    "elmo": {"bilm": {}},
-}
+# unless the recipe sets them; a recipe that sets them otherwise is refused): a view of
+# pipelines.objectives.OBJECTIVES, where each objective is defined.
+FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = family_objectives()
 
 
 class TrainSection(_Section):
@@ -139,6 +133,7 @@ class TrainSection(_Section):
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(100, ge=1)
+    eval_every: int = Field(100, ge=1)  # steps between evaluations on data.eval_input (and at the end)
     seed: int = 0  # model initialisation
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU, fp32 weights and optimizer
     compile: bool = False  # torch.compile the model
