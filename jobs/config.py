@@ -191,17 +191,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check_batch(self) -> "Recipe":
-        lo, hi = self.scaling.worker_range
-        g, m = self.train.batch_size, self.micro_batch_size
-        if m < 1:
-            raise ValueError(f"train.batch_size: {g} is smaller than scaling.num_workers={hi}")
-        bad = [w for w in range(lo, hi + 1) if g % (w * m)]
-        if bad:
-            raise ValueError(
-                f"train.batch_size: {g} is not a multiple of micro_batch_size ({m}) x workers for "
-                f"{bad} worker(s); every worker count in scaling.num_workers must run whole micro-batches "
-                f"(set train.micro_batch_size or choose the range so that it divides)"
-            )
+        check_batch(self.train.batch_size, self.micro_batch_size, self.scaling.worker_range)
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
         supported = FAMILY_OBJECTIVES.get(self.model.family, {})
@@ -214,6 +204,21 @@ class Recipe(_Section):
             if self.model.overrides.get(key, value) != value:
                 raise ValueError(f"model.{key}: objective {self.data.objective!r} needs {key}={value}")
         return self
+
+
+def check_batch(batch_size: int, micro_batch_size: int, worker_range: tuple[int, int]) -> None:
+    """Every worker count of the elastic range runs whole micro-batches of a fixed global batch."""
+    lo, hi = worker_range
+    g, m = batch_size, micro_batch_size
+    if m < 1:
+        raise ValueError(f"train.batch_size: {g} is smaller than scaling.num_workers={hi}")
+    bad = [w for w in range(lo, hi + 1) if g % (w * m)]
+    if bad:
+        raise ValueError(
+            f"train.batch_size: {g} is not a multiple of micro_batch_size ({m}) x workers for "
+            f"{bad} worker(s); every worker count in scaling.num_workers must run whole micro-batches "
+            f"(set train.micro_batch_size or choose the range so that it divides)"
+        )
 
 
 def _max_seq_len(recipe: Recipe) -> int:
@@ -258,9 +263,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>", cls: type[BaseModel] | None = None):
+    """Validate ``data`` as a ``cls`` recipe (default ``Recipe``); every error names its key."""
     try:
-        return Recipe.model_validate(data)
+        return (cls or Recipe).model_validate(data)
     except ValidationError as e:
         lines = []
         for err in e.errors():
@@ -269,12 +275,15 @@ def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             # Our validators start their message with the field they found wrong: join the paths.
             m = re.match(r"^([A-Za-z_][\w.]*): (.*)$", msg, re.S)
             if m:
-                loc, msg = (f"{loc}.{m.group(1)}" if loc else m.group(1)), m.group(2)
+                key = m.group(1)
+                loc = loc if loc == key or loc.endswith("." + key) else (f"{loc}.{key}" if loc else key)
+                msg = m.group(2)
             lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None, cls: type[BaseModel] | None = None):
+    """A recipe from YAML plus ``--set`` overrides, validated as ``cls`` (default ``Recipe``)."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -289,7 +298,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
         source = str(path)
     data = apply_overrides(data, overrides or [])
-    return recipe_from_dict(data, source)
+    return recipe_from_dict(data, source, cls)
 
 
 def model_overrides_with_vocab(recipe: Recipe, vocab_size: int) -> dict[str, Any]:

@@ -57,7 +57,9 @@ class TrainState:
     world_size: int = 1  # workers of the attempt that wrote the checkpoint
     # Model selection (fine-tuning; pretraining with an eval set records its evaluations too)
     best_score: float | None = None  # the best validation score so far (higher is better)
+    best_value: float | None = None  # the best score's metric as measured (a loss is not negated here)
     best_step: int | None = None  # the step it was measured at
+    best_checkpoint: str | None = None  # the checkpoint folder written at that step
     evals_since_best: int = 0  # evaluations without improvement (early stopping counts these)
 
     def to_json(self, **extra: Any) -> dict[str, Any]:
@@ -439,9 +441,11 @@ class Checkpointer:
             if self.on_epoch_closed is not None:
                 self.on_epoch_closed(epoch)
 
-    def commit(self, state: TrainState, wrapped, optimizer, metrics: dict[str, Any], extra_state: dict[str, Any] | None = None) -> str | None:
-        """A checkpoint of ``state`` with the data position; returns its folder name (rank 0) or
-        None. Ray seam: ``ray.train.report`` with the checkpoint, a barrier of every rank."""
+    def commit(self, state: TrainState, wrapped, optimizer, metrics: dict[str, Any], extra_state: dict[str, Any] | None = None,
+               name: str | None = None) -> str | None:
+        """A checkpoint of ``state`` with the data position, in folder ``name`` (rank 0's counts;
+        default a new ``checkpoint_name()``); returns the name on rank 0, None elsewhere. Ray seam:
+        ``ray.train.report`` with the checkpoint, a barrier of every rank."""
         import ray.train
         import torch
         from ray.train import Checkpoint
@@ -465,7 +469,7 @@ class Checkpointer:
         if self.rank != 0:
             ray.train.report(metrics, checkpoint=None)
             return None
-        name = checkpoint_name()
+        name = name or checkpoint_name()
         with tempfile.TemporaryDirectory(prefix="ctx-ckpt-") as d:
             tensors, meta = optimizer_state_to_tensors(opt_state, name=type(optimizer).__name__)
             self.save(
