@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ctxmodels.registry import FAMILIES
+from pipelines.objectives import family_objectives
 
 TokenizerKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
 
@@ -88,7 +89,8 @@ class TokenizerSection(_Section):
 
 class DataSection(_Section):
     input: str | list[str] = "data/sample"  # folder/prefix URI, glob, file, or a list of them
-    eval_input: str | list[str] | None = None  # held-out shards for evaluation
+    eval_input: str | list[str] | None = None  # held-out shards: eval loss/ppl/accuracy every train.eval_every steps
+    eval_max_samples: int = Field(512, ge=1)  # evaluate on at most this many samples of eval_input
     format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
     text_field: str = "text"  # where JSON/Parquet records keep their text
     seq_len: int = Field(128, ge=8)
@@ -112,17 +114,9 @@ class DataSection(_Section):
 
 
 # Which objectives each family trains with, and the model fields an objective implies (applied
-# unless the recipe sets them; a recipe that sets them otherwise is refused).
-FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
-    "bert": {"mlm": {"nsp": False}, "nsp": {"nsp": True}},
-    "roberta": {"mlm": {"nsp": False}},
-    "spanbert": {"span": {"sbo": True, "nsp": False}},
-    "albert": {"sop": {"sop": True}, "mlm": {"sop": False}},
-    "gpt": {"clm": {}},
-    "transformer-xl": {"clm-stream": {}},
-    "xlnet": {"plm": {}},
-    "elmo": {"bilm": {}},
-}
+# unless the recipe sets them; a recipe that sets them otherwise is refused): a view of
+# pipelines.objectives.OBJECTIVES, where each objective is defined.
+FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = family_objectives()
 
 
 class TrainSection(_Section):
@@ -139,6 +133,7 @@ class TrainSection(_Section):
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(100, ge=1)
+    eval_every: int = Field(100, ge=1)  # steps between evaluations on data.eval_input (and at the end)
     seed: int = 0  # model initialisation
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU, fp32 weights and optimizer
     compile: bool = False  # torch.compile the model
@@ -196,17 +191,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check_batch(self) -> "Recipe":
-        lo, hi = self.scaling.worker_range
-        g, m = self.train.batch_size, self.micro_batch_size
-        if m < 1:
-            raise ValueError(f"train.batch_size: {g} is smaller than scaling.num_workers={hi}")
-        bad = [w for w in range(lo, hi + 1) if g % (w * m)]
-        if bad:
-            raise ValueError(
-                f"train.batch_size: {g} is not a multiple of micro_batch_size ({m}) x workers for "
-                f"{bad} worker(s); every worker count in scaling.num_workers must run whole micro-batches "
-                f"(set train.micro_batch_size or choose the range so that it divides)"
-            )
+        check_batch(self.train.batch_size, self.micro_batch_size, self.scaling.worker_range)
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
         supported = FAMILY_OBJECTIVES.get(self.model.family, {})
@@ -219,6 +204,21 @@ class Recipe(_Section):
             if self.model.overrides.get(key, value) != value:
                 raise ValueError(f"model.{key}: objective {self.data.objective!r} needs {key}={value}")
         return self
+
+
+def check_batch(batch_size: int, micro_batch_size: int, worker_range: tuple[int, int]) -> None:
+    """Every worker count of the elastic range runs whole micro-batches of a fixed global batch."""
+    lo, hi = worker_range
+    g, m = batch_size, micro_batch_size
+    if m < 1:
+        raise ValueError(f"train.batch_size: {g} is smaller than scaling.num_workers={hi}")
+    bad = [w for w in range(lo, hi + 1) if g % (w * m)]
+    if bad:
+        raise ValueError(
+            f"train.batch_size: {g} is not a multiple of micro_batch_size ({m}) x workers for "
+            f"{bad} worker(s); every worker count in scaling.num_workers must run whole micro-batches "
+            f"(set train.micro_batch_size or choose the range so that it divides)"
+        )
 
 
 def _max_seq_len(recipe: Recipe) -> int:
@@ -263,9 +263,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>", cls: type[BaseModel] | None = None):
+    """Validate ``data`` as a ``cls`` recipe (default ``Recipe``); every error names its key."""
     try:
-        return Recipe.model_validate(data)
+        return (cls or Recipe).model_validate(data)
     except ValidationError as e:
         lines = []
         for err in e.errors():
@@ -274,12 +275,15 @@ def recipe_from_dict(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
             # Our validators start their message with the field they found wrong: join the paths.
             m = re.match(r"^([A-Za-z_][\w.]*): (.*)$", msg, re.S)
             if m:
-                loc, msg = (f"{loc}.{m.group(1)}" if loc else m.group(1)), m.group(2)
+                key = m.group(1)
+                loc = loc if loc == key or loc.endswith("." + key) else (f"{loc}.{key}" if loc else key)
+                msg = m.group(2)
             lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         raise RecipeError(f"{source}: invalid recipe\n" + "\n".join(lines)) from None
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None, cls: type[BaseModel] | None = None):
+    """A recipe from YAML plus ``--set`` overrides, validated as ``cls`` (default ``Recipe``)."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -294,7 +298,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
         source = str(path)
     data = apply_overrides(data, overrides or [])
-    return recipe_from_dict(data, source)
+    return recipe_from_dict(data, source, cls)
 
 
 def model_overrides_with_vocab(recipe: Recipe, vocab_size: int) -> dict[str, Any]:

@@ -40,9 +40,14 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
+# Held-out metrics shown on the line when a step carries them: pretraining's eval set
+# (jobs/train.py) and fine-tuning's validation split (jobs/finetune.py).
+HELD_OUT = ("eval_loss", "eval_ppl", "eval_acc", "val_loss", "val_accuracy", "val_f1", "val_exact_match", "val_pearson")
+
+
 def describe(m: dict[str, Any]) -> str:
-    """One line: step/max, loss, accuracies, tokens/s, MFU and data-wait share (fractions, shown
-    as percentages) when the metrics carry them, ETA. Missing keys are left out."""
+    """One line: step/max, loss, accuracies, held-out metrics, tokens/s, MFU and data-wait share
+    (fractions, shown as percentages) when the metrics carry them, ETA. Missing keys are left out."""
     parts = [f"step {m.get('step', '?')}/{m.get('max_steps', '?')}"]
     if m.get("loss") is not None:
         parts.append(f"loss {m['loss']:.3f}")
@@ -51,6 +56,9 @@ def describe(m: dict[str, Any]) -> str:
             parts.append(f"{key} {m[key]:.3f}")
     if m.get("ppl") is not None:
         parts.append(f"ppl {m['ppl']:.1f}")
+    held = [f"{k.split('_', 1)[1]} {m[k]:.{1 if k == 'eval_ppl' else 3}f}" for k in HELD_OUT if isinstance(m.get(k), (int, float))]
+    if held:
+        parts.append(("eval " if any(k.startswith("eval_") and k in m for k in HELD_OUT) else "val ") + " ".join(held))
     if m.get("tokens_per_s") is not None:
         parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
     if m.get("mfu") is not None:
@@ -62,8 +70,9 @@ def describe(m: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enabled: bool = True) -> Any:
-    """Run ``fit`` in a thread and render the board's latest metrics until it returns."""
+def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enabled: bool = True, label: str = "pretrain") -> Any:
+    """Run ``fit`` in a thread and render the board's latest metrics until it returns; ``label``
+    opens each line (the command: pretrain, finetune)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -81,11 +90,11 @@ def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enable
             latest = ray.get(board.get.remote())
             if latest and latest["step"] != shown:
                 shown = latest["step"]
-                print(f"pretrain: {describe(latest)}", flush=True)
+                print(f"{label}: {describe(latest)}", flush=True)
     elif enabled:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn("[bold]pretrain"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
+        with Progress(TextColumn(f"[bold]{label}"), BarColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
             task = bar.add_task("starting Ray Train workers...", total=max_steps)
             while thread.is_alive():
                 thread.join(timeout=0.5)

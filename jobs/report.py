@@ -32,6 +32,9 @@ from pipelines import storage
 # The family's own objective, in the order train.py picks the loss behind ``ppl``.
 MAIN_LOSSES = ("mlm_loss", "lm_loss", "plm_loss")
 HIDDEN_ROWS = ("step", "max_steps", "time")  # not listed among the final metrics
+# Held-out scores: pretraining's eval set (accuracy of the main objective) and fine-tuning's
+# validation metrics (val_*, pipelines.metrics.task_metrics names).
+HELD_OUT_SCORES = ["eval_acc", "val_accuracy", "val_f1", "val_exact_match"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,7 +169,9 @@ def _plots(rows: list[dict[str, Any]], out: Path) -> dict[str, Path]:
     losses = ["loss"] + sorted({k for r in rows for k in r if k.endswith("_loss")}, key=lambda k: (k not in MAIN_LOSSES, k))
     made = {
         "loss": _plot(rows, out, "loss.png", "Loss", losses, "loss (nats)"),
-        "perplexity": _plot(rows, out, "perplexity.png", "Perplexity of the main objective", ["ppl"], "perplexity", log_y=True),
+        "perplexity": _plot(rows, out, "perplexity.png", "Perplexity of the main objective (training, held out)", ["ppl", "eval_ppl"], "perplexity", log_y=True),
+        "held_out": _plot(rows, out, "held_out.png", "Held-out metrics", HELD_OUT_SCORES + sorted({k for r in rows for k in r if k.startswith("val_")} - set(HELD_OUT_SCORES) - {"val_loss"}),
+                          "score"),
         "throughput": _plot(rows, out, "throughput.png", "Throughput", ["tokens_per_s"], "tokens / s", right=("mfu", "MFU (%)", 100.0),
                             from_zero=True),
         "lr": _plot(rows, out, "lr.png", "Learning rate", ["lr"], "learning rate"),
@@ -242,8 +247,21 @@ def summarize(rows: list[dict[str, Any]], state: dict[str, Any] | None, config: 
         pairs.append((f"final {main}", _num(last[main])))
     if "ppl" in last:
         pairs.append(("final perplexity", _num(last["ppl"])))
-    for key in sorted(k for k in last if k.endswith("_acc")):
+    for key in sorted(k for k in last if k.endswith("_acc") and not k.startswith("eval_")):
         pairs.append((f"final {key}", _num(last[key])))
+    held = next((r for r in reversed(rows) if "eval_loss" in r), None)
+    if held is not None:  # pretraining's held-out evaluation (data.eval_input)
+        pairs.append(("held-out loss", f"{_num(held['eval_loss'])} (step {held['step']:,}, {_num(held.get('eval_samples'))} samples)"))
+        for key, label in (("eval_ppl", "held-out perplexity"), ("eval_acc", "held-out accuracy")):
+            if key in held:
+                pairs.append((label, _num(held[key])))
+    val = next((r for r in reversed(rows) if any(k.startswith("val_") for k in r)), None)
+    if val is not None:  # fine-tuning's validation split
+        shown = ", ".join(f"{k[4:]} {_num(v)}" for k, v in sorted(val.items()) if k.startswith("val_") and isinstance(v, (int, float)))
+        pairs.append(("last validation", f"{shown} (step {val['step']:,})"))
+    best = (state or {}).get("best_score")
+    if best is not None:
+        pairs.append(("best validation score", f"{_num(best)} at step {_num((state or {}).get('best_step'))}"))
     _, tps = _series(rows, "tokens_per_s")
     if tps:
         pairs.append(("best throughput", f"{max(tps):,.0f} tokens/s (last {tps[-1]:,.0f})"))

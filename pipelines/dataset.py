@@ -47,22 +47,22 @@ import posixpath
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Literal
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
 from pipelines import storage
-from pipelines.char_ids import add_char_ids, build_char_table
-from pipelines.lm import causal_lm_targets
-from pipelines.masking import MlmConfig, VocabInfo, mask_tokens
+from pipelines.char_ids import build_char_table
+from pipelines.masking import MlmConfig, VocabInfo
+from pipelines.objectives import OBJECTIVES, Objective, RowKind, TransformContext, objective  # noqa: F401 (re-exported)
 from pipelines.packing import Packer
 from pipelines.pairs import build_nsp_pairs, build_sop_pairs
-from pipelines.permutation import PlmConfig, plm_targets
+from pipelines.permutation import PlmConfig
 from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform, mix64, stable_hash64
 from pipelines.datareport import write_shard_report
 from pipelines.sources import Format, ReadStats, iter_documents
-from pipelines.spans import NgramConfig, SpanConfig, ngram_mask, span_mask
+from pipelines.spans import NgramConfig, SpanConfig
 from pipelines.streams import StreamBatcher
 from pipelines.tokenizers import ROLES, Tokenizer, load_tokenizer
 
@@ -72,7 +72,6 @@ TOKENIZE_ACTOR_CPUS = 0.5
 TRANSFORM_TASK_CPUS = 0.25
 PACKED_ROWS_PER_BATCH = 512
 
-RowKind = Literal["packed", "nsp-pairs", "sop-pairs", "stream"]
 STREAM_KEYS = ("_stream_block", "_stream_index")  # bookkeeping of stream-ordered batches
 
 
@@ -110,75 +109,7 @@ class StreamSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# The objectives: stage 1 rows and stage 2 transform of each.
-
-
-@dataclass(frozen=True)
-class TransformContext:
-    """What stage-2 transforms read, built once on the driver (``transform_context``)."""
-
-    seed: int
-    mlm: MlmConfig
-    span: SpanConfig
-    ngram: NgramConfig
-    plm: PlmConfig
-    vocab: VocabInfo
-    char_table: np.ndarray | None = None  # int32 (V, max_chars), "bilm" only
-
-
-def _mlm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
-    return mask_tokens(batch, ctx.seed, ctx.mlm, ctx.vocab)
-
-
-def _ngram(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
-    return ngram_mask(batch, ctx.seed, ctx.ngram, ctx.vocab)
-
-
-def _span(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
-    return span_mask(batch, ctx.seed, ctx.span, ctx.vocab)
-
-
-def _clm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
-    out = causal_lm_targets(batch)
-    out.pop("token_type_ids", None)  # GPT's forward takes none; one segment anyway
-    return out
-
-
-def _plm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
-    out = plm_targets(batch, ctx.seed, ctx.plm, ctx.vocab)
-    out.pop("token_type_ids", None)  # one segment: XLNet's relative segment term is then constant
-    if "_stream_block" not in out:  # packed rows are unrelated: no memory from the previous batch
-        out["reset_memory"] = np.ones(len(out["input_ids"]), dtype=np.int64)
-    return out
-
-
-def _bilm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
-    # ELMo derives its forward and backward targets from input_ids; it reads characters.
-    return add_char_ids(batch, ctx.char_table)
-
-
-@dataclass(frozen=True)
-class Objective:
-    rows: RowKind  # how stage 1 builds rows from a shard
-    transform: Callable[[dict[str, np.ndarray], TransformContext], dict[str, np.ndarray]]  # stage 2
-
-
-OBJECTIVES: dict[str, Objective] = {
-    "mlm": Objective(rows="packed", transform=_mlm),  # BERT / RoBERTa: dynamic MLM masking
-    "nsp": Objective(rows="nsp-pairs", transform=_mlm),  # BERT: sentence pairs + MLM
-    "sop": Objective(rows="sop-pairs", transform=_ngram),  # ALBERT: ordered / swapped pairs + n-grams
-    "span": Objective(rows="packed", transform=_span),  # SpanBERT: single segments + spans, SBO targets
-    "clm": Objective(rows="packed", transform=_clm),  # GPT: next token, independent rows
-    "clm-stream": Objective(rows="stream", transform=_clm),  # Transformer-XL: next token, with memory
-    "plm": Objective(rows="stream", transform=_plm),  # XLNet: permutation LM (packed if not plm_stream)
-    "bilm": Objective(rows="stream", transform=_bilm),  # ELMo: both directions, truncated BPTT
-}
-
-
-def objective(name: str) -> Objective:
-    if name not in OBJECTIVES:
-        raise ValueError(f"data.objective: unknown objective {name!r}; known: {sorted(OBJECTIVES)}")
-    return OBJECTIVES[name]
+# The objectives (pipelines.objectives): stage 1 rows and stage 2 transform of each.
 
 
 def row_kind(spec: StreamSpec) -> RowKind:
@@ -203,7 +134,7 @@ def transform_context(spec: StreamSpec, tok: Tokenizer) -> TransformContext:
         ngram=spec.ngram,
         plm=spec.plm,
         vocab=VocabInfo.from_tokenizer(tok),
-        char_table=char_table(tok, spec.char_max_chars) if spec.objective == "bilm" else None,
+        char_table=char_table(tok, spec.char_max_chars) if objective(spec.objective).uses_chars else None,
     )
 
 

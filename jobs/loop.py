@@ -1,0 +1,583 @@
+"""What every ctx training loop is made of: pretraining (``jobs/train.py``) and fine-tuning
+(``jobs/finetune.py``) both read as "resume, then step, meter, evaluate and commit until done".
+
+Worker side (inside each Ray Train worker):
+
+* ``TrainState``: the counters a checkpoint keeps (``trainer_state.json``);
+* ``StepMeter``: one logging interval's sums on one worker, reduced over workers into means;
+* ``Stepper``: one optimizer step over micro-batches (gradient accumulation with ``no_sync``,
+  clipping, the learning rate as a function of samples consumed);
+* ``Checkpointer``: the checkpoint commit. Each worker records the samples of its finished
+  optimizer steps; at a checkpoint they are gathered and merged into the committed data position,
+  which rank 0 writes with the weights, optimizer state and ``TrainState`` (MANIFEST last). The
+  protocol is ``docs/EXACTLY_ONCE.md``; its other half, dropping committed samples when a stream
+  starts, is ``pipelines.dataset.TokenizePack`` / ``pipelines.finetune_stream.RecordChunks``;
+* ``resume``: the run's latest complete checkpoint, loaded into the model;
+* ``evaluate_batches``: a forward pass over held-out batches shared out between the workers.
+
+Driver side: ``init_ray``, ``ingest_options`` and ``fit`` (``TorchTrainer`` + the progress
+board of ``jobs/progress.py``).
+
+Ray seams are marked; the rest is plain PyTorch and NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from pipelines import storage
+from pipelines.position import POSITION_FILE, DataPosition, load_position
+
+BOOKKEEPING = ("sample_id", "epoch")
+
+
+# ---------------------------------------------------------------------------------------------
+# State
+
+
+@dataclass
+class TrainState:
+    """The counters of a run, saved as ``trainer_state.json`` in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    samples_seen: int = 0  # global batch x steps: what the learning-rate schedule follows
+    tokens_seen: int = 0  # real (non-padding) tokens trained on, over all workers
+    epoch: int = 0  # the oldest epoch not closed (the data position's first_epoch)
+    world_size: int = 1  # workers of the attempt that wrote the checkpoint
+    # Model selection (fine-tuning; pretraining with an eval set records its evaluations too)
+    best_score: float | None = None  # the best validation score so far (higher is better)
+    best_value: float | None = None  # the best score's metric as measured (a loss is not negated here)
+    best_step: int | None = None  # the step it was measured at
+    best_checkpoint: str | None = None  # the checkpoint folder written at that step
+    evals_since_best: int = 0  # evaluations without improvement (early stopping counts these)
+
+    def to_json(self, **extra: Any) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), **extra}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "TrainState":
+        if not data:
+            return cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def observe(self, score: float) -> bool:
+        """Record a validation score (higher is better); True when it is a new best."""
+        if math.isfinite(score) and (self.best_score is None or score > self.best_score):
+            self.best_score, self.best_step, self.evals_since_best = float(score), self.step, 0
+            return True
+        self.evals_since_best += 1
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch without its bookkeeping columns: what ``model(**inputs)`` takes."""
+    return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}
+
+
+class StepSamples:
+    """The samples one worker consumed in the current optimizer step, as (n,) arrays."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, batch: dict[str, Any]) -> None:
+        cols = [batch[k] for k in ("epoch", "_shard", "sample_id", "_shard_total")]
+        self.parts.append(tuple(np.asarray(c.cpu() if hasattr(c, "cpu") else c).reshape(-1) for c in cols))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return tuple(np.concatenate(col) for col in zip(*self.parts)) if self.parts else tuple(np.zeros(0, np.int64) for _ in range(4))
+
+
+def freeze_unused(model, inputs: dict[str, Any]) -> list[str]:
+    """Freeze parameters the loss never reaches (e.g. BERT's pooler under MLM-only training).
+
+    One forward/backward on a real batch finds them. DDP would otherwise fail on them, or need
+    ``find_unused_parameters=True``, which walks the autograd graph on every step.
+    """
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):  # the probe's dropout must not shift the RNG stream
+        model(**inputs).loss.backward()
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    return frozen
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and schedule
+
+
+def param_groups(model, weight_decay: float):
+    """No weight decay on biases and LayerNorm weights (as BERT's AdamWeightDecayOptimizer)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_factor(samples: int, warmup_samples: int, total_samples: int) -> float:
+    """Linear warm-up to the peak, then linear decay to zero (BERT, RoBERTa), as a function of the
+    samples consumed, so a change of worker count or micro-batch size leaves the schedule alone."""
+    if samples < warmup_samples:
+        return (samples + 1) / max(1, warmup_samples)
+    return max(0.0, (total_samples - samples) / max(1, total_samples - warmup_samples))
+
+
+def build_optimizer(model, wrapped, strategy: str, device, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
+    """AdamW without decay on biases/LayerNorm; fused (one kernel over all parameters) under DDP
+    on CPU and CUDA; FSDP's sharded DTensor parameters take the default implementation."""
+    import torch
+
+    fused = strategy == "ddp" and device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, fused=fused)
+
+
+def load_optimizer(wrapped, optimizer, resumed: "Resumed") -> None:
+    """The resumed optimizer state (saved in single-device layout: loads under DDP and FSDP)."""
+    from ctxmodels.checkpoint import optimizer_state_from_tensors
+    from jobs import parallel
+
+    if resumed.optimizer_tensors is None:
+        return
+    saved = optimizer_state_from_tensors(resumed.optimizer_tensors, resumed.raw_state["optimizer"], type(optimizer).__name__)
+    parallel.load_full_optimizer_state(wrapped, optimizer, saved)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics of one logging interval
+
+
+class StepMeter:
+    """Sums of one logging interval on one worker; ``reduce`` turns every worker's into means.
+
+    The loss is averaged per micro-batch. A model metric is averaged per micro-batch too, or, when
+    ``token_metric(name)`` says so, weighted by the micro-batch's ``n_pred`` (the number of
+    predicted tokens), so a token-level accuracy is the share of all predicted tokens.
+    """
+
+    def __init__(self, token_metric: Callable[[str], bool] = lambda name: False) -> None:
+        self.token_metric = token_metric
+        self.reset()
+
+    def reset(self) -> None:
+        self.values: dict[str, float] = {}  # metric -> sum of value x weight
+        self.weights: dict[str, float] = {}  # metric -> sum of weights
+        self.counts = {"loss": 0.0, "micro": 0.0, "rows": 0.0, "tokens": 0.0, "steps": 0.0, "wait": 0.0}
+        self.t0 = time.perf_counter()
+
+    def add(self, name: str, value: float, weight: float = 1.0) -> None:
+        self.values[name] = self.values.get(name, 0.0) + value * weight
+        self.weights[name] = self.weights.get(name, 0.0) + weight
+
+    def micro_batch(self, out, batch: dict[str, Any]) -> None:
+        """One forward's loss and metrics, and its batch's rows and real tokens."""
+        n_pred = float(out.metrics.get("n_pred", 0.0))
+        self.counts["loss"] += float(out.loss.detach())
+        self.counts["micro"] += 1.0
+        for k, v in out.metrics.items():
+            if k != "n_pred":
+                self.add(k, float(v), n_pred if self.token_metric(k) else 1.0)
+        self.counts["rows"] += len(batch["sample_id"])
+        mask = batch.get("attention_mask")
+        self.counts["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        if "_stream_block" in batch:  # share of batches started without memory: 1 / block length if Ray kept blocks whole
+            self.add("stream_resets", float(batch["reset_memory"].reshape(-1)[0]))
+
+    def waited(self, seconds: float) -> None:
+        self.counts["wait"] += seconds
+
+    def step(self) -> None:
+        self.counts["steps"] += 1.0
+
+    @property
+    def steps(self) -> int:
+        return int(self.counts["steps"])
+
+    def reduce(self, world: int) -> dict[str, float]:
+        """Means over every worker's interval (a collective: every rank calls it), then a new
+        interval. ``tokens`` is the interval's real tokens over all workers."""
+        import torch
+
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        names = sorted(self.values)
+        if world > 1 and torch.distributed.is_initialized():  # a worker that evaluated nothing has no names
+            names = sorted(set().union(*all_gather(names, world)))
+        counts = sorted(self.counts)
+        vec = torch.tensor([self.values.get(k, 0.0) for k in names] + [self.weights.get(k, 0.0) for k in names] + [self.counts[k] for k in counts], dtype=torch.float64)
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(vec)
+        v = vec.tolist()
+        sums, weights, total = v[: len(names)], v[len(names) : 2 * len(names)], dict(zip(counts, v[2 * len(names) :]))
+        out = {"loss": total["loss"] / max(total["micro"], 1.0)}
+        out.update({k: s / max(w, 1e-9) for k, s, w in zip(names, sums, weights)})
+        out["tokens"] = total["tokens"]
+        out["tokens_per_s"] = total["tokens"] / elapsed
+        out["samples_per_s"] = total["rows"] / elapsed
+        out["data_wait"] = total["wait"] / (elapsed * world)  # share of step time spent waiting for data
+        self.reset()
+        return out
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer step
+
+
+@dataclass
+class Stepper:
+    """One optimizer step over ``accumulation`` micro-batches of this worker (docs/EXACTLY_ONCE.md
+    "Worker counts, batch size and the schedule"): the gradient all-reduce only on the last
+    (``no_sync``), clipping, then the learning rate of the samples consumed so far."""
+
+    wrapped: Any  # the model as wrapped by jobs.parallel.wrap_model
+    optimizer: Any
+    plan: Any  # jobs.parallel.ParallelPlan
+    device: Any
+    accumulation: int  # micro-batches per worker per step
+    batch_size: int  # global rows per step
+    lr: float  # peak learning rate
+    schedule: Callable[[int], float]  # samples consumed -> factor of lr
+    grad_clip: float = 0.0  # 0: no clipping
+    inputs: Callable[[dict[str, Any]], dict[str, Any]] = model_inputs
+    _forget_memory: bool = field(default=False, repr=False)
+
+    def forget_memory(self) -> None:
+        """The next micro-batch starts without recurrent memory (after an evaluation changed it)."""
+        self._forget_memory = True
+
+    def step(self, batches: Iterator[dict[str, Any]], state: TrainState, meter: StepMeter) -> list[dict[str, Any]] | None:
+        """Train one step on the next micro-batches; returns them, or None when the stream ended
+        inside the step (its partial gradient is dropped, its samples not recorded)."""
+        from jobs import parallel
+
+        taken = []
+        for i in range(self.accumulation):
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            meter.waited(time.perf_counter() - t0)
+            if batch is None:
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            if self._forget_memory and "reset_memory" in batch:
+                batch["reset_memory"] = batch["reset_memory"].clone().fill_(1)
+                self._forget_memory = False
+            with parallel.no_sync(self.wrapped, active=i < self.accumulation - 1), parallel.autocast(self.plan, self.device):
+                out = self.wrapped(**self.inputs(batch))
+            (out.loss / self.accumulation).backward()
+            meter.micro_batch(out, batch)
+            taken.append(batch)
+        if self.grad_clip > 0:
+            parallel.clip_grad_norm(self.wrapped, self.grad_clip)
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr * self.schedule(state.samples_seen)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.samples_seen += self.batch_size
+        meter.step()
+        return taken
+
+    @property
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def evaluate_batches(wrapped, batches: list[dict[str, Any]], plan, device, rank: int, world: int,
+                     forward: Callable[[Any, dict[str, Any], bool], None]) -> None:
+    """Run ``forward(model, batch, counted)`` (no grad, eval mode) over each worker's contiguous
+    share of ``batches``; the caller's ``forward`` collects what it needs and reduces it afterwards.
+
+    Every worker runs the same number of forwards, so FSDP's per-forward collectives pair up: a
+    worker whose share is short repeats a batch with ``counted`` False (a pass for the collectives
+    only). Under DDP the unwrapped module runs (no collectives at all). Recurrent memory: the first batch of each share starts without
+    it (``reset_memory`` 1); the caller makes the next training batch start without it too.
+    """
+    import torch
+
+    from jobs import parallel
+
+    n = len(batches)
+    per = -(-n // world) if n else 0
+    mine = batches[rank * per : (rank + 1) * per]
+    fsdp = parallel._is_fsdp(wrapped)
+    model = wrapped if fsdp else parallel.unwrap(wrapped)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), parallel.autocast(plan, device):
+            for i in range(per):
+                real = i < len(mine)
+                batch = dict(mine[i] if real else batches[0])
+                if i == 0 and "reset_memory" in batch:
+                    batch["reset_memory"] = torch.ones_like(batch["reset_memory"])
+                if real or fsdp:
+                    forward(model, batch, real)
+    finally:
+        model.train(was_training)
+
+
+def all_gather(obj: Any, world: int) -> list[Any]:
+    """Every worker's ``obj`` (a collective); ``[obj]`` alone."""
+    import torch
+
+    if world > 1 and torch.distributed.is_initialized():
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, obj)
+        return parts
+    return [obj]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+
+
+@dataclass
+class Resumed:
+    uri: str | None = None  # the checkpoint resumed from (None: a fresh start)
+    state: TrainState = field(default_factory=TrainState)
+    raw_state: dict[str, Any] = field(default_factory=dict)  # trainer_state.json as written
+    optimizer_tensors: dict[str, Any] | None = None
+    position: DataPosition = field(default_factory=DataPosition)
+    local_dir: Path | None = None
+
+
+def resume(run: str, endpoint_url: str | None, model) -> Resumed:
+    """The run's latest complete checkpoint (the same one the data stage reads the position of),
+    its weights loaded into ``model``. Ray's ``get_checkpoint()`` is not used: it could name a
+    checkpoint whose upload was cut off."""
+    from safetensors.torch import load_file
+
+    from ctxmodels.checkpoint import load_checkpoint
+
+    uri = storage.latest_complete_checkpoint(run, endpoint_url)
+    if uri is None:
+        return Resumed()
+    local = storage.download_dir(uri, Path(tempfile.mkdtemp(prefix="ctx-resume-")), endpoint_url)
+    model.load_state_dict(load_checkpoint(local).model.state_dict())
+    raw = json.loads((local / "trainer_state.json").read_text())
+    opt = load_file(str(local / "optimizer.safetensors"))
+    return Resumed(uri, TrainState.from_json(raw), raw, opt, load_position(str(local)), local)  # the downloaded copy: no second read
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint commit
+
+
+def checkpoint_name() -> str:
+    """A new checkpoint folder name, in Ray Train V2's form (time order = name order)."""
+    return "checkpoint_" + datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
+
+
+@dataclass
+class Checkpointer:
+    """Commits checkpoints with the data position (docs/EXACTLY_ONCE.md).
+
+    ``record`` after each optimizer step; ``commit`` at a checkpoint (every rank calls it: it
+    gathers, and under FSDP it gathers the weights). ``save(folder, model, extra_json,
+    extra_tensors)`` writes the model files (``ctxmodels.checkpoint.save_checkpoint``);
+    ``fresh_model()`` builds an unsharded CPU copy for FSDP's gathered weights.
+    """
+
+    run: str
+    endpoint_url: str | None
+    shard_keys: list[int]  # every shard (work-unit key) of an epoch: an epoch closes when all are complete
+    rank: int
+    world: int
+    position: DataPosition
+    save: Callable[[str, Any, dict[str, Any], dict[str, Any]], None]
+    fresh_model: Callable[[], Any]
+    strategy: str = "ddp"
+    sampleless: Callable[[int], set[int]] | None = None  # epoch -> shard keys read whole that made no samples
+    on_epoch_closed: Callable[[int], None] | None = None  # rank 0, once per closed epoch
+    pending: DataPosition = field(default_factory=DataPosition)  # this worker's samples since the last commit
+    committed_step: int = 0
+
+    def record(self, batches: list[dict[str, Any]]) -> None:
+        """The samples of a finished optimizer step."""
+        samples = StepSamples()
+        for b in batches:
+            samples.add(b)
+        self.pending.add(*samples.arrays())
+
+    def merge(self) -> None:
+        """Every worker's samples since the last commit, merged on rank 0 (which writes the
+        checkpoint) into the committed position; epochs whose every shard is complete close."""
+        parts = all_gather(self.pending.to_arrays(), self.world)
+        self.pending = DataPosition()
+        if self.rank != 0:
+            return  # only rank 0's position is written; the others keep none
+        for arrays in parts:
+            self.position.merge(DataPosition.from_arrays(arrays))
+        for epoch in self.position.close_epochs(self.shard_keys, self.sampleless):
+            if self.on_epoch_closed is not None:
+                self.on_epoch_closed(epoch)
+
+    def commit(self, state: TrainState, wrapped, optimizer, metrics: dict[str, Any], extra_state: dict[str, Any] | None = None,
+               name: str | None = None) -> str | None:
+        """A checkpoint of ``state`` with the data position, in folder ``name`` (rank 0's counts;
+        default a new ``checkpoint_name()``); returns the name on rank 0, None elsewhere. Ray seam:
+        ``ray.train.report`` with the checkpoint, a barrier of every rank."""
+        import ray.train
+        import torch
+        from ray.train import Checkpoint
+
+        from ctxmodels.checkpoint import optimizer_state_to_tensors
+        from jobs import parallel
+
+        self.merge()
+        state.epoch = self.position.first_epoch if self.rank == 0 else state.epoch
+        state.world_size = self.world
+        self.committed_step = state.step
+        # Collectives under FSDP (gathering shards): every rank calls them.
+        opt_state = parallel.full_optimizer_state(wrapped, optimizer)
+        if self.strategy == "fsdp":
+            full = parallel.full_state_dict(wrapped)
+            if self.rank == 0:  # a CPU copy of the model holds the gathered weights for saving
+                model = self.fresh_model()
+                model.load_state_dict(full)
+        else:
+            model = parallel.unwrap(wrapped)
+        if self.rank != 0:
+            ray.train.report(metrics, checkpoint=None)
+            return None
+        name = name or checkpoint_name()
+        with tempfile.TemporaryDirectory(prefix="ctx-ckpt-") as d:
+            tensors, meta = optimizer_state_to_tensors(opt_state, name=type(optimizer).__name__)
+            self.save(
+                d,
+                model,
+                {"trainer_state.json": state.to_json(**(extra_state or {}), optimizer=meta)},
+                {
+                    "optimizer.safetensors": tensors,
+                    POSITION_FILE: {k: torch.from_numpy(v) for k, v in self.position.to_arrays().items()},
+                },
+            )
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d), checkpoint_dir_name=name)
+        return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side
+
+
+def run_folder(output_dir: str, name: str) -> str:
+    """``<output_dir>/<name>``, absolute for a local output_dir."""
+    if not storage.is_remote(output_dir):
+        output_dir = str(Path(storage.filesystem(output_dir)[1]))
+    return storage.join(output_dir, name)
+
+
+def init_ray(verbose: bool = False) -> None:
+    """Connect to the cluster in RAY_ADDRESS (set inside `ctx submit` jobs) or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet = {} if verbose else {"log_to_driver": False, "logging_level": "ERROR"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(**quiet)
+    else:
+        ray.init(address="local", include_dashboard=False, **quiet)
+
+
+def ingest_options():
+    """Ray Train's default ingest options (``DataConfig.default_ingest_options``: the current
+    DataContext's limits), with the order of blocks preserved."""
+    from ray.data import ExecutionOptions
+    from ray.data.context import DataContext
+
+    current = DataContext.get_current().execution_options
+    return ExecutionOptions(resource_limits=current.resource_limits, preserve_order=True, verbose_progress=current.verbose_progress)
+
+
+@dataclass
+class FitResult:
+    checkpoint_uri: str | None
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]]
+
+
+def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, name: str, output_dir: str,
+        endpoint_url: str | None, scaling, datasets: dict[str, Any], max_steps: int, progress: bool = True,
+        label: str = "pretrain", checkpoint_config=None, dataset_config=None) -> FitResult:
+    """Run ``loop`` on Ray Train workers with the progress board; raises what the run raised.
+
+    ``scaling``: a recipe's scaling section (num_workers int or (min, max), use_gpu,
+    cpus_per_worker, max_failures). Ray seam: ``TorchTrainer.fit`` in a thread while the driver
+    renders rank 0's metrics (``jobs.progress``).
+    """
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from jobs.progress import ProgressBoard, run_with_progress
+
+    board = ProgressBoard.remote()
+    remote = storage.is_remote(output_dir)
+    storage_fs, storage_path = storage.filesystem(output_dir, endpoint_url) if remote else (None, str(Path(run_folder(output_dir, name)).parent))
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config={**loop_config, "board": board},
+        scaling_config=ScalingConfig(
+            num_workers=scaling.num_workers,  # an int, or (min, max): elastic
+            use_gpu=scaling.use_gpu,
+            resources_per_worker={"CPU": scaling.cpus_per_worker},
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            checkpoint_config=checkpoint_config or CheckpointConfig(num_to_keep=3),
+            failure_config=FailureConfig(max_failures=scaling.max_failures),
+        ),
+        datasets=datasets,
+        # Blocks leave the data stages in work-unit order, so the order samples are produced in
+        # is a function of (seed, epoch) and epochs finish in turn (docs/EXACTLY_ONCE.md).
+        dataset_config=dataset_config or DataConfig(execution_options=ingest_options()),
+    )
+    result = run_with_progress(trainer.fit, board, max_steps, enabled=progress, label=label)
+    if result.error:
+        raise result.error
+    ckpt = None
+    if result.checkpoint is not None:
+        scheme = output_dir.split("://", 1)[0] + "://" if remote else ""
+        ckpt = scheme + result.checkpoint.path
+    return FitResult(ckpt, dict(result.metrics or {}), ray.get(board.history.remote()))
+
+
+def report_progress(config: dict[str, Any], rank: int, metrics: dict[str, Any], metrics_log=None) -> None:
+    """Rank 0 shows ``metrics`` on the driver's progress line and appends them to the run's log."""
+    if rank != 0:
+        return
+    config["board"].update.remote(metrics)
+    if metrics_log is not None:
+        metrics_log.log(metrics)

