@@ -180,3 +180,10 @@ def test_a_500_tells_the_client_only_a_request_id(caplog):
     assert body["error"]["request_id"] == "req-42" and body["error"]["type"] == "server_error"
     assert "secret" not in response.body.decode() and "KeyError" not in response.body.decode()
     assert "req-42" in caplog.text and "secret internal detail" in caplog.text
+
+
+def test_the_example_config_validates():
+    from tests.conftest import REPO
+
+    cfg = sc.load_config(REPO / "configs" / "serve.yaml")
+    assert cfg.models["minilm"].autoscaling.max_replicas == 4 and cfg.models["bert-tiny"].max_batch_size == 32
