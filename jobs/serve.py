@@ -999,13 +999,6 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     return build_app(validate(dict(args), where="app_builder args"))
 
 
-def serve_config(models: dict[str, str], *, host: str = "0.0.0.0", port: int = 8000, **settings: Any) -> dict:
-    """A Serve config (the YAML that ``serve deploy`` reads) deploying ``app_builder`` with these settings."""
-    from jobs.serve_config import deploy_config
-
-    return deploy_config(ServeConfig.from_models(models, host=host, port=port, **settings))
-
-
 def _ray_started_here() -> bool:
     """Whether this process started the local Ray it is connected to (then stopping it is ours to do)."""
     import ray
@@ -1054,11 +1047,13 @@ def run(
     "local" always starts one."""
     import ray
 
+    address_of = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     if isinstance(models, ServeConfig):
-        update = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-        config = validate({**models.model_dump(), **update, **settings}) if update or settings else models
+        if settings:
+            raise TypeError(f"run(ServeConfig, ...): set {sorted(settings)} in the config itself")
+        config = validate({**models.model_dump(exclude={"defaults"}), **address_of}) if address_of else models
     else:
-        config = ServeConfig.from_models(models, **{k: v for k, v in (("host", host), ("port", port)) if v is not None}, **settings)
+        config = ServeConfig.from_models(models, **address_of, **settings)
     application = build_app(config)  # resolves every checkpoint: a wrong path fails here in seconds
     started_ray = False
     if not ray.is_initialized():
