@@ -400,7 +400,8 @@ class EmbeddingModel:
         Learning, Kusupati et al. 2022; OpenAI's text-embedding-3 ``dimensions``)."""
         if dimensions is not None and not 1 <= dimensions <= self.dim:
             raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {self.dim}-dimensional vectors; ask for 1..{self.dim}")
-        ids, _, _ = self._encode(texts, truncate)
+        # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
+        ids, _, _ = await asyncio.to_thread(self._encode, texts, truncate)
         positions = [self._position(row, pooling) for row in ids]
         results = await asyncio.gather(*(self._embed_batch((row, pos)) for row, pos in zip(ids, positions)))
         vectors = [v for v, _ in results]
@@ -420,7 +421,7 @@ class EmbeddingModel:
         the order asked; version, tokenizer_hash}. Refused before the forward pass when the answer
         would hold more than ``max_token_embedding_values`` numbers."""
         layer_ids = self._layers(layers)
-        ids, offsets, tokens = self._encode(texts, truncate)
+        ids, offsets, tokens = await asyncio.to_thread(self._encode, texts, truncate)
         n_values = sum(len(row) for row in ids) * len(layer_ids) * self.dim
         cap = self.limits.max_token_embedding_values
         if n_values > cap:
