@@ -3,6 +3,8 @@
     ctx tokenizer train --kind wordpiece --input data/sample --vocab-size 8000 --output runs/tok
     ctx pretrain --config configs/bert-tiny.yaml --set train.max_steps=50
     ctx serve --model bert=runs/bert-tiny --model minilm=/path/to/hf-folder
+    ctx serve --config serve.yaml
+    ctx serve build --config serve.yaml -o deploy.yaml   # for `serve deploy deploy.yaml`
     ctx submit --address http://127.0.0.1:8265 -- pretrain --config configs/bert-tiny.yaml
     ctx demo
     ctx report runs/bert-tiny
@@ -54,18 +56,59 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from jobs import serve
+def _serve_config(args: argparse.Namespace):
+    """The ServeConfig from --config and/or the flags (flags win); errors name the file and key."""
+    from jobs import serve_config as sc
 
-    models = {}
-    for item in args.model:
+    models: dict = {}
+    for item in args.model or []:
         if "=" not in item:
             raise SystemExit(f"--model {item!r}: expected NAME=URI")
         name, uri = item.split("=", 1)
         models[name] = uri
+    flags = {k: getattr(args, k) for k in ("host", "port") if getattr(args, k) is not None}
+    defaults = {k: getattr(args, k) for k in ("num_replicas", "max_batch_size", "num_cpus", "num_gpus") if getattr(args, k) is not None}
+    if models:
+        flags["models"] = models
+    if defaults:
+        flags["defaults"] = defaults
+    keys = sc.read_api_keys(args.api_key_file) if args.api_key_file or os.environ.get(sc.API_KEYS_ENV) else []
+    auth = {}
+    if keys:
+        auth["api_key_sha256"] = [sc.hash_api_key(k) for k in keys]
+    if args.insecure_no_auth:
+        auth["insecure_no_auth"] = True
+    if auth:
+        flags["auth"] = auth
+    if args.config:
+        return sc.load_config(args.config, flags)
+    if not models:
+        raise SystemExit("ctx serve: give --model NAME=URI (repeatable) or --config serve.yaml")
+    return sc.validate(flags, where="ctx serve")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jobs import serve
+
+    config = _serve_config(args)
     _quiet_env(args.verbose)
-    serve.run(models, host=args.host, port=args.port, blocking=True, verbose=args.verbose,
-              num_replicas=args.num_replicas, max_batch_size=args.max_batch_size, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+    serve.run(config, blocking=True, verbose=args.verbose, address=args.address)
+    return 0
+
+
+def cmd_serve_build(args: argparse.Namespace) -> int:
+    import yaml
+
+    from jobs.serve_config import deploy_config
+
+    config = _serve_config(args)
+    text = yaml.safe_dump(deploy_config(config), sort_keys=False)
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.output}: `serve deploy {args.output}` deploys it (the cluster needs this repository on its PYTHONPATH)")
     return 0
 
 
@@ -113,13 +156,26 @@ def _add_tokenizer_train(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", action="append", required=True, metavar="NAME=URI", help="checkpoint or HF folder (local or s3://); repeatable")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--num-replicas", type=int, default=1, help="replicas per model")
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests batched into one forward pass")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
-    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
+    p.add_argument("--config", default=None, help="serve.yaml: models, replicas, autoscaling, batching, limits, auth (see jobs/serve_config.py)")
+    p.add_argument("--model", action="append", default=[], metavar="NAME=URI", help="checkpoint, HF or run folder (local or s3://); repeatable")
+    p.add_argument("--host", default=None, help="default 127.0.0.1; any other host needs API keys or --insecure-no-auth")
+    p.add_argument("--port", type=int, default=None, help="default 8000")
+    p.add_argument("--num-replicas", type=int, default=None, help="replicas per model (default 1)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="texts batched into one forward pass (default 32)")
+    p.add_argument("--num-cpus", type=float, default=None, help="CPUs per replica (default 1)")
+    p.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (default 0)")
+    p.add_argument("--api-key-file", default=None, help=f"accepted API keys, one a line (default: ${'{'}CTX_API_KEYS{'}'}, comma-separated)")
+    p.add_argument("--insecure-no-auth", action="store_true", help="serve a non-loopback host without API keys")
+
+
+def _add_serve_run(p: argparse.ArgumentParser) -> None:
+    _add_serve(p)
+    p.add_argument("--address", default=None, help="Ray cluster to join; 'local' starts a private one (default: RAY_ADDRESS, a running `ray start`, else a new local one)")
+
+
+def _add_serve_build(p: argparse.ArgumentParser) -> None:
+    _add_serve(p)
+    p.add_argument("-o", "--output", default=None, help="where to write Serve's config (default: stdout)")
 
 
 def _add_submit(p: argparse.ArgumentParser) -> None:
@@ -145,7 +201,8 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     ("tokenizer", "train"): ("train a WordPiece or SentencePiece tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
     ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
-    ("serve",): ("serve models over HTTP with Ray Serve", _add_serve, cmd_serve),
+    ("serve",): ("serve models over HTTP with Ray Serve", _add_serve_run, cmd_serve),
+    ("serve", "build"): ("write the Serve config that `serve deploy` accepts", _add_serve_build, cmd_serve_build),
     ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
     ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
     ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
@@ -155,13 +212,17 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctx", description="Contextual embedding models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, argparse.ArgumentParser] = {}
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, (help_, add, run) in COMMANDS.items():
         if len(path) == 1:
-            p = sub.add_parser(path[0], help=help_)
+            p = commands[path[0]] = sub.add_parser(path[0], help=help_)
         else:
             if path[0] not in groups:
-                groups[path[0]] = sub.add_parser(path[0], help=f"{path[0]} commands").add_subparsers(dest="subcommand", required=True)
+                if path[0] in commands:  # a command that also has subcommands: `ctx serve` and `ctx serve build`
+                    groups[path[0]] = commands[path[0]].add_subparsers(dest="subcommand", required=False, metavar="{" + path[1] + "}")
+                else:
+                    groups[path[0]] = sub.add_parser(path[0], help=f"{path[0]} commands").add_subparsers(dest="subcommand", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_)
         p.add_argument("--verbose", action="store_true", help="show Ray's own logs")
         add(p)
@@ -172,11 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jobs.config import RecipeError
+    from jobs.serve_config import ConfigError
     from pipelines.storage import StorageError
 
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, StorageError, ConnectionError) as e:
+    except (RecipeError, ConfigError, StorageError, ConnectionError) as e:
         print(f"ctx: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,56 +1,80 @@
 """Serve contextual embeddings over HTTP with Ray Serve.
 
-    POST /v1/embeddings        OpenAI-compatible sentence vectors (mean or [CLS] pooling)
+    POST /v1/embeddings        OpenAI-compatible sentence vectors: pooling mean | cls | last,
+                               ``dimensions`` (Matryoshka truncation, re-normalised), ``truncate``,
+                               ``encoding_format`` float | base64
     POST /v1/token-embeddings  one vector per token from any layers, with the token strings and
                                their character offsets in the input
-    GET  /healthz, GET /v1/models
+    GET  /v1/models            served models with family, width, version and tokenizer hash
+    GET  /healthz              alive;  GET /readyz: every model answers a real forward pass
+    GET  /metrics              Prometheus: requests by route and status, latency, queue depth, batch sizes
 
 Two kinds of deployment (Ray Serve docs, "Deploy Compositions of Models"):
-* ``EmbeddingModel``, one per served model: loads a checkpoint (local path, ``file://`` or ``s3://``;
-  a training run folder resolves to its newest complete ``checkpoint_*``) and its tokenizer, and
-  groups concurrent sentence requests into one forward pass with ``@serve.batch``.
-* ``Gateway``, the FastAPI ingress: validates requests with pydantic, routes them by model name
-  and turns every failure into ``{"error": {"message", "type", ...}}`` with a 4xx status.
+* ``EmbeddingModel``, one per served model: loads one resolved checkpoint (local path, ``file://``
+  or ``s3://``) and its tokenizer, and groups concurrent sentence requests into one forward pass
+  with ``@serve.batch``.
+* ``Gateway``, the FastAPI ingress: checks the API key, the body size and every character limit
+  before anything is tokenized, routes requests by model name through bounded queues (429 with
+  Retry-After when full), and turns every failure into ``{"error": {"message", "type", ...}}``;
+  a 5xx says only a request id, the details go to the log.
 
-Deploy from Python (``run``), the command line (``ctx serve --model NAME=URI``), ``serve run``, or
-a Serve config for ``serve deploy`` (``serve build`` wants a ready Application; write the config with
-``serve_config`` instead):
+A name's checkpoint is resolved once, when the app is built (a training run folder becomes its
+newest complete ``checkpoint_*``), and pinned by its version (folder name + MANIFEST.json hash):
+every replica loads that folder and refuses to start if it changed. Responses carry the version
+and the tokenizer hash (headers ``X-Model-Version``, ``X-Tokenizer-Hash`` and the body) so an index
+never silently mixes two embedding spaces.
 
-    serve run jobs.serve:app_builder models=minilm=s3://bucket/minilm,bert=runs/bert-tiny
-    python -c "import yaml, jobs.serve as s; print(yaml.safe_dump(s.serve_config({'minilm': 's3://b/m'})))" > serve.yaml
-    serve deploy serve.yaml   # talks to the dashboard, port 8265
+Deploy with ``ctx serve --model NAME=URI`` or ``ctx serve --config serve.yaml`` (see
+``jobs/serve_config.py``), or write Serve's own config with ``ctx serve build`` for ``serve deploy``.
+Stopping ``ctx serve`` (SIGTERM or SIGINT) drains in-flight requests, deletes only this app and stops
+the local Ray it started.
 """
 
-# No `from __future__ import annotations`: Serve rebuilds the ingress methods' signatures, and FastAPI
-# must see the pydantic request classes themselves, not strings, to read them from the body.
+# No `from __future__ import annotations`: FastAPI must see the pydantic request classes themselves,
+# not strings, to read them from the body.
 import asyncio
 import base64
+import hashlib
+import hmac
+import json
 import logging
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, field_validator
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jobs.serve_config import APP_NAME, Limits, ModelConfig, ServeConfig, validate
 
 logger = logging.getLogger("ray.serve")
 
-APP_NAME = "ctx-embeddings"
-MAX_INPUTS = 2048  # texts per request, as OpenAI's embeddings API
 DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
+TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
+# Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
+CAUSAL_FAMILIES = ("gpt", "transformer-xl")
+VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
 
 
 class InputError(ValueError):
     """A request a model cannot serve as asked (input too long, no such layer): answered with 400."""
+
+
+class LimitError(InputError):
+    """A request over one of the server's limits (tokens per request, token-embedding size): 413."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -92,6 +116,54 @@ def fetch_checkpoint(uri: str) -> tuple[Path, Path | None]:
         raise
 
 
+def _folder_name(uri: str) -> str:
+    return uri.rstrip("/").rsplit("/", 1)[-1] or uri
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_version(checkpoint: str, local_dir: Path | None = None) -> str | None:
+    """``<folder name>@<16 hex>``: the SHA-256 of MANIFEST.json (which holds every file's SHA-256),
+    or for a Hugging Face folder of config.json and the weights. None when that needs a download
+    (a remote Hugging Face folder): the replica computes it from its copy."""
+    from pipelines import storage
+
+    name = _folder_name(checkpoint)
+    if local_dir is None:
+        if storage.is_remote(checkpoint):
+            fs, path = storage.filesystem(checkpoint)
+            manifest = storage.join(path, "MANIFEST.json")
+            try:
+                with fs.open_input_stream(manifest) as f:
+                    return f"{name}@{hashlib.sha256(f.read()).hexdigest()[:16]}"
+            except (FileNotFoundError, OSError):
+                return None
+        local_dir = Path(storage.filesystem(checkpoint)[1])
+    if (local_dir / "MANIFEST.json").is_file():
+        return f"{name}@{hashlib.sha256((local_dir / 'MANIFEST.json').read_bytes()).hexdigest()[:16]}"
+    h = hashlib.sha256()
+    for p in sorted(local_dir.iterdir()):
+        if p.is_file() and (p.name == "config.json" or p.suffix == ".safetensors"):
+            h.update(f"{p.name}\0{_file_sha256(p)}\n".encode())
+    return f"{name}@{h.hexdigest()[:16]}"
+
+
+def tokenizer_hash(tokenizer_dir: Path) -> str:
+    """16 hex of the SHA-256 over the tokenizer's files (names and contents)."""
+    from ctxmodels.hf import tokenizer_files
+
+    h = hashlib.sha256()
+    for p in tokenizer_files(tokenizer_dir):
+        h.update(f"{p.name}\0{_file_sha256(p)}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def char_ids_backbone(backbone, tokenizer, max_chars: int):
     """ELMo reads characters: wrap its backbone so ``hidden_states`` takes token ids like every other
     family, looking each id's characters up in the table built from the checkpoint's tokenizer."""
@@ -127,18 +199,25 @@ class EmbeddingModel:
     """One model's replicas. Tokenization and validation run per request, before batching, so a bad
     request fails alone; only the forward pass of sentence requests is batched."""
 
-    def __init__(self, name: str, uri: str, max_batch_size: int = 32, batch_wait_timeout_s: float = 0.01):
+    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelConfig, limits: Limits):
         import torch
 
         from ctxmodels.checkpoint import load_checkpoint
         from pipelines.tokenizers import load_tokenizer
 
-        self.name, self.uri = name, uri
-        local_dir, tmp = fetch_checkpoint(uri)
+        self.name, self.checkpoint, self.limits = name, checkpoint, limits
+        local_dir, tmp = fetch_checkpoint(checkpoint)  # already resolved: the folder itself
         try:
-            loaded = load_checkpoint(local_dir)
-            # Our checkpoints keep it in tokenizer/, Hugging Face folders at the top.
-            self.tokenizer = load_tokenizer(loaded.tokenizer_dir or local_dir)
+            self.version = checkpoint_version(checkpoint, local_dir)
+            if version is not None and self.version != version:
+                raise RuntimeError(
+                    f"model {name!r}: {checkpoint} changed after the app was built (version {version} then, "
+                    f"{self.version} now); every replica must serve the same weights: deploy the app again"
+                )
+            loaded = load_checkpoint(local_dir, verify_hashes=True)  # the weights are the manifest's
+            tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
+            self.tokenizer = load_tokenizer(tok_dir)
+            self.tokenizer_hash = tokenizer_hash(tok_dir)
         finally:
             if tmp is not None:  # weights and vocabulary are in memory now
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -151,40 +230,67 @@ class EmbeddingModel:
         # RoBERTa spends position rows on its offset: max_tokens is what it reads.
         max_len = getattr(config, "max_tokens", None) or getattr(config, "max_seq_len", None)
         self.max_len = int(max_len or DEFAULT_MAX_LEN)
-        self.max_batch_size = max_batch_size
-        self._embed_batch.set_max_batch_size(max_batch_size)
-        self._embed_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.max_batch_size = settings.max_batch_size
+        self._embed_batch.set_max_batch_size(settings.max_batch_size)
+        self._embed_batch.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
         # One real forward pass: warms the model up and tells the layer count and width of any family.
-        ids, mask = self._pad(self._encode(["hello world"])[0])
-        with torch.inference_mode():
-            hidden = self.backbone.hidden_states(ids, attention_mask=mask)
+        hidden = self._forward_check()
         self.n_hidden = len(hidden)  # n_layer + 1: index 0 is the embedding output
         self.dim = int(hidden[-1].shape[-1])
+
+    def _forward_check(self) -> list:
+        import torch
+
+        ids, mask = self._pad(self._encode(["hello world"], truncate=True)[0])
+        with torch.inference_mode():
+            hidden = self.backbone.hidden_states(ids, attention_mask=mask)
+        if not all(bool(torch.isfinite(h).all()) for h in hidden):
+            raise RuntimeError(f"model {self.name!r}: the forward pass gives non-finite values")
+        return hidden
 
     def info(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "uri": self.uri,
+            "checkpoint": self.checkpoint,
             "family": self.family,
             "n_layer": self.n_hidden - 1,
             "dim": self.dim,
             "max_len": self.max_len,
+            "version": self.version,
+            "tokenizer_hash": self.tokenizer_hash,
         }
 
     # --- plain torch below, up to the Ray seam ---
 
-    def _encode(self, texts: list[str]) -> tuple[list[np.ndarray], list[list[tuple[int, int]]], list[list[str]]]:
-        # Ask for one token more than the model reads: a row that long was cut, so the text is too long.
-        ids, offsets, tokens = self.tokenizer.encode_for_model(list(texts), self.max_len + 1)
-        ids = [np.asarray(row, dtype=np.int64) for row in ids]
-        for i, row in enumerate(ids):
-            if len(row) > self.max_len:
-                raise InputError(
-                    f"input[{i}] is longer than the {self.max_len} tokens model {self.name!r} reads "
-                    f"(special tokens included): shorten or split it"
+    def _encode(self, texts: list[str], truncate: bool) -> tuple[list[np.ndarray], list[list[tuple[int, int]]], list[list[str]]]:
+        """Token ids, character offsets and token strings per text, tokenized a chunk at a time so a
+        request over ``max_tokens_per_request`` stops as soon as it is."""
+        # Without truncation ask for one token more than the model reads: a row that long was cut.
+        cut = self.max_len if truncate else self.max_len + 1
+        budget = self.limits.max_tokens_per_request
+        ids: list[np.ndarray] = []
+        offsets: list[list[tuple[int, int]]] = []
+        tokens: list[list[str]] = []
+        total = 0
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            chunk = list(texts[start : start + TOKENIZE_CHUNK])
+            chunk_ids, chunk_offsets, chunk_tokens = self.tokenizer.encode_for_model(chunk, cut)
+            for j, row in enumerate(chunk_ids):
+                if len(row) > self.max_len:
+                    raise InputError(
+                        f"input[{start + j}] is longer than the {self.max_len} tokens model {self.name!r} reads "
+                        f"(special tokens included): shorten or split it, or send \"truncate\": true"
+                    )
+            total += sum(len(row) for row in chunk_ids)
+            if total > budget:
+                raise LimitError(
+                    f"the request has more than {budget} tokens (max_tokens_per_request; counted over the first "
+                    f"{start + len(chunk)} of {len(texts)} texts): send fewer or shorter texts per request"
                 )
-        offsets = [[(int(s), int(e)) for s, e in row] for row in offsets]
-        return ids, offsets, [list(row) for row in tokens]
+            ids.extend(np.asarray(row, dtype=np.int64) for row in chunk_ids)
+            offsets.extend([(int(s), int(e)) for s, e in row] for row in chunk_offsets)
+            tokens.extend(list(row) for row in chunk_tokens)
+        return ids, offsets, tokens
 
     def _pad(self, rows: list[np.ndarray]):
         """Right-padded (B, T) ids and attention mask on the model's device (ELMo needs right padding)."""
@@ -206,7 +312,17 @@ class EmbeddingModel:
         except ValueError as e:
             raise InputError(f"layers: {e} (model {self.name!r})") from None
 
-    def _cls_position(self, row: np.ndarray) -> int:
+    def _position(self, row: np.ndarray, pooling: str) -> int | None:
+        """The position a sentence vector is read at, or None for the mean over real tokens."""
+        if pooling == "mean":
+            return None
+        if pooling == "last":  # the last real token ([SEP]): in a causal model it has seen every token
+            return len(row) - 1
+        if self.family in CAUSAL_FAMILIES:
+            raise InputError(
+                f"pooling 'cls': model {self.name!r} is a causal {self.family} model, whose first position has "
+                f"seen no text; use pooling 'last' or 'mean'"
+            )
         where = np.flatnonzero(row == self.tokenizer.cls_id)
         if len(where) == 0:
             raise InputError(f"pooling 'cls': model {self.name!r} puts no [CLS] token in its input; use pooling 'mean'")
@@ -241,47 +357,122 @@ class EmbeddingModel:
             out = [mean[b] if pos is None else hidden[b, pos] for b, (_, pos) in enumerate(items)]
         return [v.float().cpu().numpy() for v in out]
 
+    def _stamp(self) -> dict[str, str]:
+        return {"version": self.version, "tokenizer_hash": self.tokenizer_hash}
+
     # --- Ray seam: request handlers, called through DeploymentHandles ---
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def _embed_batch(self, items: list[tuple[np.ndarray, int | None]]) -> list[np.ndarray]:
+    async def _embed_batch(self, items: list[tuple[np.ndarray, int | None]]) -> list[tuple[np.ndarray, tuple[int, int] | None]]:
+        """Each item's vector; the batch's (texts, tokens) ride on its first item, so a caller that
+        collects them counts every batch once."""
         # The forward runs in a thread (torch releases the GIL), so the loop keeps queueing the next batch.
-        return await asyncio.to_thread(self._pool, items)
+        vectors = await asyncio.to_thread(self._pool, items)
+        size = (len(items), sum(len(row) for row, _ in items))
+        return [(v, size if i == 0 else None) for i, v in enumerate(vectors)]
 
-    async def embed(self, texts: list[str], pooling: Literal["mean", "cls"] = "mean", normalize: bool = False) -> dict:
-        """{"embeddings": float32 (D,) arrays, "n_tokens": tokens per text, special tokens included}."""
-        ids, _, _ = self._encode(texts)
-        positions = [self._cls_position(row) if pooling == "cls" else None for row in ids]
-        vectors = await asyncio.gather(*(self._embed_batch((row, pos)) for row, pos in zip(ids, positions)))
-        if normalize:
+    async def embed(self, *args: Any) -> dict:
+        """``_embed``'s answer, or {"refused": (status, message)}: a bad request is the client's error, so
+        it stays out of the replica's error log (where Serve would put a raised one, with its traceback)."""
+        try:
+            return await self._embed(*args)
+        except InputError as e:
+            return _refusal(e)
+
+    async def token_embeddings(self, *args: Any) -> dict:
+        try:
+            return await self._token_embeddings(*args)
+        except InputError as e:
+            return _refusal(e)
+
+    async def _embed(
+        self,
+        texts: list[str],
+        pooling: Literal["mean", "cls", "last"] = "mean",
+        normalize: bool = False,
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> dict:
+        """{"embeddings": float32 (D,) arrays, "n_tokens": tokens per text (special tokens included),
+        "batches": (texts, tokens) of the forward passes these texts started, version, tokenizer_hash}.
+
+        ``dimensions`` keeps the first k components and re-normalises (Matryoshka Representation
+        Learning, Kusupati et al. 2022; OpenAI's text-embedding-3 ``dimensions``)."""
+        if dimensions is not None and not 1 <= dimensions <= self.dim:
+            raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {self.dim}-dimensional vectors; ask for 1..{self.dim}")
+        # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
+        ids, _, _ = await asyncio.to_thread(self._encode, texts, truncate)
+        positions = [self._position(row, pooling) for row in ids]
+        results = await asyncio.gather(*(self._embed_batch((row, pos)) for row, pos in zip(ids, positions)))
+        vectors = [v for v, _ in results]
+        if dimensions is not None:
+            vectors = [v[:dimensions] for v in vectors]
+        if normalize or dimensions is not None:
             vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
-        return {"embeddings": vectors, "n_tokens": [len(row) for row in ids]}
+        return {
+            "embeddings": vectors,
+            "n_tokens": [len(row) for row in ids],
+            "batches": [size for _, size in results if size is not None],
+            **self._stamp(),
+        }
 
-    async def token_embeddings(self, texts: list[str], layers: str | list[int] = "last") -> list[dict]:
-        """Per text: tokens, offsets, n_tokens and float32 (T, len(layers)*D) vectors, layers in the order asked."""
+    async def _token_embeddings(self, texts: list[str], layers: str | list[int] = "last", truncate: bool = False) -> dict:
+        """{"rows": per text tokens, offsets, n_tokens and float32 (T, len(layers)*D) vectors, layers in
+        the order asked; version, tokenizer_hash}. Refused before the forward pass when the answer
+        would hold more than ``max_token_embedding_values`` numbers."""
         layer_ids = self._layers(layers)
-        ids, offsets, tokens = self._encode(texts)
+        ids, offsets, tokens = await asyncio.to_thread(self._encode, texts, truncate)
+        n_values = sum(len(row) for row in ids) * len(layer_ids) * self.dim
+        cap = self.limits.max_token_embedding_values
+        if n_values > cap:
+            raise LimitError(
+                f"the answer would hold {n_values} numbers ({sum(len(r) for r in ids)} tokens x {len(layer_ids)} "
+                f"layers x {self.dim}), more than max_token_embedding_values={cap}: ask for fewer texts or layers"
+            )
         vectors = await asyncio.to_thread(self._token_vectors, ids, layer_ids)
-        return [
+        rows = [
             {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}
             for tok, off, vec, row in zip(tokens, offsets, vectors, ids)
         ]
+        return {"rows": rows, **self._stamp()}
+
+    async def ready(self) -> dict[str, Any]:
+        """A real forward pass, for /readyz."""
+        await asyncio.to_thread(self._forward_check)
+        return self._stamp()
+
+
+def _refusal(e: InputError) -> dict:
+    return {"refused": (413 if isinstance(e, LimitError) else 400, str(e))}
 
 
 # ----------------------------------------------------------------------------- HTTP API
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
 
 
-def _error(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
+class AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate echoed back can never break the encoder."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _error(status: int, message: str, type_: str, code: str | None = None, request_id: str | None = None, headers: dict | None = None) -> AsciiJSON:
     body: dict[str, Any] = {"message": message, "type": type_}
     if code:
         body["code"] = code
-    return JSONResponse(status_code=status, content={"error": body})
+    if request_id:
+        body["request_id"] = request_id
+    return AsciiJSON(status_code=status, content={"error": body}, headers=headers)
+
+
+def _request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
 def _check_texts(value: Any, *, allow_str: bool) -> Any:
@@ -298,12 +489,38 @@ def _check_texts(value: Any, *, allow_str: bool) -> Any:
         raise ValueError(f"must be {wanted}, got {type(value).__name__}")
     if not texts:
         raise ValueError("must not be empty")
-    if len(texts) > MAX_INPUTS:
-        raise ValueError(f"has {len(texts)} texts; at most {MAX_INPUTS} per request")
     for i, t in enumerate(texts):
         if not t.strip():
             raise ValueError(f"item {i} is empty or only whitespace")
     return value
+
+
+def check_limits(texts: list[str], limits: Limits) -> None:
+    """Counts and characters, before a text reaches a tokenizer: 413 naming the limit; text that is not
+    valid Unicode (a lone surrogate, which JSON's \\ud800 escapes can carry): 400."""
+    if len(texts) > limits.max_inputs:
+        raise ApiError(413, f"input has {len(texts)} texts; at most {limits.max_inputs} per request (max_inputs)", code="too_many_inputs")
+    total = 0
+    for i, t in enumerate(texts):
+        if len(t) > limits.max_chars_per_text:
+            raise ApiError(413, f"input[{i}] has {len(t)} characters; at most {limits.max_chars_per_text} per text (max_chars_per_text)", code="text_too_long")
+        total += len(t)
+        if total > limits.max_chars_per_request:
+            raise ApiError(
+                413,
+                f"input has more than {limits.max_chars_per_request} characters in all (max_chars_per_request; "
+                f"reached at input[{i}]): send fewer or shorter texts per request",
+                code="request_too_large",
+            )
+    for i, t in enumerate(texts):
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(
+                400,
+                f"input[{i}] is not valid Unicode: a lone surrogate (\\u{ord(t[e.start]):04x}) at character {e.start}; send UTF-8 text",
+                code="invalid_text",
+            ) from None
 
 
 class EmbeddingsRequest(BaseModel):
@@ -312,8 +529,10 @@ class EmbeddingsRequest(BaseModel):
     model: str
     input: str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
-    pooling: Literal["mean", "cls"] = "mean"
+    dimensions: int | None = Field(None, ge=1)  # keep the first k components, then re-normalise
+    pooling: Literal["mean", "cls", "last"] = "mean"  # last: the last real token, for causal families
     normalize: bool = False
+    truncate: bool = False  # false: a text longer than the model reads is a 400; true: cut it
     user: str | None = None  # accepted for OpenAI clients; unused
 
     @field_validator("input", mode="before")
@@ -328,6 +547,8 @@ class TokenEmbeddingsRequest(BaseModel):
     model: str
     input: list[str]
     layers: Literal["last"] | list[int] = "last"  # or layer indexes in output order; 0 = embedding output
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, row-major (T, L*D)
+    truncate: bool = False
 
     @field_validator("input", mode="before")
     @classmethod
@@ -344,58 +565,236 @@ class TokenEmbeddingsRequest(BaseModel):
         return v
 
 
-api = FastAPI(title="ctx embeddings", version="1")
-
-
-@api.exception_handler(ApiError)
-async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-    return _error(e.status, e.message, e.type, e.code)
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    problems = []
-    for err in e.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        if err.get("type") == "json_invalid":
-            problems.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
-        elif err.get("type") == "missing":
-            problems.append(f"{where}: required field is missing" if where else "the request body is missing")
-        elif err.get("type") == "extra_forbidden":
-            problems.append(f"{where}: unknown field")
-        else:
-            msg = err.get("msg", "invalid").removeprefix("Value error, ")
-            problems.append(f"{where}: {msg}" if where else msg)
-    return _error(422, "; ".join(problems) or "invalid request", "invalid_request_error")
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    kind = "not_found" if e.status_code == 404 else "invalid_request_error"
-    return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
-
-
-@api.exception_handler(Exception)
-async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-    cause = getattr(e, "cause", None) or e  # a replica's exception arrives wrapped in a RayTaskError
-    logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
-    return _error(500, f"internal error: {type(cause).__name__}: {cause}", "server_error")
-
-
 def _encode_vector(v: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # OpenAI's format: little-endian float32 bytes
-        return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+        return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
     return np.asarray(v, dtype=np.float32).tolist()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
-@serve.ingress(api)
+class Metrics:
+    """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
+    metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
+
+    ROUTES = ("/v1/embeddings", "/v1/token-embeddings", "/v1/models", "/healthz", "/readyz", "/metrics")
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("ctx_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry)
+        self.latency = Histogram(
+            "ctx_http_request_duration_seconds", "HTTP request latency by route", ["route"], registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.in_flight = Gauge("ctx_http_requests_in_flight", "requests inside the Gateway now", registry=self.registry)
+        self.queue = Gauge("ctx_model_queue_depth", "requests sent to a model and not answered yet (queued or running)", ["model"], registry=self.registry)
+        self.batch_texts = Histogram(
+            "ctx_batch_size_texts", "texts per batched forward pass", ["model"], registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+        self.batch_tokens = Histogram(
+            "ctx_batch_size_tokens", "real tokens per batched forward pass", ["model"], registry=self.registry,
+            buckets=(8, 32, 128, 512, 2048, 8192, 32768),
+        )
+
+    def route(self, path: str) -> str:
+        return path if path in self.ROUTES else "other"  # bounded label values whatever clients send
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class Guard:
+    """ASGI middleware every request passes first: request id, metrics, API key, draining, body size.
+
+    Pure ASGI (no BaseHTTPMiddleware): the body limit wraps ``receive``, so a body without
+    Content-Length is cut off at the limit instead of read whole."""
+
+    OPEN = ("/healthz", "/readyz")  # probes answer without a key
+
+    def __init__(self, app, gateway: "Gateway"):
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        gw, path = self.gw, scope["path"]
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500  # what an exception escaping the app becomes
+        start = time.perf_counter()
+
+        async def send_and_record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        api_call = path.startswith("/v1/")
+        gw.in_flight += api_call
+        gw.metrics.in_flight.inc()
+        try:
+            response = self._refuse(path, headers, request_id)
+            if response is not None:
+                return await response(scope, receive, send_and_record)
+            await self.app(scope, self._limited(receive), send_and_record)
+        finally:
+            gw.in_flight -= api_call
+            gw.metrics.in_flight.dec()
+            route = gw.metrics.route(path)
+            gw.metrics.requests.labels(route, str(status)).inc()
+            gw.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+    def _refuse(self, path: str, headers: Headers, request_id: str) -> Response | None:
+        gw = self.gw
+        if path not in self.OPEN and not gw.authorized(headers.get("authorization")):
+            return _error(
+                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", "authentication_error",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )
+        if gw.draining and path.startswith("/v1/"):
+            return _error(
+                503, "the server is shutting down; retry on another replica", "unavailable", code="shutting_down",
+                request_id=request_id, headers={"Retry-After": _retry_after(gw.config.retry_after_s)},
+            )
+        length = headers.get("content-length")
+        limit = gw.config.limits.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            return _body_too_large(limit)
+        return None
+
+    def _limited(self, receive):
+        limit, seen = self.gw.config.limits.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # FastAPI re-raises HTTPExceptions from body reading: our handler answers
+                    raise StarletteHTTPException(413, f"the request body is larger than {limit} bytes (max_body_bytes)")
+            return message
+
+        return limited_receive
+
+
+def _body_too_large(limit: int) -> Response:
+    return _error(413, f"the request body is larger than {limit} bytes (max_body_bytes)", "invalid_request_error", code="body_too_large")
+
+
+def _retry_after(seconds: float) -> str:
+    return str(max(1, int(np.ceil(seconds))))
+
+
+def http_api(gw: "Gateway") -> FastAPI:
+    """The FastAPI app of one Gateway replica; routes call the Gateway's methods."""
+    api = FastAPI(title="ctx embeddings", version="1")
+    api.add_middleware(Guard, gateway=gw)
+
+    @api.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        rid = _request_id(request) if e.status >= 500 else None
+        return _error(e.status, e.message, e.type, e.code, request_id=rid, headers=e.headers)
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            if err.get("type") == "json_invalid":
+                problems.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
+            elif err.get("type") == "missing":
+                problems.append(f"{where}: required field is missing" if where else "the request body is missing")
+            elif err.get("type") == "extra_forbidden":
+                problems.append(f"{where}: unknown field")
+            else:
+                msg = err.get("msg", "invalid").removeprefix("Value error, ")
+                problems.append(f"{where}: {msg}" if where else msg)
+        return _error(422, "; ".join(problems) or "invalid request", "invalid_request_error")
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        message = e.detail if e.status_code == 413 else f"{request.method} {request.url.path}: {e.detail}"
+        return _error(e.status_code, message, kind, request_id=_request_id(request) if e.status_code >= 500 else None)
+
+    @api.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> Response:
+        return internal_error(_request_id(request), f"{request.method} {request.url.path}", e)
+
+    @api.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok", "models": sorted(gw.models)}
+
+    @api.get("/readyz")
+    async def readyz() -> Response:
+        return await gw.readyz()
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def list_models() -> Response:
+        return await gw.list_models()
+
+    @api.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingsRequest) -> Response:
+        return await gw.embeddings(req)
+
+    @api.post("/v1/token-embeddings")
+    async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:
+        return await gw.token_embeddings(req)
+
+    return api
+
+
+def internal_error(request_id: str, what: str, e: BaseException) -> Response:
+    """A 500 that tells the client only a request id; the exception goes to the log under that id."""
+    logger.error("request %s: %s failed", request_id, what, exc_info=e)
+    return _error(
+        500, f"internal error; the server log has the details under request id {request_id}", "server_error",
+        code="internal_error", request_id=request_id,
+    )
+
+
+def authorized(header: str | None, key_digests: list[bytes]) -> bool:
+    """No keys configured: everyone. Else the bearer token's SHA-256 against every key's, each in
+    constant time (hmac.compare_digest), so neither timing nor order tells which one matched."""
+    if not key_digests:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    given = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).digest()
+    ok = False
+    for digest in key_digests:
+        ok |= hmac.compare_digest(given, digest)
+    return ok and scheme.lower() == "bearer"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+@serve.ingress()
 class Gateway:
     """Routes requests by model name to the EmbeddingModel deployments' handles."""
 
-    def __init__(self, models: dict[str, DeploymentHandle]):
-        self.models = models
+    def __init__(self, models: dict[str, DeploymentHandle], config: ServeConfig):
+        self.models, self.config = models, config
+        self.key_digests = [bytes.fromhex(h) for h in config.auth.api_key_sha256]
+        self.metrics = Metrics()
+        self.draining = False
+        self.in_flight = 0  # /v1/ requests inside the Gateway: what a graceful stop waits for
         self.created = int(time.time())
+        self._info: dict[str, dict] = {}
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return http_api(self)
+
+    def authorized(self, header: str | None) -> bool:
+        return authorized(header, self.key_digests)
 
     def _handle(self, name: str) -> DeploymentHandle:
         if name not in self.models:
@@ -403,179 +802,313 @@ class Gateway:
             raise ApiError(404, f"model {name!r} is not served here; known models: {known}", code="model_not_found")
         return self.models[name]
 
-    async def _call(self, response) -> Any:
-        """Await a handle call; InputError raised in the replica becomes a 400."""
+    async def _call(self, model: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call a model's replica through its bounded queue, within the request timeout. Mapped:
+        InputError -> 400, LimitError -> 413, full queue -> 429 + Retry-After, timeout -> 504,
+        replica gone -> 503 (with a request id; the rest goes to the 500 handler)."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        handle = self._handle(model)
+        timeout_s = timeout_s or self.config.timeout_s(model)
+        retry = {"Retry-After": _retry_after(self.config.retry_after_s)}
+        queue = self.metrics.queue.labels(model)
+        queue.inc()
+        response = getattr(handle, method).remote(*args)
         try:
-            return await response
-        except InputError as e:  # Ray re-raises it as a RayTaskError that is also an InputError
-            cause = getattr(e, "cause", e)
-            raise ApiError(400, str(cause.args[0]) if cause.args else str(cause)) from None
+            out = await asyncio.wait_for(_result(response), timeout_s)
+            if isinstance(out, dict) and "refused" in out:
+                status, message = out["refused"]
+                raise ApiError(status, message, code="request_too_large" if status == 413 else None)
+            return out
+        except LimitError as e:  # Ray re-raises it as a RayTaskError that is also a LimitError
+            raise ApiError(413, _cause_message(e), code="request_too_large") from None
+        except InputError as e:
+            raise ApiError(400, _cause_message(e)) from None
+        except BackPressureError:
+            raise ApiError(
+                429, f"model {model!r} has a full queue; retry after {retry['Retry-After']} s", "rate_limit_error",
+                code="queue_full", headers=retry,
+            ) from None
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ApiError(
+                504, f"model {model!r} did not answer within {timeout_s:g} s (request_timeout_s); send fewer texts or retry",
+                "timeout", code="timeout",
+            ) from None
+        except (RayActorError, DeploymentUnavailableError) as e:
+            logger.warning("model %s unavailable: %s", model, e)
+            raise ApiError(503, f"model {model!r} is unavailable right now; retry", "unavailable", code="model_unavailable", headers=retry) from None
+        except asyncio.CancelledError:  # the client went away: stop the model's work too
+            response.cancel()
+            raise
+        finally:
+            queue.dec()
 
-    @api.get("/healthz")
-    async def healthz(self) -> dict:
-        return {"status": "ok", "models": sorted(self.models)}
+    async def _model_info(self, name: str) -> dict:
+        if name not in self._info:  # fixed for the app's life: every replica serves the same checkpoint
+            self._info[name] = await self._call(name, "info", timeout_s=10)
+        return self._info[name]
 
-    @api.get("/v1/models")
-    async def list_models(self) -> dict:
-        owner, created = "ctxmodels", self.created
-        data = [{"id": name, "object": "model", "created": created, "owned_by": owner} for name in sorted(self.models)]
-        return {"object": "list", "data": data}
+    # --- routes ---
 
-    @api.post("/v1/embeddings")
-    async def embeddings(self, req: EmbeddingsRequest) -> JSONResponse:
-        handle = self._handle(req.model)
+    async def embeddings(self, req: EmbeddingsRequest) -> Response:
+        self._handle(req.model)
         texts = [req.input] if isinstance(req.input, str) else req.input
-        out = await self._call(handle.embed.remote(texts, req.pooling, req.normalize))
+        check_limits(texts, self.config.limits)
+        out = await self._call(req.model, "embed", texts, req.pooling, req.normalize, req.dimensions, req.truncate)
+        for n_texts, n_tokens in out["batches"]:
+            self.metrics.batch_texts.labels(req.model).observe(n_texts)
+            self.metrics.batch_tokens.labels(req.model).observe(n_tokens)
         n_tokens = sum(out["n_tokens"])
         data = [
             {"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
             for i, v in enumerate(out["embeddings"])
         ]
-        # JSONResponse directly: FastAPI's jsonable_encoder would walk every float of every vector.
-        return JSONResponse({
-            "object": "list",
-            "data": data,
-            "model": req.model,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        })
-
-    @api.post("/v1/token-embeddings")
-    async def token_embeddings(self, req: TokenEmbeddingsRequest) -> JSONResponse:
-        handle = self._handle(req.model)
-        rows = await self._call(handle.token_embeddings.remote(req.input, req.layers))
-        n_tokens = sum(r["n_tokens"] for r in rows)
-        data = [
+        # A Response directly: FastAPI's jsonable_encoder would walk every float of every vector.
+        return AsciiJSON(
             {
-                "index": i,
-                "tokens": r["tokens"],
-                "offsets": [list(o) for o in r["offsets"]],
-                "embeddings": np.asarray(r["embeddings"], dtype=np.float32).tolist(),
-            }
-            for i, r in enumerate(rows)
-        ]
-        return JSONResponse({
-            "object": "list",
-            "model": req.model,
-            "layers": req.layers,
-            "data": data,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        })
+                "object": "list",
+                "data": data,
+                "model": req.model,
+                "model_version": out["version"],
+                "tokenizer_hash": out["tokenizer_hash"],
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            },
+            headers=_stamp_headers(out),
+        )
+
+    async def token_embeddings(self, req: TokenEmbeddingsRequest) -> Response:
+        self._handle(req.model)
+        check_limits(req.input, self.config.limits)
+        out = await self._call(req.model, "token_embeddings", req.input, req.layers, req.truncate)
+        n_tokens = sum(r["n_tokens"] for r in out["rows"])
+        data = []
+        for i, r in enumerate(out["rows"]):
+            vectors = np.asarray(r["embeddings"], dtype=np.float32)  # (T, L*D)
+            item = {"index": i, "tokens": r["tokens"], "offsets": [list(o) for o in r["offsets"]]}
+            if req.encoding_format == "base64":
+                item["embeddings"], item["shape"] = _encode_vector(vectors, "base64"), list(vectors.shape)
+            else:
+                item["embeddings"] = vectors.tolist()
+            data.append(item)
+        return AsciiJSON(
+            {
+                "object": "list",
+                "model": req.model,
+                "model_version": out["version"],
+                "tokenizer_hash": out["tokenizer_hash"],
+                "layers": req.layers,
+                "data": data,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            },
+            headers=_stamp_headers(out),
+        )
+
+    async def list_models(self) -> Response:
+        data = []
+        for name in sorted(self.models):
+            entry = {"id": name, "object": "model", "created": self.created, "owned_by": "ctxmodels"}
+            try:
+                info = await self._model_info(name)
+                entry.update({k: info[k] for k in ("family", "dim", "n_layer", "max_len", "version", "tokenizer_hash")})
+            except ApiError:  # not up yet: list it without the details
+                pass
+            data.append(entry)
+        return AsciiJSON({"object": "list", "data": data})
+
+    async def readyz(self) -> Response:
+        """200 when every model answers a real forward pass (one replica each), else 503 naming which not."""
+        if self.draining:
+            return AsciiJSON({"status": "stopping"}, status_code=503)
+        names = sorted(self.models)
+        results = await asyncio.gather(*(self._call(n, "ready", timeout_s=30) for n in names), return_exceptions=True)
+        models, ready = {}, True
+        for name, r in zip(names, results):
+            if isinstance(r, BaseException):
+                ready = False
+                models[name] = {"ready": False, "error": r.message if isinstance(r, ApiError) else type(r).__name__}
+            else:
+                models[name] = {"ready": True, **r}
+        return AsciiJSON({"status": "ready" if ready else "not ready", "models": models}, status_code=200 if ready else 503)
+
+    # --- Ray seam: called by `ctx serve` through the app's handle on stop ---
+
+    async def drain(self) -> int:
+        """Stop taking /v1/ requests (503 + Retry-After, /readyz 503); returns how many are in flight."""
+        self.draining = True
+        return self.in_flight
+
+    async def pending(self) -> int:
+        return self.in_flight
+
+
+async def _result(response) -> Any:
+    return await response
+
+
+def _cause_message(e: BaseException) -> str:
+    cause = getattr(e, "cause", None) or e  # a replica's exception arrives wrapped in a RayTaskError
+    return str(cause.args[0]) if cause.args else str(cause)
+
+
+def _stamp_headers(out: dict) -> dict[str, str]:
+    return {VERSION_HEADER: out["version"], TOKENIZER_HEADER: out["tokenizer_hash"]}
 
 
 # ----------------------------------------------------------------------------- building and running
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}$")
 
+def build_app(config: ServeConfig) -> serve.Application:
+    """A Serve application: one EmbeddingModel deployment per model plus the Gateway.
 
-def build_app(
-    models: dict[str, str],
-    *,
-    num_replicas: int = 1,
-    max_batch_size: int = 32,
-    batch_wait_timeout_s: float = 0.01,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-    max_ongoing_requests: int = 32,
-) -> serve.Application:
-    """A Serve application: one EmbeddingModel deployment per ``name -> uri`` plus the Gateway."""
-    if not models:
-        raise ValueError("build_app: give at least one model as {name: uri}")
+    Each model's URI is resolved here, once: every replica loads that checkpoint folder, pinned by
+    its version (a run folder that gets a newer checkpoint later is not picked up until the app is
+    built again)."""
+    from ray.serve.config import BackpressureConfig
+
+    overload = BackpressureConfig(status_code=429, retry_after_s=config.retry_after_s)
     handles = {}
-    for i, (name, uri) in enumerate(models.items()):
-        if not _NAME.match(name):
-            raise ValueError(f"model name {name!r}: use letters, digits and . _ / : - (at most 128 characters)")
-        if not isinstance(uri, str) or not uri:
-            raise ValueError(f"model {name!r}: the checkpoint URI must be a non-empty string, got {uri!r}")
+    for i, (name, m) in enumerate(config.models.items()):
+        checkpoint = resolve_checkpoint(m.uri)
+        version = checkpoint_version(checkpoint)
         deployment_name = f"EmbeddingModel-{i}-" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
+        scaling: dict[str, Any] = {"num_replicas": m.num_replicas}
+        if m.autoscaling is not None:
+            scaling = {"autoscaling_config": m.autoscaling.model_dump()}
         handles[name] = EmbeddingModel.options(
             name=deployment_name,
-            num_replicas=num_replicas,
-            max_ongoing_requests=max_ongoing_requests,
-            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-        ).bind(name, uri, max_batch_size, batch_wait_timeout_s)
-    return Gateway.bind(handles)
-
-
-class ServeArgs(BaseModel):
-    """Arguments of ``app_builder``, from a Serve config's ``args`` or ``serve run ... key=value``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    models: dict[str, str]
-    num_replicas: int = 1
-    max_batch_size: int = 32
-    batch_wait_timeout_s: float = 0.01
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    max_ongoing_requests: int = 32
-
-    @field_validator("models", mode="before")
-    @classmethod
-    def _models(cls, v: Any) -> Any:
-        if isinstance(v, str):  # "a=uri,b=uri" from the command line
-            pairs = [p.strip() for p in v.split(",") if p.strip()]
-            bad = [p for p in pairs if "=" not in p]
-            if bad:
-                raise ValueError(f"expected NAME=URI[,NAME=URI...], got {bad[0]!r}")
-            return dict(p.split("=", 1) for p in pairs)
-        return v
+            max_ongoing_requests=m.max_ongoing_requests,
+            max_queued_requests=m.max_queued_requests,
+            backpressure_config=overload,
+            ray_actor_options={"num_cpus": m.num_cpus, "num_gpus": m.num_gpus},
+            **scaling,
+        ).bind(name, checkpoint, version, m, config.limits)
+    g = config.gateway
+    return Gateway.options(
+        num_replicas=1,  # `ctx serve` drains it through the app's handle, which reaches one replica
+        max_ongoing_requests=g.max_ongoing_requests,
+        max_queued_requests=g.max_queued_requests,
+        backpressure_config=overload,
+        ray_actor_options={"num_cpus": g.num_cpus},
+    ).bind(handles, config)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Entry for ``serve run`` and Serve configs: ``import_path: jobs.serve:app_builder`` with ``args``."""
-    parsed = ServeArgs(**args)
-    return build_app(parsed.models, **parsed.model_dump(exclude={"models"}))
+    """Entry for ``serve run`` and Serve configs: ``import_path: jobs.serve:app_builder`` with ``args``
+    (a ServeConfig without host and port, which are Serve's http_options)."""
+    return build_app(validate(dict(args), where="app_builder args"))
 
 
-def serve_config(models: dict[str, str], *, host: str = "0.0.0.0", port: int = 8000, **build_kwargs: Any) -> dict:
-    """A Serve config (the YAML that ``serve deploy`` reads) deploying ``app_builder`` with these args."""
-    args = ServeArgs(models=models, **build_kwargs).model_dump()  # fail here, not on the cluster
-    return {
-        "http_options": {"host": host, "port": port},
-        "applications": [
-            {"name": APP_NAME, "route_prefix": "/", "import_path": "jobs.serve:app_builder", "args": args},
-        ],
-    }
+def _ray_started_here() -> bool:
+    """Whether this process started the local Ray it is connected to (then stopping it is ours to do)."""
+    import ray
+
+    node = getattr(ray._private.worker.global_worker, "node", None)
+    return bool(node is not None and node.is_head())
+
+
+class _StopSignals:
+    """SIGTERM (what Kubernetes and `kill` send) and SIGINT set an event instead of raising, also when the
+    process inherited SIGINT ignored (a script's `ctx serve &`). A second signal skips the drain."""
+
+    def __init__(self):
+        self.stop, self.force = threading.Event(), threading.Event()
+        self._previous = {}
+
+    def __enter__(self) -> "_StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        (self.force if self.stop.is_set() else self.stop).set()
+        print(f"{signal.Signals(signum).name}: {'stopping now' if self.force.is_set() else 'draining in-flight requests'}", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def run(
-    models: dict[str, str],
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    models: dict[str, str] | ServeConfig,
+    host: str | None = None,
+    port: int | None = None,
     blocking: bool = True,
     verbose: bool = False,
     address: str | None = None,
-    **build_kwargs: Any,
+    **settings: Any,
 ) -> DeploymentHandle:
     """Start Serve's HTTP proxy on host:port and deploy the app at "/"; returns the Gateway's handle.
 
-    With ``blocking`` it serves until Ctrl-C, then shuts Serve down. Without a Ray session it calls
-    ``ray.init(address)``: None joins the cluster in RAY_ADDRESS or one ``ray start`` left on this
-    machine, else starts a local one."""
+    ``models`` is a ServeConfig, or {name: uri} with ``settings`` (ServeConfig.from_models). With
+    ``blocking`` it serves until SIGTERM or SIGINT, then drains, deletes this app and stops the local
+    Ray if it started one. Without a Ray session it calls ``ray.init(address)``: None joins the
+    cluster in RAY_ADDRESS or one ``ray start`` left on this machine, else starts a local one;
+    "local" always starts one."""
     import ray
 
-    application = build_app(models, **build_kwargs)  # argument errors before anything starts
-    for uri in models.values():
-        resolve_checkpoint(uri)  # a wrong path fails here in seconds, not after Serve's replica retries
+    address_of = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if isinstance(models, ServeConfig):
+        if settings:
+            raise TypeError(f"run(ServeConfig, ...): set {sorted(settings)} in the config itself")
+        config = validate({**models.model_dump(exclude={"defaults"}), **address_of}) if address_of else models
+    else:
+        config = ServeConfig.from_models(models, **address_of, **settings)
+    application = build_app(config)  # resolves every checkpoint: a wrong path fails here in seconds
+    started_ray = False
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=verbose, logging_level="INFO" if verbose else "ERROR")
+        started_ray = _ray_started_here()
     logging_config = None if verbose else {"log_level": "WARNING"}
-    # --- Ray seam: the HTTP proxy, then the application (blocks until every replica is healthy) ---
-    serve.start(http_options={"host": host, "port": port}, logging_config=logging_config)
-    handle = serve.run(application, name=APP_NAME, route_prefix="/", logging_config=logging_config)
+    http = {"host": config.host, "port": config.port, "request_timeout_s": config.limits.request_timeout_s + 30}
     if not blocking:
-        return handle
-    print(f"serving {', '.join(sorted(models))} on http://{host}:{port} (Ctrl-C stops)", flush=True)
+        # --- Ray seam: the HTTP proxy, then the application (blocks until every replica is healthy) ---
+        serve.start(http_options=http, logging_config=logging_config)
+        return serve.run(application, name=config.app_name, route_prefix="/", logging_config=logging_config)
     try:
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        print("shutting down", flush=True)
+        with _StopSignals() as signals:  # after ray.init, which installs its own SIGTERM handler
+            serve.start(http_options=http, logging_config=logging_config)
+            handle = serve.run(application, name=config.app_name, route_prefix="/", logging_config=logging_config)
+            if not signals.stop.is_set():
+                print(f"serving {', '.join(sorted(config.models))} on http://{config.host}:{config.port} (SIGTERM or Ctrl-C stops)", flush=True)
+            while not signals.stop.wait(0.5):
+                pass
+            stop(config.app_name, handle, drain_timeout_s=config.drain_timeout_s, force=signals.force)
+            return handle
     finally:
-        serve.shutdown()
-    return handle
+        if started_ray:
+            ray.shutdown()  # the raylet, GCS, dashboard and runtime-env agents this process started
 
 
-def shutdown() -> None:
-    """Stop Serve (all applications and its HTTP proxy) on the connected cluster."""
-    serve.shutdown()
+def stop(app_name: str = APP_NAME, handle: DeploymentHandle | None = None, drain_timeout_s: float = 30.0, force: threading.Event | None = None) -> None:
+    """Drain the Gateway (new /v1/ requests get 503, in-flight ones finish, up to ``drain_timeout_s``),
+    then delete only this app: other apps on a shared cluster keep running (never serve.shutdown())."""
+    handle = handle or _app_handle(app_name)
+    if handle is not None and drain_timeout_s > 0:
+        try:
+            pending = handle.drain.remote().result(timeout_s=10)
+            deadline = time.monotonic() + drain_timeout_s
+            while pending > 0 and time.monotonic() < deadline and not (force and force.is_set()):
+                time.sleep(0.1)
+                pending = handle.pending.remote().result(timeout_s=10)
+            if pending > 0:
+                print(f"{pending} request(s) still in flight after {drain_timeout_s:g} s; stopping anyway", flush=True)
+        except Exception as e:  # a Gateway already gone cannot drain; deleting still must happen
+            logger.warning("drain of %s failed: %s", app_name, e)
+    try:
+        serve.delete(app_name)
+    except Exception as e:
+        logger.warning("deleting Serve app %s failed: %s", app_name, e)
+
+
+def _app_handle(app_name: str) -> DeploymentHandle | None:
+    try:
+        return serve.get_app_handle(app_name)
+    except Exception:  # not running
+        return None
+
+
+def shutdown(app_name: str = APP_NAME) -> None:
+    """Delete this app only (without draining); Serve and other apps on the cluster keep running."""
+    stop(app_name, drain_timeout_s=0)

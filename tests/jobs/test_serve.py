@@ -7,6 +7,7 @@ Serve starts once for the module (two model deployments and the gateway) and is 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import shutil
 import tempfile
@@ -70,7 +71,10 @@ def client(ray_session, minilm_dir, tiny_run):
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
             yield c
     finally:
-        ctx_serve.shutdown()
+        ctx_serve.shutdown()  # this app only
+        from ray import serve
+
+        serve.shutdown()  # the test session's own cluster: the next module starts Serve on its own port
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +229,29 @@ def test_tiny_checkpoint_from_an_s3_run_folder(client, tiny_run, minilm_dir):
     np.testing.assert_allclose(got, expected, atol=TOL)
 
 
+def test_the_run_folder_was_resolved_once_and_the_version_says_which(client, tiny_run):
+    """A newer complete checkpoint landing in the run folder after the app was built is not served:
+    every answer names checkpoint_000001 and its manifest hash, in the header and in the body."""
+    import boto3
+
+    from pipelines import storage
+
+    run_uri, _ = tiny_run
+    manifest = boto3.client("s3").get_object(Bucket="serve-tests", Key="runs/tiny/checkpoint_000001/MANIFEST.json")["Body"].read()
+    version = f"checkpoint_000001@{hashlib.sha256(manifest).hexdigest()[:16]}"
+    with tempfile.TemporaryDirectory() as d:
+        storage.download_dir(f"{run_uri}/checkpoint_000001", Path(d) / "c")
+        storage.upload_dir(Path(d) / "c", f"{run_uri}/checkpoint_000003")  # newer and complete
+    for path, body in [("/v1/embeddings", {"model": "tiny", "input": "x"}), ("/v1/token-embeddings", {"model": "tiny", "input": ["x"]})]:
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-model-version"] == r.json()["model_version"] == version
+        assert r.headers["x-tokenizer-hash"] == r.json()["tokenizer_hash"]
+    models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert models["tiny"]["version"] == version and models["tiny"]["dim"] == 64 and models["tiny"]["family"] == "bert"
+    assert models["minilm"]["version"].startswith("model@") and models["minilm"]["max_len"] == 512
+
+
 @pytest.mark.parametrize(
     "path, body, status, words",
     [
@@ -256,23 +283,6 @@ def test_malformed_requests_get_a_4xx_json_error_naming_the_problem(client, path
     assert isinstance(error["type"], str) and error["type"]
     for word in words:
         assert word.lower() in error["message"].lower(), (word, error["message"])
-
-
-def test_app_builder_args():
-    from jobs.serve import ServeArgs, app_builder, serve_config
-
-    assert ServeArgs(models="a=s3://b/run,c=/x/y").models == {"a": "s3://b/run", "c": "/x/y"}
-    app = app_builder({"models": {"m": "/tmp/ckpt"}, "max_batch_size": 4})
-    assert type(app).__name__ == "Application"
-    from ray.serve.schema import ServeDeploySchema
-
-    config = serve_config({"m": "s3://bucket/run"}, port=9000, num_replicas=2)
-    ServeDeploySchema.model_validate(config)  # what `serve deploy` checks
-    assert config["applications"][0]["args"]["models"] == {"m": "s3://bucket/run"}
-    with pytest.raises(ValueError, match="NAME=URI"):
-        ServeArgs(models="just-a-path")
-    with pytest.raises(ValueError, match="at least one model"):
-        app_builder({"models": {}})
 
 
 def test_wrong_paths_fail_before_serve_starts(tmp_path):

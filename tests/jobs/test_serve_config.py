@@ -1,0 +1,189 @@
+"""The serving config, `ctx serve build`, versions and the pieces of the Gateway that need no Ray:
+limits, API keys, the generic 500. Fast: nothing here starts Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import pytest
+import torch
+import yaml
+
+from jobs import serve_config as sc
+
+
+def _tiny_checkpoint(path, minilm_dir, family="bert"):
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import build_model
+
+    torch.manual_seed(0)
+    config, model = build_model(family, "tiny", {"vocab_size": 30522})
+    return save_checkpoint(path, model, family, config, tokenizer_dir=minilm_dir)
+
+
+def test_models_take_the_defaults_and_settings_go_where_they_belong():
+    cfg = sc.ServeConfig.model_validate({
+        "models": {"a": "/x/a", "b": {"uri": "/x/b", "max_batch_size": 4}},
+        "defaults": {"max_batch_size": 16, "num_cpus": 0.5},
+    })
+    assert cfg.models["a"].uri == "/x/a" and cfg.models["a"].max_batch_size == 16 and cfg.models["a"].num_cpus == 0.5
+    assert cfg.models["b"].max_batch_size == 4 and cfg.models["b"].num_cpus == 0.5
+    cfg = sc.ServeConfig.from_models({"m": "/x"}, num_cpus=0.25, max_tokens_per_request=99, port=9000)
+    assert cfg.models["m"].num_cpus == 0.25 and cfg.limits.max_tokens_per_request == 99 and cfg.port == 9000
+    assert sc.ServeConfig.model_validate({"models": "a=s3://b/run,c=/x/y"}).models["a"].uri == "s3://b/run"
+    assert cfg.timeout_s("m") == 60.0
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"models": {}}, ["models", "at least one model"]),
+        ({"models": "just-a-path"}, ["NAME=URI"]),
+        ({"models": {"m": "/x"}, "limits": {"max_inputs": 0}}, ["limits.max_inputs", "greater than 0"]),
+        ({"models": {"m": "/x"}, "limits": {"max_inputz": 3}}, ["limits.max_inputz", "extra"]),
+        ({"models": {"m": {"uri": "/x", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}}}, ["autoscaling", "above max_replicas"]),
+        ({"models": {"bad name!": "/x"}}, ["bad name!"]),
+        ({"models": {"m": "/x"}, "auth": {"api_key_sha256": ["secret"]}}, ["api_key_sha256", "SHA-256"]),
+        ({"models": {"m": "/x"}, "host": "0.0.0.0"}, ["0.0.0.0", "API key", "--insecure-no-auth"]),
+    ],
+)
+def test_bad_configs_name_the_key(data, words):
+    with pytest.raises(sc.ConfigError) as e:
+        sc.validate(data, where="serve.yaml")
+    for w in words:
+        assert w.lower() in str(e.value).lower(), (w, str(e.value))
+
+
+def test_keys_are_required_off_loopback_unless_waived():
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        sc.validate({"models": {"m": "/x"}, "host": host})
+    key = sc.hash_api_key("k" * 32)
+    assert sc.validate({"models": {"m": "/x"}, "host": "0.0.0.0", "auth": {"api_key_sha256": [key]}}).auth.api_key_sha256 == [key]
+    assert sc.validate({"models": {"m": "/x"}, "host": "10.0.0.5", "auth": {"insecure_no_auth": True}}).auth.insecure_no_auth
+
+
+def test_api_keys_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    f = tmp_path / "keys"
+    f.write_text("# ops\n" + "a" * 20 + "\n\n" + "b" * 20 + "\n")
+    assert sc.read_api_keys(str(f)) == ["a" * 20, "b" * 20]
+    monkeypatch.setenv(sc.API_KEYS_ENV, "c" * 16 + ", " + "d" * 16)
+    assert sc.read_api_keys(None) == ["c" * 16, "d" * 16]
+    monkeypatch.setenv(sc.API_KEYS_ENV, "short")
+    with pytest.raises(ValueError, match="16 characters"):
+        sc.read_api_keys(None)
+
+
+def test_serve_build_writes_a_config_serve_deploy_accepts(tmp_path, minilm_dir, monkeypatch):
+    from ray.serve.schema import ServeDeploySchema
+
+    from jobs.cli import main
+
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump({
+        "port": 9000,
+        "models": {
+            "minilm": str(minilm_dir),
+            "bert": {"uri": "s3://bucket/runs/bert", "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4}},
+        },
+        "defaults": {"max_batch_size": 16},
+        "limits": {"max_tokens_per_request": 4096},
+    }))
+    monkeypatch.setenv(sc.API_KEYS_ENV, "k" * 32)
+    out = tmp_path / "deploy.yaml"
+    assert main(["serve", "build", "--config", str(tmp_path / "serve.yaml"), "--host", "0.0.0.0", "-o", str(out)]) == 0
+    deploy = yaml.safe_load(out.read_text())
+    ServeDeploySchema.model_validate(deploy)  # what `serve deploy` checks
+    assert deploy["http_options"]["host"] == "0.0.0.0" and deploy["http_options"]["port"] == 9000
+    app = deploy["applications"][0]
+    assert app["import_path"] == "jobs.serve:app_builder" and app["name"] == sc.APP_NAME
+    args = app["args"]
+    assert args["models"]["bert"]["autoscaling"]["max_replicas"] == 4 and args["models"]["bert"]["max_batch_size"] == 16
+    assert args["limits"]["max_tokens_per_request"] == 4096
+    assert args["auth"]["api_key_sha256"] == [hashlib.sha256(b"k" * 32).hexdigest()]
+    assert "k" * 32 not in out.read_text()  # only the hash is written
+    # what app_builder receives validates again (on the cluster it resolves the checkpoints)
+    assert sc.validate(args).models["minilm"].uri == str(minilm_dir)
+
+
+def test_serve_build_refuses_a_bad_config_naming_file_and_key(tmp_path, capsys):
+    from jobs.cli import main
+
+    (tmp_path / "serve.yaml").write_text("models: {m: /x}\nlimits: {max_chars_per_text: -1}\n")
+    assert main(["serve", "build", "--config", str(tmp_path / "serve.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "serve.yaml" in err and "limits.max_chars_per_text" in err
+
+
+def test_app_builder_resolves_checkpoints_when_the_app_is_built(tmp_path, minilm_dir):
+    from jobs.serve import app_builder, checkpoint_version, resolve_checkpoint
+
+    run = tmp_path / "run"
+    ckpt = _tiny_checkpoint(run / "checkpoint_000001", minilm_dir)
+    app = app_builder({"models": {"m": str(run)}, "defaults": {"max_batch_size": 4}})
+    assert type(app).__name__ == "Application"
+    assert resolve_checkpoint(str(run)) == str(ckpt)
+    manifest = (ckpt / "MANIFEST.json").read_bytes()
+    assert checkpoint_version(str(ckpt)) == f"checkpoint_000001@{hashlib.sha256(manifest).hexdigest()[:16]}"
+    hf = checkpoint_version(str(minilm_dir))
+    assert hf.startswith("model@") and hf == checkpoint_version(str(minilm_dir), minilm_dir)
+    with pytest.raises(Exception, match="does not exist"):
+        app_builder({"models": {"m": str(tmp_path / "nope")}})
+
+
+def test_a_replica_refuses_a_checkpoint_changed_after_the_build(tmp_path, minilm_dir):
+    from jobs.serve import EmbeddingModel, checkpoint_version
+
+    ckpt = _tiny_checkpoint(tmp_path / "checkpoint_000001", minilm_dir)
+    version = checkpoint_version(str(ckpt))
+    cls = EmbeddingModel.func_or_class
+    replica = cls("m", str(ckpt), version, sc.ModelConfig(uri=str(ckpt)), sc.Limits())
+    assert replica.info()["version"] == version and len(replica.tokenizer_hash) == 16
+    _tiny_checkpoint(tmp_path / "checkpoint_000001", minilm_dir, family="gpt")  # rewritten in place
+    with pytest.raises(RuntimeError, match="changed after the app was built"):
+        cls("m", str(ckpt), version, sc.ModelConfig(uri=str(ckpt)), sc.Limits())
+
+
+def test_check_limits_names_the_limit_before_any_tokenizing():
+    from jobs.serve import ApiError, check_limits
+
+    limits = sc.Limits(max_inputs=3, max_chars_per_text=10, max_chars_per_request=15)
+    check_limits(["a" * 10, "b" * 5], limits)
+    for texts, status, word in [
+        (["a"] * 4, 413, "max_inputs"),
+        (["a" * 11], 413, "max_chars_per_text"),
+        (["a" * 10, "b" * 6], 413, "max_chars_per_request"),
+        (["ok", "x\ud800y"], 400, "input[1]"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            check_limits(texts, limits)
+        assert e.value.status == status and word in e.value.message
+
+
+def test_api_keys_compare_by_hash_in_constant_time():
+    from jobs.serve import authorized
+
+    digests = [bytes.fromhex(sc.hash_api_key("k" * 32)), bytes.fromhex(sc.hash_api_key("j" * 32))]
+    assert authorized("Bearer " + "k" * 32, digests) and authorized("bearer " + "j" * 32, digests)
+    for header in (None, "", "Bearer", "Bearer " + "k" * 31, "Basic " + "k" * 32, "Bearer \ud800"):
+        assert not authorized(header, digests), header
+    assert authorized(None, [])
+
+
+def test_a_500_tells_the_client_only_a_request_id(caplog):
+    from jobs.serve import internal_error
+
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        response = internal_error("req-42", "POST /v1/embeddings", KeyError("secret internal detail"))
+    body = json.loads(response.body)
+    assert response.status_code == 500
+    assert body["error"]["request_id"] == "req-42" and body["error"]["type"] == "server_error"
+    assert "secret" not in response.body.decode() and "KeyError" not in response.body.decode()
+    assert "req-42" in caplog.text and "secret internal detail" in caplog.text
+
+
+def test_the_example_config_validates():
+    from tests.conftest import REPO
+
+    cfg = sc.load_config(REPO / "configs" / "serve.yaml")
+    assert cfg.models["minilm"].autoscaling.max_replicas == 4 and cfg.models["bert-tiny"].max_batch_size == 32
