@@ -185,5 +185,5 @@ def test_a_500_tells_the_client_only_a_request_id(caplog):
 def test_the_example_config_validates():
     from tests.conftest import REPO
 
-    cfg = sc.load_config(REPO / "configs" / "serve.yaml")
+    cfg = sc.load_config(REPO / "configs" / "serve" / "minilm.yaml")
     assert cfg.models["minilm"].autoscaling.max_replicas == 4 and cfg.models["bert-tiny"].max_batch_size == 32
