@@ -32,11 +32,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """Four small text shards (~500 samples of 32 tokens per epoch: about 60 steps of 8)."""
+    """Four small text shards (~520 samples of 32 tokens per epoch: about 65 steps of 8; whole
+    sentences per block, so a block holds two or three of these one-line documents)."""
     lines = [x.strip() for x in gzip.open(REPO / "data/sample/wordnet-0000-of-0008.txt.gz", "rt") if x.strip()]
     root = tmp_path_factory.mktemp("corpus")
     for i in range(4):
-        (root / f"part-{i}.txt").write_text("\n\n".join(lines[i * 250 : (i + 1) * 250]) + "\n")
+        (root / f"part-{i}.txt").write_text("\n\n".join(lines[i * 160 : (i + 1) * 160]) + "\n")
     return root
 
 
