@@ -2,6 +2,7 @@
 
     ctx tokenizer train --kind wordpiece --input data/sample --vocab-size 8000 --output runs/tok
     ctx pretrain --config configs/bert-tiny.yaml --set train.max_steps=50
+    ctx finetune --config configs/finetune/minilm-pairs.yaml --set train.epochs=1
     ctx serve --model bert=runs/bert-tiny --model minilm=/path/to/hf-folder
     ctx serve --config serve.yaml
     ctx serve build --config serve.yaml -o deploy.yaml   # for `serve deploy deploy.yaml`
@@ -85,6 +86,22 @@ def _serve_config(args: argparse.Namespace):
     if not models:
         raise SystemExit("ctx serve: give --model NAME=URI (repeatable) or --config serve.yaml")
     return sc.validate(flags, where="ctx serve")
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from jobs.finetune import finetune
+    from jobs.finetune_config import load_finetune_recipe
+
+    recipe = load_finetune_recipe(args.config, args.set)  # fails before Ray starts
+    _quiet_env(args.verbose)
+    result = finetune(recipe, verbose=args.verbose, progress=not args.no_progress)
+    m = result.metrics
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss") or k.startswith("val_")}
+    print(f"done: {shown}")
+    print(f"best checkpoint: {result.best_checkpoint or result.checkpoint_uri}" + (f" {result.best}" if result.best else ""))
+    if result.test_metrics is not None:
+        print(f"test: {result.test_metrics}")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -201,6 +218,7 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     ("tokenizer", "train"): ("train a WordPiece or SentencePiece tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
     ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
+    ("finetune",): ("fine-tune a model on a downstream task from a recipe with Ray Train", _add_pretrain, cmd_finetune),
     ("serve",): ("serve models over HTTP with Ray Serve", _add_serve_run, cmd_serve),
     ("serve", "build"): ("write the Serve config that `serve deploy` accepts", _add_serve_build, cmd_serve_build),
     ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
