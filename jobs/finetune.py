@@ -55,6 +55,7 @@ from pipelines import storage
 FORWARD_KEYS = ("input_ids", "attention_mask", "token_type_ids", "labels", "start_positions", "end_positions")
 # How each family lays out a sequence (pipelines.finetune InputStyle): where its papers read the
 # sequence's vector. Families not listed read [CLS] first, as BERT.
+NOT_BEST = -1e30  # checkpoint_score of a checkpoint that is not a new best (JSON-safe, below any score)
 INPUT_STYLES = {"xlnet": "xlnet", "gpt": "gpt", "transformer-xl": "gpt"}
 
 
@@ -413,9 +414,10 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
 
     def evaluated(m: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         m.update(validate(wrapped, data, recipe, labels, plan, device, rank, world))
-        score = score_of(metric, m)
-        m["checkpoint_score"] = score
-        improved = state.observe(score)
+        improved = state.observe(score_of(metric, m))
+        # Ray keeps checkpoints by this score (and the newest): only a new best scores, so an equal
+        # later score never rotates the first best away; the kept best is what best.json names.
+        m["checkpoint_score"] = score_of(metric, m) if improved else NOT_BEST
         return m, improved
 
     def commit(m: dict[str, Any], improved: bool) -> None:
@@ -445,7 +447,7 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
             if eval_now:
                 metrics, improved = evaluated(metrics)
             elif data is not None:
-                metrics["checkpoint_score"] = float("nan")  # Ray keeps checkpoints by score: unscored ones go first
+                metrics["checkpoint_score"] = NOT_BEST  # Ray keeps checkpoints by score: unscored ones go first
             report_progress(config, rank, metrics, metrics_log)
             if ckpt_now:
                 commit(metrics, improved)

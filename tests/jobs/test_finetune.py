@@ -107,11 +107,10 @@ def tiny_init(tmp_path_factory) -> Path:
     from pipelines.tokenizers import train_tokenizer
 
     root = tmp_path_factory.mktemp("init")
-    texts = sample_text([str(REPO / "data/sample/wordnet-0000-of-0008.txt.gz")], 300_000)
+    texts = list(sample_text([str(REPO / "data/sample/wordnet-0000-of-0008.txt.gz")], 300_000))
     texts += [json.loads(x)["sentence1"] for x in (REPO / "data/tasks/wic/train.jsonl").read_text().splitlines()[:400]]
     tok = train_tokenizer("wordpiece", texts, 1000)
     tok.save(root / "tok")
-    torch.manual_seed(0)
     cfg, model = build_model("bert", "tiny", {"vocab_size": tok.vocab_size, "max_seq_len": 64, "nsp": False})
     save_checkpoint(root / "ckpt", model, "bert", cfg, tokenizer_dir=root / "tok")
     return root / "ckpt"
