@@ -240,8 +240,10 @@ def _checked(fn, key: str, *args):
         raise RecipeError(f"{key}: {e}") from None
 
 
-def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], endpoint_url: str | None = None) -> dict[str, float]:
-    """A fine-tuned checkpoint's task metrics on a split, in this process (no Ray Train)."""
+def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], endpoint_url: str | None = None,
+                details: dict[str, Any] | None = None) -> dict[str, float]:
+    """A fine-tuned checkpoint's task metrics on a split, in this process (no Ray Train).
+    ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels``."""
     import torch
 
     from ctxmodels.checkpoint import load_checkpoint
@@ -257,7 +259,9 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
     table = fs.read_split(split, recipe.data.format, endpoint_url)
     check = fs.check_split(table, files, cfg)
     data = {"rows": fs.encode_split(table, check.usable, files, cfg), **fs.references(table, check.usable, cfg)}
-    return validate(loaded.model, data, recipe, tuple(task.labels), parallel.ParallelPlan(), torch.device("cpu"), 0, 1)
+    if details is not None:
+        details.update(rows=data["rows"], labels=list(task.labels), records=table.num_rows, rejected=table.num_rows - len(check.usable))
+    return validate(loaded.model, data, recipe, tuple(task.labels), parallel.ParallelPlan(), torch.device("cpu"), 0, 1, details)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,9 +291,11 @@ def _pad_time(x: np.ndarray, length: int, fill: float) -> np.ndarray:
     return np.concatenate([x, pad], axis=1)
 
 
-def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[str, ...], plan, device, rank: int, world: int) -> dict[str, float]:
+def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[str, ...], plan, device, rank: int, world: int,
+             details: dict[str, Any] | None = None) -> dict[str, float]:
     """``val_loss`` and the task's metrics (``val_accuracy``, ``val_f1``, ...) on encoded split
-    rows; every worker scores a share and all gather the logits, so all get the same numbers."""
+    rows; every worker scores a share and all gather the logits, so all get the same numbers.
+    ``details``, when given, receives the split's ``logits`` (in row order) for reports."""
     import torch
 
     from pipelines.metrics import task_metrics
@@ -321,6 +327,8 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
     order = np.concatenate([p[0] for p in parts])
     logits = np.concatenate([p[3] for p in parts])[np.argsort(order, kind="stable")]
     loss = sum(p[1] * p[2] for p in parts) / max(sum(p[2] for p in parts), 1)
+    if details is not None:
+        details["logits"] = logits
     if kind == "question-answering":
         start, end = logits[..., 0], logits[..., 1]
         preds = decode_qa(start, end, {"example_index": rows["example_index"], "context_offsets": rows["context_offsets"]},

@@ -88,17 +88,17 @@ class WordVectors:
             mask[i, : len(row)] = 1
         with torch.inference_mode():
             states = self.backbone.hidden_states(torch.from_numpy(batch), attention_mask=torch.from_numpy(mask))
-        return [s.float().numpy() for s in states], offsets
+        return [s.float() for s in states], offsets
 
     def span_vectors(self, texts: list[str], starts: list[int], ends: list[int], strategies: tuple[str, ...]) -> dict[str, np.ndarray]:
         """{strategy: (N, D)} vectors of the character spans ``[start, end)`` of each text."""
-        from ctxmodels.features import combine_layers_np
+        from ctxmodels.features import combine_layers
 
         out: dict[str, list[np.ndarray]] = {s: [] for s in strategies}
         for lo in range(0, len(texts), self.batch_size):
             chunk = slice(lo, lo + self.batch_size)
             states, offsets = self._states(texts[chunk])
-            combined = {s: combine_layers_np(states, s) for s in strategies}  # (B, T, D')
+            combined = {s: combine_layers(states, s).numpy() for s in strategies}  # (B, T, D'); scalar-mix: equal weights
             for row, (offs, start, end) in enumerate(zip(offsets, starts[chunk], ends[chunk])):
                 picks = [t for t, (s, e) in enumerate(offs) if e > s and s < end and e > start]
                 if not picks:
@@ -115,7 +115,7 @@ class WordVectors:
             states, offsets = self._states(chunk)
             for row, offs in enumerate(offsets):
                 picks = [t for t, (s, e) in enumerate(offs) if e > s]
-                vecs.append(states[0][row, picks].mean(axis=0))
+                vecs.append(states[0][row, picks].mean(dim=0).numpy())
         return np.stack(vecs)
 
 

@@ -177,6 +177,19 @@ def test_two_workers_finetune_and_keep_the_best_checkpoint(ray_session, tiny_ini
     again = score_split(result.best_checkpoint, rec, str(wic["validation"]))
     assert again["val_accuracy"] == pytest.approx(best["val_accuracy"])  # the kept weights are the scored ones
 
+    # ctx eval on the run folder scores its best checkpoint and writes JSON + an HTML page
+    from jobs.cli import main
+
+    out = tmp_path / "eval" / "wic.json"
+    assert main(["eval", "--model", str(run), "--data", str(wic["validation"]), "--output", str(out)]) == 0
+    scored = json.loads(out.read_text())
+    assert scored["model"] == result.best_checkpoint and scored["examples"] == 64
+    assert scored["metrics"]["accuracy"] == pytest.approx(best["val_accuracy"])
+    cm = scored["confusion_matrix"]
+    assert cm["labels"] == ["0", "1"] and sum(map(sum, cm["matrix"])) == 64
+    assert sum(cm["matrix"][i][i] for i in range(2)) / 64 == pytest.approx(best["val_accuracy"])
+    assert "data:image/png;base64," in out.with_suffix(".html").read_text()
+
 
 def committed(run: Path) -> tuple[list[dict], list[int]]:
     """Sample-log lines whose step was committed, over all attempts (tests/jobs/test_exactly_once.py)."""
