@@ -440,7 +440,9 @@ def build_dataset(spec: StreamSpec, tokenizer_dir: str | Path):
         fn_constructor_kwargs={"files": tokenizer_files(tokenizer_dir), "spec": spec},
         batch_size=1,
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=spec.tokenize_actors),
+        # strict: one work unit at a time per actor, so the first broken shard in epoch order is
+        # the one that fails (with several in flight, a later shard's error can surface first).
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=spec.tokenize_actors, max_tasks_in_flight_per_actor=1 if spec.strict else None),
         num_cpus=TOKENIZE_ACTOR_CPUS,
     )
     return ds.map_batches(
