@@ -100,6 +100,8 @@ def make_batches(kind: str, seed: int) -> list[dict[str, torch.Tensor]]:
 
 def build_pair(kind: str, dropout: float):
     """(ours, transformers') with the MiniLM backbone and the same task head weights."""
+    from dataclasses import replace
+
     import transformers
 
     from ctxmodels import hf
@@ -107,8 +109,6 @@ def build_pair(kind: str, dropout: float):
 
     transformers.logging.set_verbosity_error()
     family, cfg, pretrained = hf.load_hf_folder(minilm_dir())
-    from dataclasses import replace
-
     cfg = replace(cfg, dropout=dropout, attn_dropout=dropout)
     n = N_CLASSES if kind == "classification" else N_TAGS
     task = TaskConfig(kind=kind, num_labels=n, labels=[str(i) for i in range(n)], input_style="bert")
@@ -116,7 +116,9 @@ def build_pair(kind: str, dropout: float):
     load_backbone(ours, pretrained)
     cls = transformers.BertForSequenceClassification if kind == "classification" else transformers.BertForTokenClassification
     theirs = cls.from_pretrained(minilm_dir(), num_labels=n, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    hf.copy_task_head_to_hf(ours, theirs, family, task)
+    with torch.no_grad():  # the pooler is MiniLM's on both sides; the fresh classifier is ours on both
+        theirs.classifier.weight.copy_(ours.classifier.weight)
+        theirs.classifier.bias.copy_(ours.classifier.bias)
     return ours, theirs
 
 

@@ -45,6 +45,7 @@ class LoadedModel:
     config: Any
     model: nn.Module  # the pretraining model, in eval mode (call .train() to keep training)
     tokenizer_dir: Path | None = None  # where the tokenizer files are, if the checkpoint has them
+    task: Any = None  # ctxmodels.tasks.TaskConfig of a fine-tuned model (then ``model`` is its TaskModel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +133,7 @@ def save_checkpoint(
     tokenizer_dir: str | Path | None = None,
     extra_json: dict[str, dict] | None = None,
     extra_tensors: dict[str, dict[str, Tensor]] | None = None,
+    task: Any = None,
 ) -> Path:
     """Write a checkpoint directory; returns its path.
 
@@ -151,6 +153,8 @@ def save_checkpoint(
     written.append(out / WEIGHTS)
 
     payload = {"format": "ctxmodels", "family": family, "model": _config_fields(config)}
+    if task is not None:
+        payload["task"] = dataclasses.asdict(task)
     _write_text(out / CONFIG, json.dumps(payload, indent=2))
     written.append(out / CONFIG)
 
@@ -264,7 +268,13 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
         config = registry.config_from_dict(family, payload["model"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"{config_path}: {e}") from e
-    model = registry.family_spec(family).pretraining_cls(config)
+    task = None
+    if "task" in payload:
+        from ctxmodels.tasks import TaskConfig, build_task_model
+        task = TaskConfig(**payload["task"])
+        model = build_task_model(family, config, task)
+    else:
+        model = registry.family_spec(family).pretraining_cls(config)
 
     tensors = load_file(folder / WEIGHTS)
     with safe_open(folder / WEIGHTS, framework="pt") as f:
@@ -284,7 +294,7 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
                     state[alias].copy_(tensors[source])
 
     tok = folder / TOKENIZER
-    return LoadedModel(family, config, model.eval(), tok if tok.is_dir() else None)
+    return LoadedModel(family, config, model.eval(), tok if tok.is_dir() else None, task)
 
 
 def _raise_if_incomplete(folder: Path, verify_hashes: bool) -> None:

@@ -57,3 +57,45 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
         return hidden.mean(dim=1)
     mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+# Feature strategies of the BERT paper's feature-based NER table (sec. 5.3, Table 7) and ELMo's
+# learned scalar mix: how a backbone's hidden states (index 0 = embeddings) become one vector per
+# token. Shared by fine-tuning (ctxmodels.tasks) and evaluation (ctx eval wic).
+FeatureStrategy = Literal["first", "last", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
+FEATURE_STRATEGIES: tuple[str, ...] = ("first", "last", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix")
+
+
+def n_combined(strategy: str) -> int:
+    """How many layer widths a strategy's vector has (concat-last-four: 4, the rest: 1)."""
+    if strategy not in FEATURE_STRATEGIES:
+        raise ValueError(f"unknown feature strategy {strategy!r}; known: {list(FEATURE_STRATEGIES)}")
+    return 4 if strategy == "concat-last-four" else 1
+
+
+def combine_layers(states: list[Tensor], strategy: str, mix: torch.nn.Module | None = None) -> Tensor:
+    """(B, T, D * n_combined(strategy)) from ``states`` (L + 1 tensors (B, T, D)).
+
+    ``first`` is the embedding layer (index 0); ``last`` the top block; the four-layer strategies
+    take the top four blocks (fewer when the model has fewer); ``sum-all`` every state including
+    the embeddings; ``scalar-mix`` a learned ``gamma * sum_j softmax(s)_j h_j`` (``mix``, an
+    ``elmo.ScalarMix``), or the plain mean of all states when no mix is given (equal weights).
+    """
+    n_combined(strategy)
+    if strategy == "first":
+        return states[0]
+    if strategy == "last":
+        return states[-1]
+    if strategy == "second-to-last":
+        return states[-2] if len(states) > 1 else states[-1]
+    top = states[1:][-4:] or states[-1:]
+    if strategy == "sum-last-four":
+        return torch.stack(top).sum(dim=0)
+    if strategy == "concat-last-four":
+        top = [top[0]] * (4 - len(top)) + top  # keep the width fixed for models with < 4 blocks
+        return torch.cat(top, dim=-1)
+    if strategy == "sum-all":
+        return torch.stack(states).sum(dim=0)
+    if mix is not None:
+        return mix(states)
+    return torch.stack(states).mean(dim=0)  # scalar-mix with equal (untrained) weights

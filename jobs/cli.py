@@ -2,6 +2,7 @@
 
     ctx tokenizer train --kind wordpiece --input data/sample --vocab-size 8000 --output runs/tok
     ctx pretrain --config configs/bert-tiny.yaml --set train.max_steps=50
+    ctx finetune --config configs/finetune/minilm-pairs.yaml --set train.epochs=1
     ctx serve --model bert=runs/bert-tiny --model minilm=/path/to/hf-folder
     ctx serve --config serve.yaml
     ctx serve build --config serve.yaml -o deploy.yaml   # for `serve deploy deploy.yaml`
@@ -85,6 +86,44 @@ def _serve_config(args: argparse.Namespace):
     if not models:
         raise SystemExit("ctx serve: give --model NAME=URI (repeatable) or --config serve.yaml")
     return sc.validate(flags, where="ctx serve")
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from jobs.finetune import finetune
+    from jobs.finetune_config import load_finetune_recipe
+
+    recipe = load_finetune_recipe(args.config, args.set)  # fails before Ray starts
+    _quiet_env(args.verbose)
+    result = finetune(recipe, verbose=args.verbose, progress=not args.no_progress)
+    m = result.metrics
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss") or k.startswith("val_")}
+    print(f"done: {shown}")
+    print(f"best checkpoint: {result.best_checkpoint or result.checkpoint_uri}" + (f" {result.best}" if result.best else ""))
+    if result.test_metrics is not None:
+        print(f"test: {result.test_metrics}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    _quiet_env(args.verbose)
+    try:
+        return _run_eval(args)
+    except ValueError as e:  # a model or split that cannot be scored: say why, no traceback
+        raise SystemExit(f"ctx eval: {e}") from None
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    if args.suite == "wic":
+        from jobs.wic import evaluate_wic, write_output
+
+        print(write_output(evaluate_wic(args.model, args.data or "data/tasks/wic", endpoint_url=args.endpoint_url), args.output))
+        return 0
+    from jobs.evaluate import evaluate, write_result
+
+    if not args.data:
+        raise SystemExit("ctx eval: --data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
+    print(write_result(evaluate(args.model, args.data, args.endpoint_url), args.output))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -191,6 +230,14 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
 
 
+def _add_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", nargs="?", choices=["wic"], help="wic: the word-in-context test on a model's contextual vectors")
+    p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic any model")
+    p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl)")
+    p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+
+
 def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_uri", metavar="RUN", help="the run folder, <output_dir>/<name> (local, file:// or s3://)")
     p.add_argument("--out", default=None, help="where to write index.html and the PNGs (default: <run>/report, or ./report-<name> for s3://)")
@@ -201,6 +248,8 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     ("tokenizer", "train"): ("train a WordPiece or SentencePiece tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
     ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
+    ("finetune",): ("fine-tune a model on a downstream task from a recipe with Ray Train", _add_pretrain, cmd_finetune),
+    ("eval",): ("score a fine-tuned model on a split (JSON + HTML), or `eval wic` a model's contextual vectors", _add_eval, cmd_eval),
     ("serve",): ("serve models over HTTP with Ray Serve", _add_serve_run, cmd_serve),
     ("serve", "build"): ("write the Serve config that `serve deploy` accepts", _add_serve_build, cmd_serve_build),
     ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),

@@ -1,0 +1,337 @@
+"""Downstream task models: a pretrained backbone of any family plus the head its paper fine-tunes.
+
+Papers and where each family reads a sequence's vector:
+- BERT (Devlin et al. 2019, sec. 4), RoBERTa (Liu et al. 2019), SpanBERT (Joshi et al. 2020) and
+  ALBERT (Lan et al. 2020): the final state of ``[CLS]`` (position 0) through the pooler (dense +
+  tanh, part of the backbone), dropout, a linear layer. Token tasks and span QA read every token
+  (QA: start and end vectors S, E as one ``Linear(D, 2)``). With the pooler's weights named as the
+  backbone's, these heads equal Hugging Face's ``BertForSequenceClassification`` /
+  ``...ForTokenClassification`` / ``...ForQuestionAnswering`` / ``...ForMultipleChoice``
+  (``pooler`` -> ``bert.pooler.dense``, ``classifier`` -> ``classifier``, ``qa_outputs`` ->
+  ``qa_outputs``; RoBERTa's ``classifier.dense`` / ``classifier.out_proj`` are our pooler and
+  classifier: the same function).
+- XLNet (Yang et al. 2019): the last token (the data stage puts ``[CLS]`` last) through HF's
+  sequence summary (``summary``: dense + tanh), dropout, ``classifier`` (HF's ``logits_proj``).
+- GPT / GPT-2 (Radford et al. 2018, sec. 3.2-3.3): inputs are ``start a delim b extract`` (built
+  in ``pipelines.finetune``); a linear layer without bias on the extract token, the last real
+  token (HF's ``score``), plus the auxiliary language-modelling loss
+  ``L = L_task + lm_weight * L_LM`` over the inputs with the tied output embedding. Similarity
+  tasks (``symmetric``) feed both orders and add the two extract vectors before the linear layer;
+  multiple choice runs one sequence per option with a softmax across options.
+- Transformer-XL (Dai et al. 2019) was not fine-tuned in its paper. Our choice: read it like GPT,
+  its last real token, with no memory (one segment per example) and no auxiliary loss; a
+  left-to-right model sees the whole input only at its last token.
+- ELMo (Peters et al. 2018, sec. 3.3): feature-based by default. The biLM is frozen; a task-learned
+  scalar mix ``gamma * sum_j softmax(s)_j h_j`` of its layers, dropout after it, concatenated with
+  the context-independent token layer ``x`` (the paper concatenates ELMo with the task model's
+  own token input; the char-CNN layer is that input here), feeds a 2-layer BiLSTM task model.
+
+Feature-based use of any family (``freeze: true``, ``features: ...``), as the BERT paper's NER
+table (sec. 5.3): the backbone's layers are combined (``ctxmodels.features.combine_layers``) and
+feed a linear layer or a 2-layer BiLSTM (``task_model``). Token tasks read each token's output;
+sequence tasks the mean over real tokens.
+
+Shape legend:
+    B  batch      K  options (multiple choice) or 2 orders (symmetric)      T  tokens
+    D  width of the backbone's states          L  labels
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ctxmodels import registry
+from ctxmodels.elmo import ScalarMix
+from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
+
+TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
+TASK_KINDS: tuple[str, ...] = ("classification", "regression", "multiple-choice", "token-classification", "question-answering")
+IGNORE_INDEX = -100
+
+# Where each family reads a sequence's vector: "first" ([CLS] through the pooler), "summary"
+# (XLNet: last token, dense + tanh), "last" (the last real token as it is).
+READS: dict[str, str] = {
+    "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first",
+    "xlnet": "summary", "gpt": "last", "transformer-xl": "last", "elmo": "features",
+}
+
+
+@dataclass
+class TaskConfig:
+    kind: TaskKind = "classification"
+    num_labels: int = 2  # classification / token-classification; 1 otherwise
+    labels: list[str] = field(default_factory=list)  # names, index = class id (from the training split)
+    dropout: float | None = None  # before the head; None = the family's dropout
+    lm_weight: float = 0.5  # GPT's auxiliary LM loss weight (0 turns it off)
+    symmetric: bool = False  # input (B, 2, T): both orders, vectors added (GPT similarity tasks)
+    freeze: bool = False  # backbone not trained (feature-based)
+    features: FeatureStrategy | None = None  # None: fine-tune end to end, reading the paper's vector
+    task_model: Literal["linear", "bilstm"] = "linear"
+    input_style: Literal["bert", "xlnet", "gpt"] = "bert"
+    lstm_dim: int = 256  # per direction, task_model bilstm
+
+    def __post_init__(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"task kind {self.kind!r}: expected one of {list(TASK_KINDS)}")
+        if self.kind in ("classification", "token-classification") and self.num_labels < 1:
+            raise ValueError(f"num_labels={self.num_labels}: a {self.kind} task needs at least one label")
+        self.labels = [str(x) for x in self.labels]
+
+
+@dataclass
+class TaskOutput:
+    """``loss`` (None without targets) carries the gradient; ``metrics`` holds detached 0-d tensors."""
+
+    loss: Tensor | None
+    logits: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def effective_task(family: str, task: TaskConfig) -> TaskConfig:
+    """ELMo is feature-based unless the recipe says otherwise (frozen biLM, scalar mix, BiLSTM)."""
+    if family == "elmo" and task.features is None:
+        return dataclasses.replace(task, features="scalar-mix", freeze=True, task_model="bilstm")
+    return task
+
+
+class BiLSTM(nn.Module):
+    """2-layer bidirectional LSTM over real tokens: (B, T, D_in) -> (B, T, 2 * H)."""
+
+    def __init__(self, d_in: int, hidden: int, dropout: float):
+        super().__init__()
+        self.lstm = nn.LSTM(d_in, hidden, num_layers=2, batch_first=True, bidirectional=True, dropout=dropout)
+        self.d_out = 2 * hidden
+
+    def forward(self, x: Tensor, attention_mask: Tensor) -> Tensor:
+        lengths = attention_mask.sum(dim=1).clamp(min=1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return out  # (B, T, 2H)
+
+
+def _init_linear(layer: nn.Linear, std: float, generator: torch.Generator | None) -> nn.Linear:
+    nn.init.normal_(layer.weight, std=std, generator=generator)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _init_lstm(lstm: nn.LSTM, generator: torch.Generator | None) -> None:
+    for name, p in lstm.named_parameters():
+        if "bias" in name:
+            nn.init.zeros_(p)
+        else:
+            bound = 1.0 / p.shape[1] ** 0.5
+            nn.init.uniform_(p, -bound, bound, generator=generator)
+
+
+def last_real(h: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """(B, T, D) -> (B, D): each row's last real token (rows are right-padded)."""
+    if attention_mask is None:
+        return h[:, -1]
+    idx = (attention_mask.sum(dim=1) - 1).clamp(min=0)  # (B,)
+    return h[torch.arange(h.shape[0], device=h.device), idx]
+
+
+def masked_mean(h: Tensor, attention_mask: Tensor | None) -> Tensor:
+    if attention_mask is None:
+        return h.mean(dim=1)
+    m = attention_mask.to(h.dtype).unsqueeze(-1)  # (B, T, 1)
+    return (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+
+
+class TaskModel(nn.Module):
+    """``backbone`` (the family's, so pretrained weights load as they are) + the task head."""
+
+    def __init__(self, family: str, cfg: Any, task: TaskConfig, generator: torch.Generator | None = None):
+        super().__init__()
+        task = effective_task(family, task)
+        if family not in READS:
+            raise ValueError(f"no task head for family {family!r}; known: {sorted(READS)}")
+        self.family, self.cfg, self.task = family, cfg, task
+        cls = registry.family_spec(family).pretraining_cls
+        pre = cls(cfg, generator) if "generator" in inspect.signature(cls).parameters else cls(cfg)
+        self.backbone = pre.backbone
+        d = 2 * cfg.d_model if family == "elmo" else cfg.d_model
+        std = getattr(cfg, "init_std", 0.02)
+        p = task.dropout if task.dropout is not None else getattr(cfg, "dropout", 0.1)
+        self.drop = nn.Dropout(p)
+        self.reads = "features" if task.features is not None else READS[family]
+
+        # Feature-based: layer combination (+ learned scalar mix) and a task model.
+        self.mix = None
+        self.encoder = None
+        if self.reads == "features":
+            n_states = cfg.n_layer + 1
+            if task.features == "scalar-mix":
+                self.mix = ScalarMix(n_states)
+            width = d * n_combined(task.features)
+            if family == "elmo":
+                width += d  # ELMo is concatenated with the context-independent token layer
+            if task.task_model == "bilstm":
+                self.encoder = BiLSTM(width, task.lstm_dim, p)
+                _init_lstm(self.encoder.lstm, generator)
+                width = self.encoder.d_out
+            d = width
+        if family == "elmo":
+            # ELMo reads characters: the tokenizer's table (V, max_chars), filled by set_char_table
+            # and saved with the model.
+            self.register_buffer("char_table", torch.zeros(cfg.vocab_size, cfg.max_chars, dtype=torch.long))
+
+        self.summary = _init_linear(nn.Linear(d, d), std, generator) if self.reads == "summary" else None
+        n_out = {"classification": task.num_labels, "regression": 1, "multiple-choice": 1,
+                 "token-classification": task.num_labels, "question-answering": 2}[task.kind]
+        if task.kind == "question-answering":
+            self.qa_outputs = _init_linear(nn.Linear(d, 2), std, generator)
+        else:
+            bias = not (self.reads == "last" and task.kind in ("classification", "regression", "multiple-choice"))
+            self.classifier = _init_linear(nn.Linear(d, n_out, bias=bias), std, generator)
+        if task.freeze:
+            for q in self.backbone.parameters():
+                q.requires_grad_(False)
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def set_char_table(self, table: Tensor) -> None:
+        """ELMo only: token id -> character ids (``pipelines.char_ids.build_char_table``)."""
+        if self.family != "elmo":
+            raise ValueError(f"set_char_table is for ELMo; this model is {self.family!r}")
+        if tuple(table.shape) != tuple(self.char_table.shape):
+            raise ValueError(f"char table of shape {tuple(table.shape)}; the model needs {tuple(self.char_table.shape)}")
+        self.char_table.copy_(table)
+
+    def _inputs(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        if self.family != "elmo":
+            return input_ids
+        chars = self.char_table[input_ids]  # (B, T, C)
+        if attention_mask is not None:
+            chars = chars * (attention_mask != 0)[..., None]
+        return chars
+
+    def _states(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None) -> list[Tensor]:
+        x = self._inputs(input_ids, attention_mask)
+        if self.task.freeze:
+            with torch.no_grad():
+                return [s.detach() for s in self.backbone.hidden_states(x, attention_mask, token_type_ids)]
+        return self.backbone.hidden_states(x, attention_mask, token_type_ids)
+
+    def token_vectors(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
+        """(B, T, D'): what token-level heads read."""
+        states = self._states(input_ids, attention_mask, token_type_ids)
+        if self.reads != "features":
+            return states[-1]
+        h = combine_layers(states, self.task.features, self.mix)
+        if self.family == "elmo":
+            h = torch.cat([self.drop(h), states[0]], dim=-1)  # dropout after the mix (paper sec. 3.3)
+        if self.encoder is not None:
+            mask = attention_mask if attention_mask is not None else torch.ones(h.shape[:2], dtype=torch.long, device=h.device)
+            h = self.encoder(h, mask)
+        return h
+
+    def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
+        """(B, D'): what sequence-level heads read (see the module docstring)."""
+        if self.reads == "first":
+            fast = getattr(self.backbone, "first_token_state", None)
+            if fast is not None and not self.task.freeze:
+                first = fast(input_ids, attention_mask, token_type_ids)  # only [CLS] runs the last block
+            else:
+                first = self._states(input_ids, attention_mask, token_type_ids)[-1][:, 0]
+            return torch.tanh(self.backbone.pooler(first))  # (B, D)
+        h = self.token_vectors(input_ids, attention_mask, token_type_ids)
+        if self.reads == "features":
+            return masked_mean(h, attention_mask)
+        last = last_real(h, attention_mask)
+        return torch.tanh(self.summary(last)) if self.reads == "summary" else last
+
+    def _lm_loss(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """GPT's auxiliary objective: next-token prediction over the (flattened) inputs."""
+        h = self.backbone.hidden_states(input_ids, attention_mask)[-1][:, :-1]  # (B, T-1, D)
+        target = input_ids[:, 1:]
+        if attention_mask is not None:
+            target = target.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
+        logits = F.linear(h, self.backbone.tok_emb.weight)  # (B, T-1, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    # ------------------------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        start_positions: Tensor | None = None,
+        end_positions: Tensor | None = None,
+    ) -> TaskOutput:
+        kind = self.task.kind
+        grouped = input_ids.dim() == 3  # (B, K, T): options, or both orders of a symmetric pair
+        B = input_ids.shape[0]
+        if grouped:
+            T = input_ids.shape[-1]
+            input_ids = input_ids.reshape(-1, T)  # (B*K, T)
+            attention_mask = attention_mask.reshape(-1, T) if attention_mask is not None else None
+            token_type_ids = token_type_ids.reshape(-1, T) if token_type_ids is not None else None
+
+        metrics: dict[str, Tensor] = {}
+        if kind in ("classification", "regression", "multiple-choice"):
+            v = self.sequence_vector(input_ids, attention_mask, token_type_ids)  # (B or B*K, D)
+            if grouped and kind != "multiple-choice":
+                v = v.view(B, -1, v.shape[-1]).sum(dim=1)  # symmetric: the two orders' vectors added
+            logits = self.classifier(self.drop(v))
+            if kind == "multiple-choice":
+                logits = logits.view(B, -1)  # (B, K)
+            elif kind == "regression":
+                logits = logits.squeeze(-1)  # (B,)
+        else:
+            h = self.drop(self.token_vectors(input_ids, attention_mask, token_type_ids))  # (B, T, D)
+            head = self.qa_outputs if kind == "question-answering" else self.classifier
+            logits = head(h)  # (B, T, L) or (B, T, 2)
+
+        loss = None
+        if kind == "question-answering":
+            if start_positions is not None and end_positions is not None:
+                T = logits.shape[1]
+                start = start_positions.clamp(0, T - 1)
+                end = end_positions.clamp(0, T - 1)
+                loss = (F.cross_entropy(logits[..., 0], start) + F.cross_entropy(logits[..., 1], end)) / 2
+        elif labels is not None:
+            if kind == "regression":
+                loss = F.mse_loss(logits, labels.to(logits.dtype))
+            elif kind == "token-classification":
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+                pred = logits.detach().argmax(-1)
+                seen = labels != IGNORE_INDEX
+                metrics["token_acc"] = (pred[seen] == labels[seen]).float().mean() if seen.any() else logits.new_zeros(())
+            else:
+                loss = F.cross_entropy(logits, labels)
+                metrics["acc"] = (logits.detach().argmax(-1) == labels).float().mean()
+        if loss is not None:
+            metrics["task_loss"] = loss.detach()
+            if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze:
+                lm = self._lm_loss(input_ids, attention_mask)
+                metrics["lm_loss"] = lm.detach()
+                loss = loss + self.task.lm_weight * lm
+        return TaskOutput(loss, logits, metrics)
+
+
+def build_task_model(family: str, model_cfg: Any, task: TaskConfig, generator: torch.Generator | None = None) -> TaskModel:
+    """A task model for ``family`` with a fresh backbone (load pretrained weights with ``load_backbone``)."""
+    return TaskModel(family, model_cfg, task, generator)
+
+
+def load_backbone(task_model: TaskModel, pretrained: nn.Module) -> None:
+    """Copy a pretrained (or task) model's backbone weights into ``task_model``'s backbone."""
+    result = task_model.backbone.load_state_dict(pretrained.backbone.state_dict(), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"pretrained backbone does not fit the {task_model.family} task model: missing "
+            f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )

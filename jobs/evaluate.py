@@ -1,0 +1,80 @@
+"""``ctx eval --model URI --data URI [--output FILE]``: score a fine-tuned model on a split.
+
+``--model`` is a fine-tuned checkpoint or its run folder (the run's best checkpoint, ``best.json``).
+The checkpoint carries its task, label names and tokenizer, and its ``trainer_state.json`` the
+fine-tuning recipe (field names, ``max_len``, ...), so the split is encoded exactly as training
+encoded validation data. Prints one JSON object: ``metrics`` named as the task fits (``accuracy``,
+``f1``, ``mcc``, ``pearson``, ``spearman``, ``precision``, ``recall``, ``token_accuracy``,
+``exact_match``), plus ``confusion_matrix`` for classification and multiple choice and
+``per_tag`` precision/recall/F1 for tagging; ``--output FILE`` writes it, and an HTML page beside it
+(``FILE`` with ``.html``) with the confusion-matrix picture and the per-tag table.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def load_recipe_of(checkpoint: str, endpoint_url: str | None = None):
+    """The fine-tuning recipe stored in a checkpoint's trainer_state.json."""
+    from jobs.finetune_config import FinetuneRecipe
+    from jobs.runs import local_copy
+
+    local = local_copy(checkpoint, Path(tempfile.mkdtemp(prefix="ctx-eval-")), endpoint_url)
+    state_file = Path(local) / "trainer_state.json"
+    if not state_file.is_file():
+        raise ValueError(f"{checkpoint}: no trainer_state.json; ctx eval scores fine-tuned checkpoints (ctx finetune)")
+    state = json.loads(state_file.read_text())
+    if "recipe" not in state or "task" not in state:
+        raise ValueError(f"{checkpoint}: not a fine-tuned checkpoint (its trainer_state.json has no task); "
+                         f"for pretrained models use `ctx eval wic --model ...`")
+    return FinetuneRecipe.model_validate(state["recipe"])
+
+
+def evaluate(model_uri: str, data_uri: str | list[str], endpoint_url: str | None = None) -> dict[str, Any]:
+    from jobs.finetune import score_split
+    from jobs.runs import resolve_checkpoint
+    from jobs.train import init_ray
+    from pipelines.metrics import confusion_matrix, entity_report, tags_from_token_arrays
+
+    checkpoint = resolve_checkpoint(model_uri, endpoint_url)
+    recipe = load_recipe_of(checkpoint, endpoint_url)
+    init_ray()
+    details: dict[str, Any] = {}
+    scored = score_split(checkpoint, recipe, data_uri, endpoint_url, details)
+    kind = recipe.task.kind
+    result: dict[str, Any] = {
+        "model": checkpoint, "data": data_uri, "task": kind,
+        "examples": int(details["records"]) - int(details["rejected"]), "rejected": int(details["rejected"]),
+        "metrics": {k.removeprefix("val_"): v for k, v in scored.items()},
+    }
+    rows, logits, labels = details["rows"], details["logits"], details["labels"]
+    if kind in ("classification", "multiple-choice"):
+        pred = logits.argmax(-1)
+        n = len(labels) if kind == "classification" else logits.shape[-1]
+        names = labels if kind == "classification" else [f"option {i}" for i in range(n)]
+        cm = confusion_matrix(pred, rows["labels"], labels=np.arange(n))
+        result["confusion_matrix"] = {"labels": names, "matrix": cm.tolist()}
+    elif kind == "token-classification":
+        word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
+        pred, ref = tags_from_token_arrays(logits, rows["labels"], labels, word_ids)
+        result["per_tag"] = entity_report(pred, ref)
+    return result
+
+
+def write_result(result: dict[str, Any], output: str | None) -> str:
+    """The JSON text; with ``output``, also the file and its HTML page (``output`` with .html)."""
+    from jobs.evalpage import write_eval_page
+
+    text = json.dumps(result, indent=2)
+    if output:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        write_eval_page(result, out.with_suffix(".html"), title=f"ctx eval: {result.get('task', 'wic')}")
+    return text

@@ -1,0 +1,513 @@
+"""`ctx finetune`: a recipe -> task records through Ray Data -> Ray Train -> the best checkpoint.
+
+The driver resolves ``model.init`` (``jobs.runs``), reads and checks the splits (bad records
+counted in the run's data report, over-long inputs truncated and counted), takes the label set
+from the training split, and starts a ``TorchTrainer`` on the same machinery as pretraining
+(``jobs.loop``): DDP/FSDP, elastic worker counts with a fixed global batch, exactly-once data
+across failures (``pipelines.finetune_stream``), atomic checkpoints, metrics JSONL/TensorBoard and
+the progress line. Every epoch (and every ``train.eval_every`` steps) the validation split is
+scored with ``pipelines.metrics.task_metrics``; the checkpoint with the best ``task.metric`` is the
+run's ``best.json`` (what ``--model RUN_FOLDER`` resolves to), and ``train.patience`` evaluations
+without improvement stop the run. Rerunning the same recipe resumes from the run's latest
+checkpoint.
+
+Heads and inputs follow the papers (``ctxmodels/tasks.py``): BERT-style models read [CLS], XLNet
+its last token, GPT its extract token with the auxiliary LM loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.finetune_config import LOWER_IS_BETTER, FinetuneRecipe
+from jobs.loop import (
+    Checkpointer,
+    StepMeter,
+    Stepper,
+    TrainState,
+    build_optimizer,
+    checkpoint_name,
+    evaluate_batches,
+    all_gather,
+    fit,
+    freeze_unused,
+    ingest_options,
+    init_ray,
+    load_optimizer,
+    lr_factor,
+    report_progress,
+    resume,
+    run_folder,
+)
+from pipelines import storage
+
+# The task model's forward keywords (CONTRACT.md section 3); everything else in a batch is bookkeeping.
+FORWARD_KEYS = ("input_ids", "attention_mask", "token_type_ids", "labels", "start_positions", "end_positions")
+# How each family lays out a sequence (pipelines.finetune InputStyle): where its papers read the
+# sequence's vector. Families not listed read [CLS] first, as BERT.
+NOT_BEST = -1e30  # checkpoint_score of a checkpoint that is not a new best (JSON-safe, below any score)
+INPUT_STYLES = {"xlnet": "xlnet", "gpt": "gpt", "transformer-xl": "gpt"}
+
+
+@dataclass
+class FinetuneResult:
+    run_uri: str
+    best_checkpoint: str | None  # what best.json names (None without a validation split)
+    checkpoint_uri: str | None  # the newest checkpoint
+    metrics: dict[str, Any]  # the last checkpoint's metrics (val_* where it was evaluated)
+    best: dict[str, Any] | None = None  # best.json
+    test_metrics: dict[str, float] | None = None  # data.test scored with the best checkpoint
+    data_report: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe -> the task's data and model configs
+
+
+def input_style(family: str) -> str:
+    return INPUT_STYLES.get(family, "bert")
+
+
+def task_data_config(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...] = ()):
+    """``pipelines.finetune.TaskDataConfig`` of the recipe's task for ``family``."""
+    from pipelines.finetune import TaskDataConfig
+
+    t = recipe.task
+    return TaskDataConfig(
+        kind=t.kind, max_len=t.max_len, input_style=input_style(family), labels=labels, symmetric=t.symmetric,
+        label_all_subtokens=t.label_all_subtokens, doc_stride=t.doc_stride, max_query_len=t.max_query_len,
+        version_2=t.version_2, text_field=t.text_field, pair_field=t.pair_field, label_field=t.label_field,
+        tokens_field=t.tokens_field, tags_field=t.tags_field, question_field=t.question_field,
+        context_field=t.context_field, answers_field=t.answers_field, options_field=t.options_field, id_field=t.id_field,
+    )
+
+
+def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...]) -> dict[str, Any]:
+    """``ctxmodels.tasks.TaskConfig`` fields (plain values: they travel to the workers as JSON)."""
+    kind = recipe.task.kind
+    return {
+        "kind": kind,
+        "num_labels": len(labels) if kind in ("classification", "token-classification") else 1,
+        "labels": list(labels),
+        "dropout": recipe.model.dropout,
+        "lm_weight": recipe.task.lm_weight,
+        "symmetric": recipe.task.symmetric,
+        "freeze": recipe.model.freeze,
+        "features": recipe.model.features,
+        "task_model": recipe.model.task_model,
+        "input_style": input_style(family),
+    }
+
+
+def score_of(metric: str, values: dict[str, float]) -> float:
+    """The checkpoint score of a validation (higher is better): the metric, negated for a loss."""
+    v = values.get(f"val_{metric}", float("nan"))
+    return -v if metric in LOWER_IS_BETTER else v
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side.
+
+
+def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = True, log=print) -> FinetuneResult:
+    import ray
+    from ray.train import CheckpointConfig, DataConfig
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from jobs.runs import best_checkpoint, local_copy, read_best, resolve_checkpoint
+    from jobs.train import resume_state
+    from pipelines import finetune_stream as fs
+    from pipelines.dataset import tokenizer_files
+    from pipelines.datareport import format_report
+
+    ep = recipe.data.endpoint_url
+    run = run_folder(recipe.output_dir, recipe.name)
+    workdir = Path(tempfile.mkdtemp(prefix="ctx-finetune-"))
+    init_uri = resolve_checkpoint(recipe.model.init, ep)
+    log(f"model: {recipe.model.init} -> {init_uri}")
+    init = load_checkpoint(local_copy(init_uri, workdir, ep))
+    if init.tokenizer_dir is None:
+        raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
+    family, files = init.family, tokenizer_files(init.tokenizer_dir)
+    model_fields = dataclasses.asdict(init.config)
+    del init
+
+    init_ray(verbose)
+    train_table = fs.read_split(recipe.data.train, recipe.data.format, ep)
+    log(f"data: {train_table.num_rows:,} training records from {recipe.data.train}")
+    cfg = task_data_config(recipe, family)
+    labels: tuple[str, ...] = ()
+    if recipe.task.kind in ("classification", "token-classification"):
+        labels = tuple(_checked(fs.label_set, "data.train", train_table, cfg).names)
+        log(f"labels: {len(labels)} from the training split: {list(labels)[:12]}{' ...' if len(labels) > 12 else ''}")
+    cfg = fs.with_labels(cfg, fs.LabelSet(labels) if labels else None)
+    train_check = _checked(fs.check_split, "data.train", train_table, files, cfg)
+    report = fs.write_split_report(run, "train", train_check, ep)
+    if not len(train_check.usable):
+        raise ValueError(f"data.train: none of the {train_table.num_rows} records is usable:\n{format_report(report)}")
+
+    val = None
+    if recipe.data.validation:
+        val_table = fs.read_split(recipe.data.validation, recipe.data.format, ep)
+        val_check = _checked(fs.check_split, "data.validation", val_table, files, cfg)
+        report = fs.write_split_report(run, "validation", val_check, ep)
+        val = {"rows": fs.encode_split(val_table, val_check.usable, files, cfg), **fs.references(val_table, val_check.usable, cfg)}
+        log(f"data: {len(val_check.usable):,} of {val_table.num_rows:,} validation records usable")
+    for line in format_report(report).splitlines():
+        log(f"data: {line}")
+    log(f"data: {train_check.truncated:,} training records cut to task.max_len={recipe.task.max_len}")
+
+    t = recipe.train
+    rows_per_epoch = train_check.total_rows
+    steps_per_epoch = rows_per_epoch // t.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"train.batch_size: {t.batch_size} is more than the {rows_per_epoch} rows of the training split")
+    total_steps = (t.epochs * rows_per_epoch) // t.batch_size
+    if t.max_steps is not None:
+        total_steps = min(total_steps, t.max_steps)
+
+    resumed = resume_state(run, ep)
+    first_epoch = 0
+    if resumed:
+        state, position = resumed
+        first_epoch = int(state["epoch"])
+        if int(state["step"]) >= total_steps or first_epoch >= t.epochs:
+            log(f"resume: {run} already trained {state['step']} of {total_steps} steps; nothing to do")
+            latest = storage.latest_complete_checkpoint(run, ep)
+            best = best_checkpoint(run, ep) if val is not None else None
+            return FinetuneResult(run, best, latest, state, read_best(run, ep) if best else None, None, report, [])
+        log(f"resume: step {state['step']} from the latest checkpoint of {run} (epoch {first_epoch}, "
+            f"{position.committed(first_epoch)} of its rows already trained on)")
+    dataset = fs.build_train_dataset(
+        train_table, train_check.usable, files, cfg, seed=t.seed, first_epoch=first_epoch, epochs=t.epochs,
+        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep,
+    )
+    scored = val is not None
+    result = fit(
+        finetune_loop_per_worker,
+        {
+            "recipe": recipe.model_dump(mode="json"),
+            "family": family,
+            "model": model_fields,
+            "init_uri": init_uri,
+            "task": task_config_fields(recipe, family, labels),
+            "data_config": dataclasses.asdict(cfg),
+            "tokenizer_files": files,
+            "run_uri": run,
+            "n_units": fs.n_units(len(train_check.usable), recipe.data.unit_records),
+            "total_steps": total_steps,
+            "steps_per_epoch": steps_per_epoch,
+            "warmup_steps": round(t.warmup_ratio * total_steps),
+            "validation": ray.put(val) if scored else None,
+        },
+        name=recipe.name, output_dir=recipe.output_dir, endpoint_url=ep, scaling=recipe.scaling,
+        datasets={"train": dataset}, max_steps=total_steps, progress=progress, label="finetune",
+        # Ray keeps the best checkpoints by score (and always the newest, for resume).
+        checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="checkpoint_score", checkpoint_score_order="max")
+        if scored else CheckpointConfig(num_to_keep=2),
+        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=ingest_options()),
+    )
+    best = best_checkpoint(run, ep) if scored else None
+    log(f"checkpoint: newest {result.checkpoint_uri}" + (f", best {best} ({read_best(run, ep)})" if best else ""))
+    test_metrics = None
+    if recipe.data.test:
+        chosen = best or result.checkpoint_uri
+        test_metrics = score_split(chosen, recipe, recipe.data.test, ep)
+        log(f"test: {test_metrics} ({chosen})")
+    return FinetuneResult(run, best, result.checkpoint_uri, result.metrics, read_best(run, ep) if scored else None,
+                          test_metrics, report, result.history)
+
+
+def _checked(fn, key: str, *args):
+    """``fn(*args)``; a configuration problem it finds (a field no record has) becomes a
+    RecipeError naming the split's key."""
+    from jobs.config import RecipeError
+
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise RecipeError(f"{key}: {e}") from None
+
+
+def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], endpoint_url: str | None = None,
+                details: dict[str, Any] | None = None) -> dict[str, float]:
+    """A fine-tuned checkpoint's task metrics on a split, in this process (no Ray Train).
+    ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels``."""
+    import torch
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from jobs import parallel
+    from jobs.runs import local_copy
+    from pipelines import finetune_stream as fs
+    from pipelines.dataset import tokenizer_files
+
+    loaded = load_checkpoint(local_copy(checkpoint, Path(tempfile.mkdtemp(prefix="ctx-score-")), endpoint_url))
+    task = loaded.task
+    files = tokenizer_files(loaded.tokenizer_dir)
+    cfg = task_data_config(recipe, loaded.family, tuple(task.labels))
+    table = fs.read_split(split, recipe.data.format, endpoint_url)
+    check = fs.check_split(table, files, cfg)
+    data = {"rows": fs.encode_split(table, check.usable, files, cfg), **fs.references(table, check.usable, cfg)}
+    if details is not None:
+        details.update(rows=data["rows"], labels=list(task.labels), records=table.num_rows, rejected=table.num_rows - len(check.usable))
+    return validate(loaded.model, data, recipe, tuple(task.labels), parallel.ParallelPlan(), torch.device("cpu"), 0, 1, details)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side.
+
+
+def task_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The model's keywords, every (.., T) column trimmed to the batch's longest real row (the
+    data stage pads to a fixed task.max_len)."""
+    length = int(batch["attention_mask"].sum(-1).max())
+    out = {}
+    for k in FORWARD_KEYS:
+        if k not in batch:
+            continue
+        v = batch[k]
+        if k in ("input_ids", "attention_mask", "token_type_ids") or (k == "labels" and v.dim() >= 2):
+            v = v[..., :length]
+        out[k] = v
+    return out
+
+
+def _pad_time(x: np.ndarray, length: int, fill: float) -> np.ndarray:
+    """(B, t, ...) -> (B, length, ...) padded with ``fill`` (batches were trimmed to their rows)."""
+    if x.shape[1] == length:
+        return x
+    pad = np.full((x.shape[0], length - x.shape[1], *x.shape[2:]), fill, dtype=x.dtype)
+    return np.concatenate([x, pad], axis=1)
+
+
+def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[str, ...], plan, device, rank: int, world: int,
+             details: dict[str, Any] | None = None) -> dict[str, float]:
+    """``val_loss`` and the task's metrics (``val_accuracy``, ``val_f1``, ...) on encoded split
+    rows; every worker scores a share and all gather the logits, so all get the same numbers.
+    ``details``, when given, receives the split's ``logits`` (in row order) for reports."""
+    import torch
+
+    from pipelines.metrics import task_metrics
+    from pipelines.qa import decode_qa
+
+    rows = data["rows"]
+    kind, max_len = recipe.task.kind, recipe.task.max_len
+    n = len(rows.get("sample_id", ()))
+    if n == 0:
+        return {}
+    size = recipe.micro_batch_size
+    batches = []
+    for start in range(0, n, size):
+        b = {k: torch.as_tensor(v[start : start + size]).to(device) for k, v in rows.items() if k in FORWARD_KEYS}
+        b["_rows"] = torch.arange(start, min(start + size, n))
+        batches.append(b)
+    got: list[tuple[np.ndarray, float, int, np.ndarray]] = []
+
+    def forward(m, batch: dict[str, Any], counted: bool) -> None:
+        out = m(**task_inputs(batch))
+        if counted:
+            logits = out.logits.float().cpu().numpy()
+            if kind in ("token-classification", "question-answering"):
+                logits = _pad_time(logits, max_len, -1e4 if kind == "question-answering" else 0.0)
+            got.append((batch["_rows"].numpy(), float(out.loss) if out.loss is not None else float("nan"), len(batch["_rows"]), logits))
+
+    evaluate_batches(model, batches, plan, device, rank, world, forward)
+    parts = [x for part in all_gather(got, world) for x in part]
+    order = np.concatenate([p[0] for p in parts])
+    logits = np.concatenate([p[3] for p in parts])[np.argsort(order, kind="stable")]
+    loss = sum(p[1] * p[2] for p in parts) / max(sum(p[2] for p in parts), 1)
+    if details is not None:
+        details["logits"] = logits
+    if kind == "question-answering":
+        start, end = logits[..., 0], logits[..., 1]
+        preds = decode_qa(start, end, {"example_index": rows["example_index"], "context_offsets": rows["context_offsets"]},
+                          data["contexts"], recipe.task.max_answer_len, recipe.task.null_threshold if recipe.task.version_2 else None)
+        records = np.unique(rows["example_index"])
+        metrics = task_metrics(kind, [preds[i] for i in records], data["answers"], version_2=recipe.task.version_2)
+    elif kind == "token-classification":
+        word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
+        metrics = task_metrics(kind, logits, rows["labels"], label_names=list(labels), word_ids=word_ids)
+    else:
+        metrics = task_metrics(kind, logits, rows["labels"])
+    return {"val_loss": loss, **{f"val_{k}": float(v) for k, v in metrics.items()}}
+
+
+def finetune_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from ctxmodels.registry import config_from_dict
+    from ctxmodels.tasks import TaskConfig, build_task_model, load_backbone
+    from jobs import parallel
+    from jobs.runs import local_copy, read_best, write_best
+
+    recipe = FinetuneRecipe.model_validate(config["recipe"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
+    t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
+    micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
+    total, per_epoch = config["total_steps"], config["steps_per_epoch"]
+    family, task = config["family"], TaskConfig(**config["task"])
+    model_cfg = config_from_dict(family, config["model"])
+
+    # The task model: a fresh head on the pretrained backbone, then whatever the run committed last.
+    model = build_task_model(family, model_cfg, task, generator=torch.Generator().manual_seed(t.seed))
+    pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tempfile.mkdtemp(prefix="ctx-init-")), ep))
+    load_backbone(model, pretrained.model)
+    del pretrained
+    tok_dir = _tokenizer_dir(config["tokenizer_files"])
+    if family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
+        model.set_char_table(elmo_char_table(tok_dir, model_cfg.max_chars))
+    resumed = resume(run, ep, model)
+    state = resumed.state
+    if rank == 0 and resumed.uri:
+        print(f"resumed from {resumed.uri}: step {state.step}, data position {resumed.position.summary()}")
+        best = read_best(run, ep)
+        if state.best_checkpoint and (best is None or best["checkpoint"] != state.best_checkpoint):
+            # the run stopped between committing a new best and pointing best.json at it
+            write_best(run, {"checkpoint": state.best_checkpoint, "metric": recipe.task.best_metric,
+                             "value": state.best_value, "step": state.best_step}, ep)
+
+    device = ray.train.torch.get_device()
+    plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
+    stream = iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True, device=device))  # Ray seam
+    first = next(stream, None)
+    if first is None:
+        raise RuntimeError("the training stream is empty: no full micro-batch of train.micro_batch_size rows")
+    frozen = freeze_unused(model.to(device), task_inputs(first))
+    if frozen and rank == 0:
+        print(f"not reached by the {task.kind} loss (frozen): {len(frozen)} tensors, e.g. {', '.join(frozen[:3])}")
+    wrapped = parallel.wrap_model(model, plan, device)
+    optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
+    load_optimizer(wrapped, optimizer, resumed)
+    schedule = partial(lr_factor, warmup_samples=config["warmup_steps"] * t.batch_size, total_samples=total * t.batch_size)
+    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip, inputs=task_inputs)
+    meter = StepMeter()
+    checkpointer = Checkpointer(
+        run, ep, list(range(config["n_units"])), rank, world, resumed.position,
+        save=partial(_save, family=family, model_cfg=model_cfg, task=task, tok_dir=tok_dir),
+        fresh_model=lambda: build_task_model(family, model_cfg, task), strategy=recipe.scaling.strategy,
+        committed_step=state.step,
+    )
+    data = ray.get(config["validation"]) if config.get("validation") is not None else None
+    labels = tuple(task.labels)
+    sample_log = _sample_log(run, ep, rank, world, state.step, resumed.uri) if t.sample_log else None
+    metrics_log = _metrics_log(run, ep) if rank == 0 else None
+    t_start, start_step, epoch = time.perf_counter(), state.step, 0
+    metric = recipe.task.best_metric
+    extra = {"recipe": config["recipe"], "task": config["task"]}
+
+    def interval_metrics() -> dict[str, Any]:
+        m = meter.reduce(world)
+        state.tokens_seen += int(m.pop("tokens"))
+        rate = (state.step - start_step) / max(time.perf_counter() - t_start, 1e-9)
+        m.update(step=state.step, max_steps=total, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
+                 tokens_seen=state.tokens_seen, workers=world, eta_s=(total - state.step) / rate if rate > 0 else None)
+        return m
+
+    def evaluated(m: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        m.update(validate(wrapped, data, recipe, labels, plan, device, rank, world))
+        improved = state.observe(score_of(metric, m))
+        # Ray keeps checkpoints by this score (and the newest): only a new best scores, so an equal
+        # later score never rotates the first best away; the kept best is what best.json names.
+        m["checkpoint_score"] = score_of(metric, m) if improved else NOT_BEST
+        return m, improved
+
+    def commit(m: dict[str, Any], improved: bool) -> None:
+        name = checkpoint_name()
+        if improved:
+            state.best_checkpoint, state.best_value = name, m.get(f"val_{metric}")
+        checkpointer.commit(state, wrapped, optimizer, m, extra, name=name)
+        if improved and rank == 0:
+            write_best(run, {"checkpoint": name, "metric": metric, "value": m.get(f"val_{metric}"), "step": state.step}, ep)
+
+    batches = itertools.chain([first], stream)
+    model.train()
+    stopped = False
+    while state.step < total and not stopped:
+        taken = stepper.step(batches, state, meter)
+        if taken is None:
+            break
+        checkpointer.record(taken)
+        epoch = max(int(b["epoch"].max()) for b in taken)
+        if sample_log is not None:
+            sample_log.step(state.step, taken)
+        last = state.step >= total
+        eval_now = data is not None and (last or state.step % per_epoch == 0 or (t.eval_every is not None and state.step % t.eval_every == 0))
+        ckpt_now = eval_now or last or (t.checkpoint_every is not None and state.step % t.checkpoint_every == 0) or (data is None and state.step % per_epoch == 0)
+        if state.step % t.log_every == 0 or eval_now or ckpt_now:
+            metrics, improved = interval_metrics(), False
+            if eval_now:
+                metrics, improved = evaluated(metrics)
+            elif data is not None:
+                metrics["checkpoint_score"] = NOT_BEST  # Ray keeps checkpoints by score: unscored ones go first
+            report_progress(config, rank, metrics, metrics_log)
+            if ckpt_now:
+                commit(metrics, improved)
+            else:
+                ray.train.report(metrics)
+            if eval_now and t.patience is not None and state.evals_since_best >= t.patience:
+                stopped = True
+                if rank == 0:
+                    print(f"early stop at step {state.step}: {t.patience} validations without a better {metric} "
+                          f"(best {state.best_value} at step {state.best_step})")
+    if state.step > checkpointer.committed_step:  # the stream ended between checkpoints
+        metrics, improved = (interval_metrics() if meter.steps else {"step": state.step}), False
+        if data is not None:
+            metrics, improved = evaluated(metrics)
+        report_progress(config, rank, metrics, metrics_log)
+        commit(metrics, improved)
+    if metrics_log is not None:
+        metrics_log.close()
+
+
+def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[str, Any], *, family: str, model_cfg, task, tok_dir: Path) -> None:
+    from ctxmodels.checkpoint import save_checkpoint
+
+    save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors, task=task)
+
+
+def elmo_char_table(tok_dir: Path, max_chars: int):
+    """(V, max_chars) int64 character ids of every token of the tokenizer, as ELMo's task model reads them."""
+    import torch
+
+    from pipelines.char_ids import build_char_table
+    from pipelines.tokenizers import ROLES, load_tokenizer
+
+    tok = load_tokenizer(tok_dir)
+    tokens = [tok.id_to_token(i) for i in range(tok.vocab_size)]
+    special = {role: getattr(tok, f"{role}_id") for role in ROLES}
+    return torch.from_numpy(build_char_table(tokens, max_chars, special).astype("int64"))
+
+
+def _tokenizer_dir(files: dict[str, bytes]) -> Path:
+    from pipelines.dataset import tokenizer_dir_from_files
+
+    return tokenizer_dir_from_files(files)
+
+
+def _sample_log(run, ep, rank, world, step, resumed_from):
+    from jobs.train import SampleLog
+
+    return SampleLog(run, ep, rank, world, step, resumed_from)
+
+
+def _metrics_log(run: str, endpoint_url: str | None):
+    from jobs.metrics import MetricsLog
+
+    return MetricsLog(run, endpoint_url)
