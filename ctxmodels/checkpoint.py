@@ -264,7 +264,7 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
         config = registry.config_from_dict(family, payload["model"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"{config_path}: {e}") from e
-    model = registry.family_spec(family).pretraining_cls(config)
+    model = registry.new_model(family, config, seed=0)  # every weight is then loaded from the file
 
     tensors = load_file(folder / WEIGHTS)
     with safe_open(folder / WEIGHTS, framework="pt") as f:
