@@ -250,20 +250,21 @@ class AlbertMLMHead(nn.Module):
 class AlbertForPreTraining(nn.Module):
     """Masked LM + sentence-order prediction (SOP: 0 = segments in order, 1 = swapped)."""
 
-    def __init__(self, cfg: AlbertConfig):
+    def __init__(self, cfg: AlbertConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.config = cfg
         self.backbone = AlbertModel(cfg)
         self.mlm_head = AlbertMLMHead(cfg)
         self.sop_dropout = nn.Dropout(cfg.dropout)
         self.sop_head = nn.Linear(cfg.d_model, 2) if cfg.sop else None  # on the pooled [CLS]
-        self.apply(self._init_weights)
+        for module in self.modules():
+            self._init_weights(module, generator)
 
-    def _init_weights(self, module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
         # The reference code's truncated normal (create_initializer in google-research/albert).
         std = self.config.init_std
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std, generator=generator)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:

@@ -269,12 +269,13 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
     except (TypeError, ValueError) as e:
         raise ValueError(f"{config_path}: {e}") from e
     task = None
-    if "task" in payload:
+    if "task" in payload:  # a fine-tuned model: its task model; every weight is then loaded from the file
         from ctxmodels.tasks import TaskConfig, build_task_model
+
         task = TaskConfig(**payload["task"])
-        model = build_task_model(family, config, task)
+        model = build_task_model(family, config, task, torch.Generator().manual_seed(0))
     else:
-        model = registry.family_spec(family).pretraining_cls(config)
+        model = registry.new_model(family, config, seed=0)  # every weight is then loaded from the file
 
     tensors = load_file(folder / WEIGHTS)
     with safe_open(folder / WEIGHTS, framework="pt") as f:

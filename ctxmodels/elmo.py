@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -288,6 +290,31 @@ class ScalarMix(nn.Module):
 # ----------------------------------------------------------------------------- pretraining
 
 
+def init_elmo_weights(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    """PyTorch's default initialisations, which the biLM was always trained from, drawn from
+    ``generator``: Linear and Conv1d U(-1/sqrt(fan_in), +) for weights and biases (what
+    kaiming_uniform(a=sqrt(5)) gives), Embedding N(0, 1) with the padding row zero, LSTM
+    U(-1/sqrt(hidden), +) everywhere; then the highway gates' bias -2 (bilm-tf)."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d)):
+            bound = 1.0 / math.sqrt(m.weight[0].numel())  # fan_in: in_features, or in_channels * width
+            nn.init.uniform_(m.weight, -bound, bound, generator=generator)
+            if m.bias is not None:
+                nn.init.uniform_(m.bias, -bound, bound, generator=generator)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, generator=generator)
+            if m.padding_idx is not None:
+                nn.init.zeros_(m.weight[m.padding_idx])
+        elif isinstance(m, nn.LSTM):
+            bound = 1.0 / math.sqrt(m.hidden_size)
+            for p in m.parameters():
+                nn.init.uniform_(p, -bound, bound, generator=generator)
+    for m in model.modules():
+        if isinstance(m, Highway):
+            with torch.no_grad():
+                m.proj.bias[m.proj.bias.shape[0] // 2 :].fill_(-2.0)
+
+
 class ElmoForPreTraining(nn.Module):
     """Forward LM predicts token t+1 from tokens <= t; backward LM predicts t-1 from tokens >= t.
 
@@ -301,7 +328,7 @@ class ElmoForPreTraining(nn.Module):
     nor the last token a backward target. Call ``clear_memory`` before evaluating on other data.
     """
 
-    def __init__(self, cfg: ElmoConfig):
+    def __init__(self, cfg: ElmoConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.config = cfg
         self.backbone = ElmoModel(cfg)
@@ -309,6 +336,7 @@ class ElmoForPreTraining(nn.Module):
         self.lm_head_bwd = None if cfg.tie_softmax else nn.Linear(cfg.d_model, cfg.vocab_size)
         self.drop = nn.Dropout(cfg.dropout)
         self.fwd_memory: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # not a parameter: never saved
+        init_elmo_weights(self, generator)
 
     def clear_memory(self) -> None:
         """Forget the carried forward state (e.g. before evaluation or when the data stream restarts)."""

@@ -211,21 +211,22 @@ class GPTModel(nn.Module):
 class GPTForPreTraining(nn.Module):
     """Next-token prediction; the output projection is the token embedding matrix (tied)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.config = cfg
         self.backbone = GPTModel(cfg)
-        self.apply(self._init_weights)
+        for module in self.modules():
+            self._init_weights(module, generator)
         if cfg.norm == "pre":
             # GPT-2 §2.3: scale the weights of residual layers by 1/sqrt(N), N residual layers.
             for block in self.backbone.blocks:
                 for proj in (block.attn.proj, block.mlp.proj):
-                    nn.init.normal_(proj.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+                    nn.init.normal_(proj.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layer), generator=generator)
 
-    def _init_weights(self, module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
         # GPT-1 §4.1: "a simple weight initialization of N(0, 0.02) was sufficient".
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=self.config.init_std)
+            nn.init.normal_(module.weight, std=self.config.init_std, generator=generator)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ctxmodels import albert, bert, elmo, gpt, transformer_xl, xlnet
@@ -14,7 +15,7 @@ from ctxmodels import albert, bert, elmo, gpt, transformer_xl, xlnet
 @dataclass(frozen=True)
 class FamilySpec:
     config_cls: type  # the family's @dataclass config
-    pretraining_cls: type[nn.Module]  # XxxForPreTraining(config); forward(**batch) -> PretrainOutput
+    pretraining_cls: type[nn.Module]  # XxxForPreTraining(config, generator); forward(**batch) -> PretrainOutput
     presets: dict[str, Any]  # preset name -> config instance (a value: copy with dataclasses.replace)
 
 
@@ -80,7 +81,27 @@ def config_from_dict(family: str, fields: dict[str, Any]) -> Any:
     return spec.config_cls(**fields)
 
 
-def build_model(family: str, preset: str, overrides: dict[str, Any] | None = None) -> tuple[Any, nn.Module]:
-    """(config, freshly initialised pretraining model) for ``family``/``preset`` with ``overrides``."""
+def new_model(family: str, config: Any, seed: int | None = None) -> nn.Module:
+    """The family's pretraining model with every weight drawn from ``torch.Generator`` seeded with
+    ``seed`` (None: a fresh random seed): the same seed gives the same weights, and the global
+    random state is neither read for them nor changed.
+
+    ``nn.Linear``/``nn.Embedding``/``nn.LSTM`` constructors draw default values from the global
+    generator before the family's init replaces every one of them from ``generator``; those
+    throw-away draws run on a forked copy of the global state (``fork_rng``), so it is left as
+    it was. tests/ctxmodels/test_reproducible.py checks both properties for every family.
+    """
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    with torch.random.fork_rng(devices=[]):
+        return family_spec(family).pretraining_cls(config, generator)
+
+
+def build_model(family: str, preset: str, overrides: dict[str, Any] | None = None, seed: int | None = None) -> tuple[Any, nn.Module]:
+    """(config, freshly initialised pretraining model) for ``family``/``preset`` with ``overrides``;
+    weights from ``seed`` (``new_model``)."""
     config = make_config(family, preset, overrides)
-    return config, family_spec(family).pretraining_cls(config)
+    return config, new_model(family, config, seed)

@@ -323,8 +323,15 @@ class TaskModel(nn.Module):
 
 
 def build_task_model(family: str, model_cfg: Any, task: TaskConfig, generator: torch.Generator | None = None) -> TaskModel:
-    """A task model for ``family`` with a fresh backbone (load pretrained weights with ``load_backbone``)."""
-    return TaskModel(family, model_cfg, task, generator)
+    """A task model for ``family`` with a fresh backbone (load pretrained weights with ``load_backbone``).
+
+    Every weight comes from ``generator`` (None: one seeded from fresh entropy); the layers'
+    default draws run on a forked global RNG, which is left as it was (``registry.new_model``)."""
+    if generator is None:
+        generator = torch.Generator()
+        generator.seed()
+    with torch.random.fork_rng(devices=[]):
+        return TaskModel(family, model_cfg, task, generator)
 
 
 def load_backbone(task_model: TaskModel, pretrained: nn.Module) -> None:

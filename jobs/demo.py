@@ -61,8 +61,7 @@ def main(steps: int = 300, port: int = 8000, verbose: bool = False) -> int:
     batches = list(local_batches(eval_spec, tok, batch_size=32, epoch=10_000, max_batches=20))
     overrides = model_overrides_with_vocab(recipe, tok.vocab_size)
     overrides.setdefault("nsp", False)
-    torch.manual_seed(recipe.train.seed)  # the same initial weights the trainers started from
-    _, initial = build_model(recipe.model.family, recipe.model.preset, overrides)
+    _, initial = build_model(recipe.model.family, recipe.model.preset, overrides, seed=recipe.train.seed)  # the trainers' initial weights
     trained = load_checkpoint(ckpt).model
     before, after = evaluate_mlm(initial, batches), evaluate_mlm(trained, batches)
     print(f"   before: {before:.1%}   after: {after:.1%}   ({sum(int((b['labels'] != -100).sum()) for b in batches):,} masked tokens)")

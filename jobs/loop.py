@@ -85,6 +85,16 @@ class TrainState:
 # Batches
 
 
+def seed_worker_rng(seed: int, rank: int) -> None:
+    """Seed this worker's global torch generator, which dropout draws from, from (seed, rank): a
+    fresh run is repeatable and no two workers draw the same masks. Model weights never come from
+    it (``ctxmodels.registry.new_model``). A run resumed after an interruption draws a new
+    sequence, not the one the interrupted run would have continued with."""
+    import torch
+
+    torch.manual_seed(int(np.random.SeedSequence([int(seed), int(rank)]).generate_state(1)[0]))
+
+
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch without its bookkeeping columns: what ``model(**inputs)`` takes."""
     return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}

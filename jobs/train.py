@@ -34,6 +34,7 @@ from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, S
     freeze_unused,
     ingest_options,
     init_ray,
+    seed_worker_rng,
     load_optimizer,
     lr_factor,
     model_inputs,
@@ -367,8 +368,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
     for key, value in obj.families[recipe.model.family].items():
         overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
-    torch.manual_seed(t.seed)
-    model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides)
+    model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=t.seed)
+    seed_worker_rng(t.seed, rank)  # dropout
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
     resumed = resume(run, ep, model)

@@ -9,6 +9,10 @@
   rule so that training and encoding lowercase the same way.
 
 All kinds we train put the special tokens at ids 0..4: ``[PAD] [UNK] [CLS] [SEP] [MASK]``.
+Training is reproducible: the same texts and settings give byte-identical files on any machine.
+WordPiece pieces are learned by SentencePiece's BPE trainer and numbered by a rule (special
+tokens, then by frequency, ties by the string; ``_train_wordpiece``); SentencePiece trains with a
+fixed thread count.
 ``load_tokenizer`` also reads Hugging Face folders (``tokenizer.json`` and/or ``vocab.txt``), finding
 the special ids by token string, BERT-style (``[PAD]``...) or RoBERTa-style (``<pad> <s> </s>
 <mask> <unk>``). Parity with ``transformers``' pure-Python ``BertTokenizerLegacy`` and its
@@ -35,7 +39,7 @@ from typing import Literal, get_args
 import numpy as np
 import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 TrainKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
 # Kinds ``load_tokenizer`` can also return for Hugging Face ``tokenizer.json`` files whose model is not
@@ -54,6 +58,7 @@ _ALIASES = {
 }
 _SPM_FILE, _HF_FILE, _VOCAB_FILE, _CONFIG_FILE = "spm.model", "tokenizer.json", "vocab.txt", "tokenizer_config.json"
 _MAX_CHARS_PER_WORD = 100  # BERT's WordpieceTokenizer: longer words become [UNK]
+_SPM_THREADS = 8  # fixed (see train_tokenizer): the same model whatever the machine's core count
 _SPM_MAX_SENTENCES = 2_000_000  # reservoir sample for SentencePiece training: bounds memory on big corpora
 
 
@@ -231,12 +236,6 @@ def _lines(texts: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
-def _n_threads() -> int:
-    """CPUs this process may use (a container's share, not the host's count), at most 16."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(16, n))
-
-
 def _bert_template(tok: HFTokenizer, cls: str, sep: str) -> processors.TemplateProcessing:
     return processors.TemplateProcessing(
         single=f"{cls} $A {sep}",
@@ -255,6 +254,72 @@ def _bert_pipeline(tok: HFTokenizer, lowercase: bool, strip_accents: bool | None
     return tok
 
 
+_WORDPIECE_ALPHABET = 1000  # characters kept (most frequent), as BERT's and HF's BertWordPieceTokenizer
+
+
+def _wordpiece_tokenizer(vocab: dict[str, int], lowercase: bool) -> HFTokenizer:
+    tok = HFTokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=_MAX_CHARS_PER_WORD))
+    _bert_pipeline(tok, lowercase, strip_accents=lowercase)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # never split from text
+    tok.post_processor = _bert_template(tok, "[CLS]", "[SEP]")
+    return tok
+
+
+def _train_wordpiece(lines: list[str], vocab_size: int, lowercase: bool) -> HFTokenizer:
+    """A WordPiece vocabulary learned by BPE merges, reproducibly.
+
+    Word pieces are what BPE merges build within words (Sennrich et al. 2016; HF's
+    ``WordPieceTrainer`` is a BPE trainer too). ``tokenizers``' trainer breaks ties between equally
+    frequent merges by hash-map order, which changes from process to process, so two runs on the
+    same text can keep different pieces. Here SentencePiece's BPE trainer (deterministic for a
+    fixed thread count) learns the merges from the text as BERT's normaliser and pre-tokenizer
+    see it (words split at whitespace and punctuation, so no piece crosses a word boundary);
+    word-initial pieces become ``piece``, inner ones ``##piece``. The 1000 most frequent
+    characters (ties by the character) are kept in both forms so every word of them encodes;
+    rarer ones become [UNK]. Ids follow a rule: the special tokens (0..4), then every piece by its
+    frequency in the training text as the final tokenizer encodes it, most frequent first, ties by
+    the string.
+    """
+    base = _bert_pipeline(HFTokenizer(models.WordPiece(vocab={"[UNK]": 0}, unk_token="[UNK]")), lowercase, strip_accents=lowercase)
+    words_per_line = [[w for w, _ in base.pre_tokenizer.pre_tokenize_str(base.normalizer.normalize_str(line))] for line in lines]
+    chars: dict[str, int] = {}
+    for words in words_per_line:
+        for w in words:
+            for ch in w:
+                chars[ch] = chars.get(ch, 0) + 1
+    alphabet = sorted(chars, key=lambda ch: (-chars[ch], ch))[:_WORDPIECE_ALPHABET]
+    fixed = [*SPECIAL_TOKENS, *alphabet, *("##" + ch for ch in alphabet)]
+    pieces: list[str] = []
+    budget = vocab_size - len(fixed)
+    if budget > 0:
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter([" ".join(words) for words in words_per_line if words]),
+            model_writer=model, model_type="bpe", vocab_size=budget + 3, hard_vocab_limit=False,
+            normalization_rule_name="identity", character_coverage=1.0, split_digits=False,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, input_sentence_size=_SPM_MAX_SENTENCES,
+            shuffle_input_sentence=True, num_threads=_SPM_THREADS, minloglevel=2,
+        )
+        sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+        seen = set(fixed)
+        for i in range(sp.get_piece_size()):
+            if sp.is_unknown(i) or sp.is_control(i):
+                continue
+            piece = sp.id_to_piece(i)
+            token = piece[1:] if piece.startswith("▁") else "##" + piece
+            if token and token != "##" and token not in seen:
+                seen.add(token)
+                pieces.append(token)
+    vocab = {t: i for i, t in enumerate([*fixed, *pieces][:vocab_size])}
+    tok = _wordpiece_tokenizer(vocab, lowercase)
+    counts = np.zeros(len(vocab), dtype=np.int64)
+    for start in range(0, len(lines), 10_000):
+        for e in tok.encode_batch(lines[start : start + 10_000], add_special_tokens=False):
+            np.add.at(counts, np.asarray(e.ids, dtype=np.int64), 1)
+    rest = sorted((t for t in vocab if t not in SPECIAL_TOKENS), key=lambda t: (-int(counts[vocab[t]]), t))
+    return _wordpiece_tokenizer({t: i for i, t in enumerate([*SPECIAL_TOKENS, *rest])}, lowercase)
+
+
 def train_tokenizer(kind: TrainKind, texts: Iterable[str], vocab_size: int, lowercase: bool = True) -> Tokenizer:
     """Train a tokenizer of ``kind`` on ``texts`` (lines or whole documents), special ids 0..4.
 
@@ -262,18 +327,7 @@ def train_tokenizer(kind: TrainKind, texts: Iterable[str], vocab_size: int, lowe
     """
     specials = dict(zip(ROLES, SPECIAL_TOKENS))
     if kind == "wordpiece":
-        tok = HFTokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=_MAX_CHARS_PER_WORD))
-        _bert_pipeline(tok, lowercase, strip_accents=lowercase)
-        trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size,
-            special_tokens=list(SPECIAL_TOKENS),
-            continuing_subword_prefix="##",
-            limit_alphabet=1000,  # as BERT's and HF's BertWordPieceTokenizer: rare characters become [UNK]
-            show_progress=False,
-        )
-        tok.train_from_iterator(_lines(texts), trainer=trainer)
-        tok.post_processor = _bert_template(tok, "[CLS]", "[SEP]")
-        return Tokenizer(_HFBackend(tok), kind, lowercase, specials)
+        return Tokenizer(_HFBackend(_train_wordpiece(list(_lines(texts)), vocab_size, lowercase)), kind, lowercase, specials)
     if kind in ("sentencepiece-unigram", "sentencepiece-bpe"):
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
@@ -293,7 +347,10 @@ def train_tokenizer(kind: TrainKind, texts: Iterable[str], vocab_size: int, lowe
             control_symbols=list(SPECIAL_TOKENS[2:]),
             input_sentence_size=_SPM_MAX_SENTENCES,
             shuffle_input_sentence=True,
-            num_threads=_n_threads(),
+            # SentencePiece splits its work into num_threads chunks and the result depends on the
+            # split (float sums in another order): a fixed count, not the machine's, keeps training
+            # reproducible on any machine (taskset or a container's CPU share change nothing).
+            num_threads=_SPM_THREADS,
             minloglevel=2,
         )
         return Tokenizer(_SPBackend(model.getvalue()), kind, lowercase, specials)

@@ -81,7 +81,7 @@ def test_round_trip_gives_identical_outputs(tmp_path, minilm_dir, family, no_pic
 class TiedToy(nn.Module):
     """A model whose output projection shares its Parameter with the embedding (GPT-style tying)."""
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, generator=None):
         super().__init__()
         self.emb = nn.Embedding(11, 4)
         self.out = nn.Linear(4, 11, bias=False)

@@ -365,3 +365,33 @@ def test_checkpoint_folder_and_roberta_style_hf_folder(corpus_lines, tmp_path):
     ids, offsets, tokens = tok.encode_for_model(["the bank"], 16)
     assert ids[0][0] == 0 and ids[0][-1] == 2 and tokens[0][0] == "<s>"
     assert ["the bank"[s:e] for s, e in offsets[0]][1:-1] == [t.removeprefix("Ġ") for t in tokens[0][1:-1]]
+
+
+_TRAIN_AND_HASH = """
+import hashlib, os, sys, tempfile
+from pipelines.sources import sample_text
+from pipelines.tokenizers import train_tokenizer
+texts = list(sample_text([sys.argv[1]], 150_000))
+for kind in ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"):
+    d = tempfile.mkdtemp()
+    train_tokenizer(kind, texts, 1200).save(d)
+    for f in sorted(os.listdir(d)):
+        print(kind, f, hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest())
+"""
+
+
+def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
+    """The same text and settings give the same files, run after run, with 1 or 2 threads."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    shard = str(repo / "data" / "sample" / "wordnet-0000-of-0008.txt.gz")
+    outs = []
+    for threads in ("1", "2", "2"):
+        env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONPATH": str(repo)}
+        outs.append(subprocess.run([sys.executable, "-c", _TRAIN_AND_HASH, shard], env=env, cwd=repo,
+                                   capture_output=True, text=True, check=True).stdout)
+    assert outs[0].count("\n") == 7  # wordpiece: 3 files, each sentencepiece kind: 2
+    assert outs[0] == outs[1] == outs[2]
