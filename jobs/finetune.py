@@ -47,6 +47,7 @@ from jobs.loop import (
     lr_factor,
     report_progress,
     resume,
+    seed_worker_rng,
     run_folder,
 )
 from pipelines import storage
@@ -367,6 +368,7 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
 
     # The task model: a fresh head on the pretrained backbone, then whatever the run committed last.
     model = build_task_model(family, model_cfg, task, generator=torch.Generator().manual_seed(t.seed))
+    seed_worker_rng(t.seed, rank)  # dropout
     pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tempfile.mkdtemp(prefix="ctx-init-")), ep))
     load_backbone(model, pretrained.model)
     del pretrained
