@@ -51,8 +51,7 @@ STRATEGIES = ("ddp", "fsdp")
 def fresh_bert():
     """Tiny BERT, pooler frozen: MLM never reaches it, and jobs.train.freeze_unused freezes it
     before wrapping (DDP runs without find_unused_parameters)."""
-    torch.manual_seed(0)
-    model = build_model("bert", "tiny", OVERRIDES)[1]
+    model = build_model("bert", "tiny", OVERRIDES, seed=0)[1]
     model.backbone.pooler.requires_grad_(False)
     return model
 
@@ -168,8 +167,7 @@ def _scenarios(rank: int) -> dict:
         res["resumed"] = full_state_dict(model)
 
     # ALBERT runs its one shared layer n_layer times per forward: FSDP gathers it each time
-    torch.manual_seed(0)
-    albert_cfg, albert = build_model("albert", "tiny", {"sop": False, "dropout": 0.0})
+    albert_cfg, albert = build_model("albert", "tiny", {"sop": False, "dropout": 0.0}, seed=0)
     albert.backbone.pooler.requires_grad_(False)  # read by SOP only
     batch = make_batch(albert_cfg, 3)
     model = wrap_model(albert, ParallelPlan(strategy="fsdp"), CPU)
@@ -273,8 +271,7 @@ def test_resuming_from_a_full_optimizer_state_continues_the_run(distributed, ref
 
 
 def test_fsdp_shards_albert_shared_layer_once_and_matches_one_process(distributed):
-    torch.manual_seed(0)
-    cfg, model = build_model("albert", "tiny", {"sop": False, "dropout": 0.0})
+    cfg, model = build_model("albert", "tiny", {"sop": False, "dropout": 0.0}, seed=0)
     model.backbone.pooler.requires_grad_(False)
     opt = adamw(model)
     model(**make_batch(cfg, 3)).loss.backward()
