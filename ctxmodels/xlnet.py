@@ -4,8 +4,9 @@ Paper: Yang, Dai, Yang, Carbonell, Salakhutdinov, Le. "XLNet: Generalized Autore
 Pretraining for Language Understanding", NeurIPS 2019 (arXiv:1906.08237), Section 2.
 
 Reference checked for parity: Hugging Face ``transformers`` ``XLNetLMHeadModel`` with
-``attn_type="bi"`` (tests/ctxmodels/test_xlnet.py copies the weights through ``from_hf_state_dict``
-and compares query-stream logits and content-stream hidden states, with and without memory).
+``attn_type="bi"`` (tests/ctxmodels/test_xlnet.py copies the weights through
+``ctxmodels.hf.CONVERTERS["xlnet"]`` and compares query-stream logits and content-stream hidden
+states, with and without memory).
 Read while writing: the authors' code, zihangdai/xlnet ``modeling.py`` (``two_stream_rel_attn``,
 ``rel_attn_core``, ``relative_positional_encoding``) and ``data_utils.py`` (``_local_perm``).
 
@@ -351,124 +352,6 @@ class XLNetForPreTraining(nn.Module):
             "n_pred": n_pred.detach(),
         }
         return PretrainOutput(loss=loss, metrics=metrics)
-
-
-# ----------------------------------------------------------------------------------------------
-# Hugging Face mapping (XLNetLMHeadModel state dict <-> ours)
-# ----------------------------------------------------------------------------------------------
-
-# (our key, HF key, transform). "{i}" is the layer index. Transforms:
-#   same      identical tensor
-#   in_proj   HF (D, H, Dh), used as x @ W  <->  our Linear weight (H * Dh, D)
-#   out_proj  HF (D, H, Dh), used as sum_{n,d} vec[n, d] W[:, n, d]  <->  our Linear weight (D, H * Dh)
-#   vector    HF (1, 1, D)  <->  ours (D,)
-HF_KEYS: tuple[tuple[str, str, str], ...] = (
-    ("backbone.word_emb.weight", "transformer.word_embedding.weight", "same"),
-    ("backbone.mask_emb", "transformer.mask_emb", "vector"),
-    ("lm_bias", "lm_loss.bias", "same"),
-)
-HF_LAYER_KEYS: tuple[tuple[str, str, str], ...] = (
-    ("backbone.layers.{i}.attn.q.weight", "transformer.layer.{i}.rel_attn.q", "in_proj"),
-    ("backbone.layers.{i}.attn.k.weight", "transformer.layer.{i}.rel_attn.k", "in_proj"),
-    ("backbone.layers.{i}.attn.v.weight", "transformer.layer.{i}.rel_attn.v", "in_proj"),
-    ("backbone.layers.{i}.attn.r.weight", "transformer.layer.{i}.rel_attn.r", "in_proj"),
-    ("backbone.layers.{i}.attn.o.weight", "transformer.layer.{i}.rel_attn.o", "out_proj"),
-    ("backbone.layers.{i}.attn.u", "transformer.layer.{i}.rel_attn.r_w_bias", "same"),
-    ("backbone.layers.{i}.attn.v_bias", "transformer.layer.{i}.rel_attn.r_r_bias", "same"),
-    ("backbone.layers.{i}.attn.s_bias", "transformer.layer.{i}.rel_attn.r_s_bias", "same"),
-    ("backbone.layers.{i}.attn.seg_embed", "transformer.layer.{i}.rel_attn.seg_embed", "same"),
-    ("backbone.layers.{i}.attn.ln.weight", "transformer.layer.{i}.rel_attn.layer_norm.weight", "same"),
-    ("backbone.layers.{i}.attn.ln.bias", "transformer.layer.{i}.rel_attn.layer_norm.bias", "same"),
-    ("backbone.layers.{i}.ff.fc1.weight", "transformer.layer.{i}.ff.layer_1.weight", "same"),
-    ("backbone.layers.{i}.ff.fc1.bias", "transformer.layer.{i}.ff.layer_1.bias", "same"),
-    ("backbone.layers.{i}.ff.fc2.weight", "transformer.layer.{i}.ff.layer_2.weight", "same"),
-    ("backbone.layers.{i}.ff.fc2.bias", "transformer.layer.{i}.ff.layer_2.bias", "same"),
-    ("backbone.layers.{i}.ff.ln.weight", "transformer.layer.{i}.ff.layer_norm.weight", "same"),
-    ("backbone.layers.{i}.ff.ln.bias", "transformer.layer.{i}.ff.layer_norm.bias", "same"),
-)
-
-
-def _key_table(cfg: XLNetConfig) -> list[tuple[str, str, str]]:
-    rows = list(HF_KEYS)
-    for i in range(cfg.n_layer):
-        rows += [(ours.format(i=i), hf.format(i=i), how) for ours, hf, how in HF_LAYER_KEYS]
-    return rows
-
-
-def from_hf_state_dict(hf_state: dict[str, Tensor], cfg: XLNetConfig) -> dict[str, Tensor]:
-    """State dict of an HF ``XLNetLMHeadModel`` -> state dict of our ``XLNetForPreTraining``.
-
-    ``lm_loss.weight`` is tied to the word embedding in both models and is not read.
-    """
-    H, Dh, D = cfg.n_head, cfg.head_dim, cfg.d_model
-    out = {}
-    for ours, hf, how in _key_table(cfg):
-        if hf not in hf_state:
-            raise KeyError(f"HF XLNet state dict has no {hf!r} (needed for {ours!r}); is it an XLNetLMHeadModel "
-                           f"with n_layer={cfg.n_layer}?")
-        x = hf_state[hf]
-        if how == "in_proj":
-            x = x.reshape(D, H * Dh).t()  # (D, H, Dh) -> (H * Dh, D)
-        elif how == "out_proj":
-            x = x.reshape(D, H * Dh)  # (D, H, Dh) -> (D, H * Dh)
-        elif how == "vector":
-            x = x.reshape(D)  # (1, 1, D) -> (D,)
-        out[ours] = x.clone()
-    return out
-
-
-def to_hf(state: dict[str, Tensor], cfg: XLNetConfig) -> dict[str, Tensor]:
-    """State dict of our ``XLNetForPreTraining`` -> state dict of an HF ``XLNetLMHeadModel``."""
-    H, Dh, D = cfg.n_head, cfg.head_dim, cfg.d_model
-    out = {}
-    for ours, hf, how in _key_table(cfg):
-        x = state[ours]
-        if how == "in_proj":
-            x = x.t().reshape(D, H, Dh)  # (H * Dh, D) -> (D, H, Dh)
-        elif how == "out_proj":
-            x = x.reshape(D, H, Dh)  # (D, H * Dh) -> (D, H, Dh)
-        elif how == "vector":
-            x = x.reshape(1, 1, D)  # (D,) -> (1, 1, D)
-        out[hf] = x.clone()
-    out["lm_loss.weight"] = out["transformer.word_embedding.weight"]  # tied
-    return out
-
-
-def hf_config(cfg: XLNetConfig) -> dict:
-    """Keyword arguments for ``transformers.XLNetConfig`` describing the same network."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "d_model": cfg.d_model,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "d_inner": cfg.d_ff,
-        "ff_activation": cfg.activation,
-        "attn_type": "bi",
-        "initializer_range": cfg.init_std,
-        "layer_norm_eps": cfg.layer_norm_eps,
-        "dropout": cfg.dropout,
-        "mem_len": cfg.mem_len,
-        "reuse_len": cfg.reuse_len,
-        "clamp_len": -1 if cfg.clamp_len is None else cfg.clamp_len,
-        "bi_data": False,
-        "same_length": False,
-    }
-
-
-def config_from_hf(hf: dict, max_seq_len: int = 512) -> XLNetConfig:
-    """Our config from an HF XLNet ``config.json`` dict (HF has no sequence length; give it)."""
-    for key, expected in (("attn_type", "bi"), ("bi_data", False), ("same_length", False)):
-        if hf.get(key, expected) != expected:
-            raise ValueError(f"HF XLNet config {key}={hf[key]!r} is not supported (only {expected!r})")
-    clamp = hf.get("clamp_len", -1)
-    return XLNetConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_layer=hf["n_layer"], n_head=hf["n_head"],
-        # HF mem_len None means "keep everything"; without a bound we keep no memory
-        d_ff=hf["d_inner"], max_seq_len=max_seq_len, mem_len=hf.get("mem_len") or 0,
-        reuse_len=hf.get("reuse_len"), dropout=hf.get("dropout", 0.1), activation=hf.get("ff_activation", "gelu"),
-        clamp_len=None if clamp is None or clamp <= 0 else clamp, layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-        init_std=hf.get("initializer_range", 0.02),
-    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,13 +8,8 @@ import time
 import pytest
 import torch
 
-from ctxmodels.albert import (
-    PRESETS,
-    AlbertConfig,
-    AlbertForPreTraining,
-    from_hf_state_dict,
-    to_hf,
-)
+from ctxmodels.albert import PRESETS, AlbertConfig, AlbertForPreTraining
+from ctxmodels.hf import from_hf, to_hf
 from ctxmodels.outputs import PretrainOutput
 
 transformers = pytest.importorskip("transformers")
@@ -72,7 +67,7 @@ def batch(B: int = 3, T: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("groups", "share"), [(1, "all"), (3, "none")])
 def test_parity_with_hugging_face(groups, share):
     hf = hf_reference(groups)
-    cfg, model = from_hf_state_dict(hf.config.to_dict(), hf.state_dict())
+    _, cfg, model = from_hf(hf.config.to_dict(), hf.state_dict())
     model.eval()
     assert cfg.share == share and cfg.activation == "gelu_tanh"
     b = batch()
@@ -97,7 +92,7 @@ def test_parity_with_hugging_face(groups, share):
 def test_to_hf_loads_in_transformers(share, tmp_path):
     torch.manual_seed(0)
     model = AlbertForPreTraining(tiny(share=share)).eval()
-    hf_config, state_dict = to_hf(model)
+    hf_config, state_dict = to_hf(model, "albert")
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     safetensors_torch.save_file(state_dict, str(tmp_path / "model.safetensors"))
     hf = transformers.AlbertForPreTraining.from_pretrained(tmp_path).eval()
@@ -108,7 +103,7 @@ def test_to_hf_loads_in_transformers(share, tmp_path):
         mlm, sop = model.logits(**inputs)
     torch.testing.assert_close(mlm, ref.prediction_logits.reshape(-1, VOCAB), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(sop, ref.sop_logits, atol=1e-4, rtol=1e-4)
-    _, again = from_hf_state_dict(hf_config, state_dict)
+    _, _, again = from_hf(hf_config, state_dict)
     for name, t in model.state_dict().items():
         assert torch.equal(t, again.state_dict()[name]), name
 
@@ -204,7 +199,7 @@ def test_mlm_only_and_missing_labels():
     b.pop("next_sentence_label")
     out = model(**b)
     assert set(out.metrics) == {"mlm_loss", "mlm_acc", "n_pred"}
-    assert not any(k.startswith("sop_classifier") for k in to_hf(model)[1])
+    assert not any(k.startswith("sop_classifier") for k in to_hf(model, "albert")[1])
     with pytest.raises(ValueError, match="next_sentence_label"):
         AlbertForPreTraining(tiny())(**b)
     b.pop("labels")
@@ -228,7 +223,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_seq_len"):
         AlbertForPreTraining(tiny()).backbone.hidden_states(torch.zeros(1, 25, dtype=torch.long))
     with pytest.raises(ValueError, match="share='attention'"):
-        to_hf(AlbertForPreTraining(tiny(share="attention")))
+        to_hf(AlbertForPreTraining(tiny(share="attention")), "albert")
 
 
 def test_empty_rows_stay_finite():

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from ctxmodels.gpt import PRESETS, GPTConfig, GPTForPreTraining, from_hf_state_dict, to_hf
+from ctxmodels.gpt import PRESETS, GPTConfig, GPTForPreTraining
+from ctxmodels.hf import from_hf, to_hf
 from ctxmodels.outputs import PretrainOutput
 
 transformers = pytest.importorskip("transformers")
@@ -55,9 +56,9 @@ def batch(B: int = 3, T: int = 11, vocab: int = 97, seed: int = 1):
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_parity_with_hugging_face(norm):
     hf = hf_reference(norm)
-    cfg, model = from_hf_state_dict(hf.config.to_dict(), hf.state_dict())
+    family, cfg, model = from_hf(hf.config.to_dict(), hf.state_dict())
     model.eval()
-    assert cfg.norm == norm and cfg.d_ff == (128 if norm == "post" else 80)
+    assert family == "gpt" and cfg.norm == norm and cfg.d_ff == (128 if norm == "post" else 80)
     ids, mask = batch()
     for attention_mask in (None, mask):
         with torch.no_grad():
@@ -82,7 +83,7 @@ def test_parity_with_hugging_face(norm):
 def test_to_hf_loads_in_transformers(norm, tmp_path):
     torch.manual_seed(0)
     model = GPTForPreTraining(tiny(norm)).eval()
-    hf_config, state_dict = to_hf(model)
+    hf_config, state_dict = to_hf(model, "gpt")
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     safetensors_torch.save_file(state_dict, str(tmp_path / "model.safetensors"))
     cls = transformers.OpenAIGPTLMHeadModel if norm == "post" else transformers.GPT2LMHeadModel
@@ -93,7 +94,7 @@ def test_to_hf_loads_in_transformers(norm, tmp_path):
         ours = model.logits(ids, mask)
     torch.testing.assert_close(ours[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
     # And back again, bit for bit.
-    _, again = from_hf_state_dict(hf_config, state_dict)
+    _, _, again = from_hf(hf_config, state_dict)
     for name, t in model.state_dict().items():
         assert torch.equal(t, again.state_dict()[name]), name
 
@@ -187,7 +188,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_seq_len"):
         GPTForPreTraining(tiny("post"))(torch.zeros(1, 25, dtype=torch.long))
     with pytest.raises(ValueError, match="d_ff"):
-        to_hf(GPTForPreTraining(tiny("post", d_ff=80)))
+        to_hf(GPTForPreTraining(tiny("post", d_ff=80)), "gpt")
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
