@@ -923,8 +923,9 @@ def task_from_hf(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF w
                       input_style=INPUT_STYLES.get(family, "bert"))
     model = build_task_model(family, cfg, task, torch.Generator().manual_seed(0))
     fresh = load_weights(model, conv.weights(cfg, kind), tensors, cfg.n_head, where)
-    unused = ("backbone.pooler.",) if kind in ("token-classification", "question-answering") else ()
-    fresh = [k for k in fresh if not k.startswith(unused)]  # token heads never read the pooler
+    # Token heads never read the pooler (BERT, ALBERT) or the sequence summary (XLNet).
+    unused = ("backbone.pooler.", "summary.") if kind in ("token-classification", "question-answering") else ()
+    fresh = [k for k in fresh if not k.startswith(unused)]
     if fresh:
         raise ValueError(f"{where}: the {kind} model needs {fresh[:5]}, which the weights do not give")
     return family, cfg, model.eval()

@@ -9,6 +9,7 @@
     ctx submit --address http://127.0.0.1:8265 -- pretrain --config configs/bert-tiny.yaml
     ctx demo
     ctx report runs/bert-tiny
+    ctx export --model runs/minilm-pairs --format hf --output exported/minilm-pairs
 """
 
 from __future__ import annotations
@@ -176,6 +177,36 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from ctxmodels.hf import export_hf_folder
+    from jobs.runs import local_copy, resolve_checkpoint
+    from pipelines import storage
+    from pipelines.tokenizers import load_tokenizer
+
+    checkpoint = resolve_checkpoint(args.model, args.endpoint_url)  # a run folder: its best checkpoint
+    with tempfile.TemporaryDirectory(prefix="ctx-export-") as work:
+        loaded = load_checkpoint(local_copy(checkpoint, Path(work) / "in", args.endpoint_url))
+        pad_id = None  # GPT's HF sequence heads find the last token by the padding id
+        if loaded.tokenizer_dir is not None:
+            try:
+                pad_id = load_tokenizer(loaded.tokenizer_dir).pad_id
+            except (OSError, ValueError):
+                pad_id = None  # a tokenizer we cannot read is still copied; GPT heads then say what is missing
+        out = Path(work) / "out" if storage.is_remote(args.output) else Path(args.output)
+        try:
+            export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id)
+        except ValueError as e:  # a head transformers lacks: say which, no traceback
+            raise SystemExit(f"ctx export: {checkpoint}: {e}") from None
+        if storage.is_remote(args.output):
+            storage.copy_dir(out, args.output, args.endpoint_url)
+    what = f"{loaded.task.kind} model" if loaded.task is not None else "pretraining model"
+    print(f"{loaded.family} {what} from {checkpoint} -> {args.output} (Hugging Face folder)")
+    return 0
+
+
 def _add_pretrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/bert-tiny.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any recipe key, e.g. train.lr=3e-4")
@@ -238,6 +269,13 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
 
 
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint or run folder (its best checkpoint), local or s3://")
+    p.add_argument("--format", required=True, choices=["hf"], help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--output", required=True, help="folder to write (local or s3://)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+
+
 def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_uri", metavar="RUN", help="the run folder, <output_dir>/<name> (local, file:// or s3://)")
     p.add_argument("--out", default=None, help="where to write index.html and the PNGs (default: <run>/report, or ./report-<name> for s3://)")
@@ -255,6 +293,7 @@ COMMANDS = {
     ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
     ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
     ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
+    ("export",): ("write a pretrained or fine-tuned model as a Hugging Face folder", _add_export, cmd_export),
 }
 
 
