@@ -62,7 +62,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
 from ctxmodels.flops import measure_matmul_peak, train_flops_per_step  # noqa: E402
-from ctxmodels.hf import BERT_BACKBONE, BERT_HEADS, BERT_LAYER, expand_layers, state_dict_to_hf  # noqa: E402
+from ctxmodels.hf import to_hf  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
 
 BATCH, SEQ_LEN = 32, 128
@@ -111,10 +111,7 @@ def hf_twin(ours: BertForPreTraining):
         pad_token_id=cfg.pad_token_id,
     )
     hf = transformers.BertForMaskedLM(hf_cfg)
-    state = ours.state_dict()
-    table = {f"backbone.{k}": v for k, v in {**BERT_BACKBONE, **expand_layers(BERT_LAYER, cfg.n_layer)}.items()}
-    tensors = state_dict_to_hf(table, state, prefix="bert.")
-    tensors.update(state_dict_to_hf({k: v for k, v in BERT_HEADS.items() if k in state}, state))
+    _, tensors = to_hf(ours, "bert")  # BertForMaskedLM's names when ours has no NSP head
     result = hf.load_state_dict(tensors, strict=False)
     tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
     if result.unexpected_keys or set(result.missing_keys) - tied:
