@@ -37,8 +37,9 @@ logits, checked by tests/ctxmodels/test_hf_heads.py):
   the last position, which is the last real token because XLNet's tokenizer pads on the left.
   Ours pads on the right and reads the last real token: per example the same logits.
   QA is ``XLNetForQuestionAnsweringSimple`` (start/end logits), not the beam-search head.
+- SpanBERT exports as BERT (same backbone and heads), without its span-boundary pretraining head.
 - Never exported: feature-based task models (layer mixes, BiLSTMs); ELMo and Transformer-XL
-  (transformers 5 has neither); SpanBERT's span-boundary head.
+  (transformers 5 has neither).
 """
 
 from __future__ import annotations
@@ -653,12 +654,14 @@ def xlnet_weights(cfg: XLNetConfig, head: Head) -> Weights:
 
 
 # ----------------------------------------------------------------------------------------------
-# The registry: our family -> its converter. ELMo and Transformer-XL have no transformers 5 class;
-# SpanBERT's pretrained span-boundary head has none either.
+# The registry: our family -> its converter. ELMo and Transformer-XL have no transformers 5 class.
+# SpanBERT is a BERT: it exports as model_type "bert" (its span-boundary head, which HF lacks, is
+# left out) and reads no model_type of its own, since HF's SpanBERT folders say "bert".
 # ----------------------------------------------------------------------------------------------
 
 CONVERTERS: dict[str, Converter] = {
     "bert": Converter(("bert",), bert_config_from_hf, bert_config_to_hf, bert_weights, BERT_TASKS),
+    "spanbert": Converter((), bert_config_from_hf, bert_config_to_hf, bert_weights, BERT_TASKS),
     "roberta": Converter(("roberta",), roberta_config_from_hf, roberta_config_to_hf, roberta_weights, ROBERTA_TASKS),
     "albert": Converter(("albert",), albert_config_from_hf, albert_config_to_hf, albert_weights, ALBERT_TASKS),
     "gpt": Converter(("openai-gpt", "gpt2"), gpt_config_from_hf, gpt_config_to_hf, gpt_weights, GPT_TASKS),

@@ -167,7 +167,7 @@ def test_export_refuses_heads_transformers_lacks(model_type, kind, tmp_path):
 def test_export_refuses_families_transformers_lacks(family, tmp_path):
     cfg = make_config(family, "tiny")
     model = build_task_model(family, cfg, TaskConfig(kind="classification"), torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=rf"no Hugging Face export for family '{family}'.*\['albert', 'bert', 'gpt', 'roberta', 'xlnet'\]"):
+    with pytest.raises(ValueError, match=rf"no Hugging Face export for family '{family}'.*\['albert', 'bert', 'gpt', 'roberta', 'spanbert', 'xlnet'\]"):
         export_hf_folder(model, family, tmp_path)
 
 
@@ -186,6 +186,16 @@ def test_export_refuses_what_no_head_computes(tmp_path):
         export_hf_folder(gpt, "gpt", tmp_path)
     with pytest.raises(ValueError, match="export as family 'xlnet' got a 'gpt' task model"):
         export_hf_folder(gpt, "xlnet", tmp_path)
+
+
+def test_spanbert_exports_as_bert(tmp_path):
+    cfg = make_config("spanbert", "tiny", SIZE)
+    ours = build_task_model("spanbert", cfg, TaskConfig(kind="question-answering"), torch.Generator().manual_seed(0))
+    perturb(ours)
+    export_hf_folder(ours.eval(), "spanbert", tmp_path)
+    ref = transformers.AutoModelForQuestionAnswering.from_pretrained(tmp_path)
+    assert type(ref).__name__ == "BertForQuestionAnswering"
+    assert_same_logits(ours, ref.eval(), "bert", "question-answering")
 
 
 def test_task_import_refuses_a_pretraining_folder(tmp_path):
