@@ -992,6 +992,11 @@ def export_hf_folder(
     """Write an HF folder (config.json, model.safetensors, tokenizer files) that transformers loads:
     the pretraining class for a pretraining model, the task head's class for a ``TaskModel``."""
     hf_config, tensors = to_hf(model, family, pad_token_id)
+    return write_hf_folder(out_dir, hf_config, tensors, tokenizer_dir)
+
+
+def write_hf_folder(out_dir: str | Path, hf_config: dict, tensors: dict[str, Tensor], tokenizer_dir: str | Path | None = None) -> Path:
+    """config.json, model.safetensors and the tokenizer's files in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))

