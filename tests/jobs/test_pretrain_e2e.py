@@ -71,4 +71,7 @@ def test_s3_pretrain_resume_and_serve(ray_session, s3_server, s3_bucket):
         data = r.json()["data"]
         assert len(data) == 2 and len(data[0]["embedding"]) == 64  # tiny preset: d_model 64
     finally:
-        serve.shutdown()
+        serve.shutdown()  # this app only
+        from ray import serve as ray_serve
+
+        ray_serve.shutdown()  # and the proxy on this test's port: the next module starts Serve on its own
