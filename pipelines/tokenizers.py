@@ -295,7 +295,9 @@ def _train_wordpiece(lines: list[str], vocab_size: int, lowercase: bool) -> HFTo
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter([" ".join(words) for words in words_per_line if words]),
-            model_writer=model, model_type="bpe", vocab_size=budget + 3, hard_vocab_limit=False,
+            # SentencePiece's vocabulary also holds every character, alone and word-initial: those
+            # duplicate `fixed`, so ask for that many more pieces and cut at vocab_size below.
+            model_writer=model, model_type="bpe", vocab_size=budget + 3 + 2 * len(chars) + 1, hard_vocab_limit=False,
             normalization_rule_name="identity", character_coverage=1.0, split_digits=False,
             unk_id=0, bos_id=1, eos_id=2, pad_id=-1, input_sentence_size=_SPM_MAX_SENTENCES,
             shuffle_input_sentence=True, num_threads=_SPM_THREADS, minloglevel=2,
