@@ -37,6 +37,7 @@ models and the pure decoding functions are the Gateway half. Rows of a task mode
 import asyncio
 import dataclasses
 import json
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -680,8 +681,6 @@ class TaskServing:
         return {"object": "list", "data": data, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
     async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> dict:
-        import torch
-
         tok = self.tokenizer
         ids = [tok.cls_id, *(int(i) for i in tok.encode_batch([prompt])[0])]  # a pretraining row opens with [CLS]
         if len(ids) + max_tokens > self.max_len:
@@ -690,7 +689,7 @@ class TaskServing:
                 f"model {self.name!r} reads: shorten the prompt or ask for fewer tokens"
             )
         if seed is None:
-            seed = torch.Generator().seed()  # fresh entropy, returned so the answer can be reproduced
+            seed = secrets.randbits(63)  # fresh entropy (never the global RNG), returned so the answer can be reproduced
         new, finish = await asyncio.to_thread(
             generate_ids, self.family, self.model, ids, max_tokens, tok.sep_id, tok.mask_id, temperature, top_k, top_p, seed, self.device
         )
