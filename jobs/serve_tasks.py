@@ -512,7 +512,6 @@ class TaskSettings:
     data: Any  # pipelines.finetune.TaskDataConfig, with_labels=False
     max_answer_len: int
     null_threshold: float | None  # None: SQuAD 1.1 (always a span)
-    from_recipe: bool
 
 
 def read_recipe(local_dir: Path) -> dict | None:
@@ -532,13 +531,10 @@ def task_settings(family: str, task: Any, recipe: dict | None, model_max_len: in
     if recipe is None:  # built outside ctx finetune: the recipe defaults, within what the model reads
         recipe = {"model": {"init": "-"}, "data": {"train": "-"}, "task": {"kind": task.kind, "symmetric": task.symmetric}}
         recipe["task"]["max_len"] = min(128, model_max_len)
-        from_recipe = False
-    else:
-        from_recipe = True
     parsed = FinetuneRecipe.model_validate(recipe)
     data = dataclasses.replace(task_data_config(parsed, family, tuple(task.labels)), with_labels=False)
     t = parsed.task
-    return TaskSettings(data, t.max_answer_len, t.null_threshold if t.version_2 else None, from_recipe)
+    return TaskSettings(data, t.max_answer_len, t.null_threshold if t.version_2 else None)
 
 
 # --------------------------------------------------------------------------------------- the replica half
