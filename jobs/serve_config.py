@@ -40,6 +40,14 @@ IMPORT_PATH = "jobs.serve:app_builder"
 API_KEYS_ENV = "CTX_API_KEYS"  # comma-separated keys, read by `ctx serve` when no --api-key-file is given
 
 
+class InputError(ValueError):
+    """A request a model cannot serve as asked (input too long, no such layer): answered with 400."""
+
+
+class LimitError(InputError):
+    """A request over one of the server's limits (tokens per request, token-embedding size): 413."""
+
+
 class Limits(BaseModel):
     """Request limits: each is checked before the work it bounds, and answered with 413 naming it."""
 
@@ -53,6 +61,8 @@ class Limits(BaseModel):
     # tokens x layers x width of one /v1/token-embeddings answer: 4M floats is ~16 MB as base64, ~50 MB as JSON
     max_token_embedding_values: int = Field(4 * 2**20, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)  # a request still running then is cancelled: 504
+    # /v1/generate's max_tokens: each new token is one forward pass over the whole sequence (no KV cache)
+    max_new_tokens: int = Field(256, gt=0)
 
 
 class Autoscaling(BaseModel):
