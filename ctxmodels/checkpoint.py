@@ -46,6 +46,7 @@ class LoadedModel:
     model: nn.Module  # the pretraining model, in eval mode (call .train() to keep training)
     tokenizer_dir: Path | None = None  # where the tokenizer files are, if the checkpoint has them
     task: Any = None  # ctxmodels.tasks.TaskConfig of a fine-tuned model (then ``model`` is its TaskModel)
+    untrained: tuple[str, ...] = ()  # weights a Hugging Face folder lacked (freshly initialised), e.g. "mlm.bias"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,9 +257,9 @@ def load_checkpoint(ckpt_dir: str | Path, verify_hashes: bool = False) -> Loaded
 
     if payload.get("format") != "ctxmodels":
         if "model_type" in payload:
-            family, config, model = hf.load_hf_folder(folder)
+            family, config, model, untrained = hf.load_hf_folder_untrained(folder)
             has_tok = any((folder / n).exists() for n in ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model"))
-            return LoadedModel(family, config, model.eval(), folder if has_tok else None)
+            return LoadedModel(family, config, model.eval(), folder if has_tok else None, untrained=tuple(untrained))
         raise ValueError(f"{config_path}: neither our format ('format': 'ctxmodels') nor an HF folder ('model_type')")
 
     if not has_manifest:

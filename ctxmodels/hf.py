@@ -900,7 +900,15 @@ def from_hf(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF weight
 
     Any folder of a supported model type loads: its base model always, its pretraining heads when
     present. Tensors we do not use (a task head's classifier) are logged on logger ``ctxmodels.hf``,
-    and so are our heads the weights lack, which stay freshly initialised."""
+    and so are our heads the weights lack, which stay freshly initialised (``from_hf_untrained``
+    also returns their names)."""
+    family, cfg, model, _ = from_hf_untrained(hf_config, tensors, where)
+    return family, cfg, model
+
+
+def from_hf_untrained(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF weights") -> tuple[str, Any, nn.Module, list[str]]:
+    """``from_hf`` plus the names of our weights the HF tensors lacked (e.g. ``mlm.dense.weight`` of
+    a bare ``BertModel`` folder): what a server must not answer from."""
     family = family_of(hf_config.get("model_type"), where)
     conv = CONVERTERS[family]
     cfg = conv.config_from_hf(hf_config, where)
@@ -911,7 +919,7 @@ def from_hf(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF weight
             "%s: no weights for %s; these stay freshly initialised (fine for feature extraction, "
             "train them before using their outputs)", where, fresh,
         )
-    return family, cfg, model
+    return family, cfg, model, list(fresh)
 
 
 def task_from_hf(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF weights") -> tuple[str, Any, TaskModel]:
@@ -975,6 +983,14 @@ def load_hf_folder(path: str | Path) -> tuple[str, Any, nn.Module]:
     hf_config = _read_config(folder)
     family_of(hf_config.get("model_type"), str(folder / "config.json"))  # before reading any weights
     return from_hf(hf_config, read_safetensors_folder(folder), str(folder))
+
+
+def load_hf_folder_untrained(path: str | Path) -> tuple[str, Any, nn.Module, list[str]]:
+    """``load_hf_folder`` plus the weights the folder lacked (``from_hf_untrained``)."""
+    folder = Path(path)
+    hf_config = _read_config(folder)
+    family_of(hf_config.get("model_type"), str(folder / "config.json"))
+    return from_hf_untrained(hf_config, read_safetensors_folder(folder), str(folder))
 
 
 def load_hf_task_folder(path: str | Path) -> tuple[str, Any, TaskModel]:

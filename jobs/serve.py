@@ -439,29 +439,12 @@ class EmbeddingModel(TaskServing):
 
 
 def _load_noting_untrained_heads(local_dir: Path):
-    """(load_checkpoint(local_dir), the head modules a Hugging Face folder had no weights for).
-
-    ``ctxmodels.hf`` leaves such heads freshly initialised and names their weights in a warning
-    (['mlm.dense.weight', ...] -> {'mlm'}); listening to it spares reading the weights twice."""
+    """(load_checkpoint(local_dir), the head modules a Hugging Face folder had no weights for:
+    ['mlm.dense.weight', ...] -> {'mlm'})."""
     from ctxmodels.checkpoint import load_checkpoint
 
-    class Heads(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.names: set[str] = set()
-
-        def emit(self, record: logging.LogRecord) -> None:
-            for arg in record.args if isinstance(record.args, tuple) else ():
-                if isinstance(arg, list) and all(isinstance(a, str) for a in arg):
-                    self.names.update(a.split(".", 1)[0] for a in arg)
-
-    heads, hf_log = Heads(), logging.getLogger("ctxmodels.hf")
-    hf_log.addHandler(heads)
-    try:
-        loaded = load_checkpoint(local_dir, verify_hashes=True)  # the weights are the manifest's
-    finally:
-        hf_log.removeHandler(heads)
-    return loaded, heads.names
+    loaded = load_checkpoint(local_dir, verify_hashes=True)  # the weights are the manifest's
+    return loaded, {name.split(".", 1)[0] for name in loaded.untrained}
 
 
 def _refusal(e: InputError) -> dict:
