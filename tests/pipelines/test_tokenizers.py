@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.tokenizers import SPECIAL_TOKENS, Tokenizer, load_tokenizer, train_tokenizer
+from pipelines.tokenizers import SPECIAL_TOKENS, MissingSpecialToken, _byte_symbols, Tokenizer, load_tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "data" / "sample"
-KINDS = ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe")
+KINDS = ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe")
 
 HARD_CASES = [
     "",
@@ -216,6 +216,8 @@ def test_special_ids_are_0_to_4(trained):
 def test_word_start_known_tokens(trained):
     if trained.kind == "wordpiece":
         starts, inside = ["the", "bank", ",", "."], ["##s", "##ing", "##ed"]
+    elif trained.kind == "byte-level-bpe":  # "Ġ" is the space before a word; bytes are tokens of their own
+        starts, inside = ["Ġthe", "Ġbank", "Ġa"], ["s", "ing", "ed", ",", "A", "æ"]
     else:
         starts, inside = ["▁the", "▁bank", "▁a"], ["s", "ing", "<0x41>", "<0xE6>"]
     for token in starts:
@@ -229,7 +231,10 @@ def test_word_start_known_tokens(trained):
 
 def test_save_load_round_trip(trained, corpus_lines, tmp_path):
     trained.save(tmp_path)
-    expected_files = {"tokenizer.json", "vocab.txt", "tokenizer_config.json"} if trained.kind == "wordpiece" else {"spm.model", "tokenizer_config.json"}
+    expected_files = {
+        "wordpiece": {"tokenizer.json", "vocab.txt", "tokenizer_config.json"},
+        "byte-level-bpe": {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"},
+    }.get(trained.kind, {"spm.model", "tokenizer_config.json"})
     assert {p.name for p in tmp_path.iterdir()} == expected_files
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["kind"] == trained.kind and config["lowercase"] is True and config["mask_token"] == "[MASK]"
@@ -277,7 +282,17 @@ def _normal(kind: str, s: str) -> str:
     """What the tokenizer's normaliser makes of a surface string (lowercase=True)."""
     if kind == "wordpiece":  # BERT: lowercase, then drop combining marks
         return "".join(c for c in unicodedata.normalize("NFD", s.lower()) if unicodedata.category(c) != "Mn")
+    if kind == "byte-level-bpe":  # a Lowercase normaliser only
+        return s.lower()
     return unicodedata.normalize("NFKC", s).casefold()  # SentencePiece nmt_nfkc_cf
+
+
+BYTE_OF_SYMBOL = {c: b for b, c in enumerate(_byte_symbols())}  # "Ġ" -> 0x20 ...
+
+
+def _token_bytes(token: str) -> bytes:
+    """The UTF-8 bytes a byte-level BPE token stands for."""
+    return bytes(BYTE_OF_SYMBOL[c] for c in token)
 
 
 OFFSET_TEXTS = [
@@ -294,6 +309,23 @@ def test_offsets_reproduce_surface_forms(trained, corpus_lines):
     texts = corpus_lines[:500] + OFFSET_TEXTS
     ids, offsets, tokens = trained.encode_for_model(texts, 10_000)
     checked = 0
+    if trained.kind == "byte-level-bpe":
+        for text, offs, toks in zip(texts, offsets, tokens):
+            # Every byte of the text is in exactly one token, after the prefix space.
+            assert b"".join(_token_bytes(t) for t in toks[1:-1]) == (" " + _normal(trained.kind, text)).encode(), text
+            for (start, end), token in zip(offs[1:-1], toks[1:-1]):
+                assert 0 <= start <= end <= len(text), (text, token, start, end)
+                raw = _token_bytes(token).lstrip(b" ")  # "Ġbank": the span starts at the word
+                surface = _normal(trained.kind, text[start:end]).encode()
+                if start == end:
+                    assert raw.isspace() or not raw, (text, token)  # whitespace runs: no surface
+                elif _is_utf8(raw):
+                    assert raw == surface, (text, token, text[start:end])  # whole characters: their own span
+                else:
+                    assert raw in surface, (text, token, text[start:end])  # bytes of characters: their span
+                checked += 1
+        assert checked > 5000
+        return
     for text, offs, toks in zip(texts, offsets, tokens):
         byte_run, run_start = b"", None  # SentencePiece byte-fallback pieces of one character
         for (start, end), token in zip(offs[1:-1], toks[1:-1]):
@@ -315,8 +347,16 @@ def test_offsets_reproduce_surface_forms(trained, corpus_lines):
     assert checked > 5000
 
 
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_lowercase_option(corpus_lines):
-    for kind in ("wordpiece", "sentencepiece-bpe"):
+    for kind in ("wordpiece", "sentencepiece-bpe", "byte-level-bpe"):
         cased = train_tokenizer(kind, corpus_lines[:3000], vocab_size=800, lowercase=False)
         uncased = train_tokenizer(kind, corpus_lines[:3000], vocab_size=800, lowercase=True)
         assert not cased.lowercase and uncased.lowercase
@@ -333,13 +373,26 @@ def test_missing_or_empty_folder_gives_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
     (tmp_path / "README.md").write_text("not a tokenizer")
-    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*expected spm\.model.*tokenizer\.json.*vocab\.txt; found README\.md"):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*expected spm\.model.*tokenizer\.json.*vocab\.txt.*vocab\.json \+ merges\.txt; found README\.md"):
         load_tokenizer(tmp_path)
 
 
-def test_missing_special_token_is_named(tmp_path):
+def test_missing_special_token_is_named_when_needed(tmp_path):
+    """A folder without [MASK] loads; asking for the mask id names the token and the folder."""
+    from pipelines.masking import VocabInfo
+
     (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\n")
-    with pytest.raises(ValueError, match=r"no mask token"):
+    tok = load_tokenizer(tmp_path)
+    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id) == (0, 1, 2, 3)
+    assert tok.special_id("mask") is None and tok.special_ids.tolist() == [0, 1, 2, 3]
+    assert tok.encode_for_model(["hello"], 8)[0] == [[2, 4, 3]]
+    expected = rf"{re.escape(str(tmp_path))}: the tokenizer has no mask token \(looked for '\[MASK\]', '<mask>'\).*mask_token"
+    with pytest.raises(MissingSpecialToken, match=expected):
+        tok.mask_id
+    with pytest.raises(ValueError, match=expected):  # masked-LM data asks for it
+        VocabInfo.from_tokenizer(tok)
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n[SEP]\nhello\n")  # WordPiece itself needs [UNK]
+    with pytest.raises(ValueError, match=r"vocab\.txt: no unk token.*'\[UNK\]'"):
         load_tokenizer(tmp_path)
 
 
@@ -372,16 +425,20 @@ import hashlib, os, sys, tempfile
 from pipelines.sources import sample_text
 from pipelines.tokenizers import train_tokenizer
 texts = list(sample_text([sys.argv[1]], 150_000))
-for kind in ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"):
+for kind, size in (("wordpiece", 1200), ("sentencepiece-unigram", 1200), ("sentencepiece-bpe", 1200), ("byte-level-bpe", 1200), ("byte-level-bpe", 3000)):
     d = tempfile.mkdtemp()
-    train_tokenizer(kind, texts, 1200).save(d)
+    train_tokenizer(kind, texts, size).save(d)
     for f in sorted(os.listdir(d)):
-        print(kind, f, hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest())
+        print(kind, size, f, hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest())
 """
 
 
 def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
-    """The same text and settings give the same files, run after run, with 1 or 2 threads."""
+    """The same text and settings give the same files, run after run, with 1 or 2 threads.
+
+    Fresh processes with different PYTHONHASHSEED: string hashes (so set and dict-of-set orders)
+    change between them, as Rust's hash maps do in ``tokenizers``.
+    """
     import os
     import subprocess
     import sys
@@ -389,9 +446,9 @@ def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
     repo = Path(__file__).resolve().parents[2]
     shard = str(repo / "data" / "sample" / "wordnet-0000-of-0008.txt.gz")
     outs = []
-    for threads in ("1", "2", "2"):
-        env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONPATH": str(repo)}
+    for threads, hash_seed in (("1", "0"), ("2", "1"), ("2", "random")):
+        env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(repo)}
         outs.append(subprocess.run([sys.executable, "-c", _TRAIN_AND_HASH, shard], env=env, cwd=repo,
                                    capture_output=True, text=True, check=True).stdout)
-    assert outs[0].count("\n") == 7  # wordpiece: 3 files, each sentencepiece kind: 2
+    assert outs[0].count("\n") == 3 + 2 + 2 + 4 + 4  # wordpiece: 3 files, sentencepiece: 2, byte-level BPE: 4
     assert outs[0] == outs[1] == outs[2]
