@@ -528,7 +528,7 @@ def train_tokenizer(kind: TrainKind, texts: Iterable[str], vocab_size: int, lowe
     """Train a tokenizer of ``kind`` on ``texts`` (lines or whole documents), special ids 0..4.
 
     SentencePiece may stop below ``vocab_size`` on a small corpus (``hard_vocab_limit=False``), and
-    byte-level BPE when no pair of tokens is seen twice more; byte-level BPE needs ``vocab_size``
+    byte-level BPE when no pair of tokens is seen twice any more; byte-level BPE needs ``vocab_size``
     of at least 261 (5 special tokens and the 256 bytes).
     """
     specials = dict(zip(ROLES, SPECIAL_TOKENS))

@@ -47,6 +47,11 @@ def _lines(n: int) -> list[str]:
         return [line for line in f.read().split("\n") if line][:n]
 
 
+def _byte_level_bpe(lines: list[str], tmp: Path):
+    """Our byte-level BPE (test_finetune_data imports this helper; ``tmp`` is no longer needed)."""
+    return train_tokenizer("byte-level-bpe", lines, vocab_size=800)
+
+
 def _gpt2_folder(lines: list[str], tmp: Path):
     """A GPT-2-style folder (<|endoftext|> only, no prefix space), built here: nothing is downloaded."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -67,6 +72,8 @@ def tok(request, minilm_dir, tmp_path_factory):
     lines = _lines(2000)
     if request.param == "gpt2-folder":
         return _gpt2_folder(lines, tmp_path_factory.mktemp("gpt2"))
+    if request.param == "byte-level-bpe":
+        return _byte_level_bpe(lines, tmp_path_factory.mktemp("bbpe"))
     return train_tokenizer(request.param, lines, vocab_size=800)
 
 
