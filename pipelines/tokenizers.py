@@ -417,15 +417,16 @@ def _byte_symbols() -> list[str]:
 _MIN_PAIR_COUNT = 2  # a pair seen once is not worth a token: training stops there, below vocab_size
 
 
-def _learn_merges(word_counts: dict[str, int], symbols: list[str], n_merges: int) -> list[tuple[str, str]]:
-    """BPE merges (Sennrich et al. 2016) learned from ``word_counts``, at most ``n_merges``, in order.
+def _learn_merges(word_counts: dict[str, int], symbols: list[str], n_new: int) -> list[tuple[str, str]]:
+    """BPE merges (Sennrich et al. 2016) learned from ``word_counts``, in order, until they have made
+    ``n_new`` new tokens.
 
     Words are strings of the base ``symbols`` (one character each). Each step merges, in every word,
     the adjacent pair of symbols seen most often (counted over words times their counts; an
     overlapping "a a a" counts "a a" twice), left to right; ties go to the smallest (left, right)
     pair of token strings, so the result never depends on hash or thread order. Stops early when no
-    pair is seen ``_MIN_PAIR_COUNT`` times. A merge whose result was already made by an earlier one
-    ("ab"+"c" after "a"+"bc") is kept: both are merge rules, the token is one.
+    pair is seen ``_MIN_PAIR_COUNT`` times. Should a merge remake a token an earlier one made
+    ("ab"+"c" after "a"+"bc"), both stay merge rules and the token counts once.
 
     Incremental: pair counts and the words holding each pair are kept up to date, and only the
     words holding the merged pair are rewritten; a heap ordered by (-count, left, right) finds the
@@ -444,7 +445,8 @@ def _learn_merges(word_counts: dict[str, int], symbols: list[str], n_merges: int
     heap = [(-c, names[a], names[b], a, b) for (a, b), c in pair_count.items()]
     heapq.heapify(heap)
     merges: list[tuple[str, str]] = []
-    while heap and len(merges) < n_merges:
+    made = 0  # new tokens: a merge may remake an existing one
+    while heap and made < n_new:
         neg, _, _, a, b = heapq.heappop(heap)
         if pair_count.get((a, b), 0) != -neg:
             continue  # stale: the pair's count changed since this entry was pushed
@@ -456,6 +458,7 @@ def _learn_merges(word_counts: dict[str, int], symbols: list[str], n_merges: int
         if new is None:
             new = index[token] = len(names)
             names.append(token)
+            made += 1
         delta: dict[tuple[int, int], int] = {}
         for w in holders.pop((a, b)):
             old, c = words[w], counts[w]

@@ -457,11 +457,11 @@ def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
 # ------------------------------------------------------------------------- byte-level BPE
 
 
-def _naive_merges(word_counts: dict[str, int], n_merges: int) -> list[tuple[str, str]]:
+def _naive_merges(word_counts: dict[str, int], n_new: int) -> list[tuple[str, str]]:
     """BPE as Sennrich et al. (2016) write it: recount every pair of every word before each merge."""
     words = {tuple(w): c for w, c in word_counts.items()}
-    merges = []
-    for _ in range(n_merges):
+    merges, made = [], set()
+    while len(made) < n_new:
         pairs: dict[tuple[str, str], int] = {}
         for word, c in words.items():
             for pair in zip(word, word[1:]):
@@ -472,6 +472,7 @@ def _naive_merges(word_counts: dict[str, int], n_merges: int) -> list[tuple[str,
         if pairs[best] < 2:
             break
         merges.append(best)
+        made.add(best[0] + best[1])
         merged = {}
         for word, c in words.items():
             out, i = [], 0
@@ -499,11 +500,15 @@ def test_learned_merges_equal_naive_bpe(corpus_lines):
         for word, _ in pre.pre_tokenize_str(line):
             counts[word] = counts.get(word, 0) + 1
     assert _learn_merges(counts, symbols, 300) == _naive_merges(counts, 300)
-    # Ties everywhere, overlapping pairs ("aaaa"), a token made by two different merges ("abc").
+    # Ties everywhere and overlapping pairs ("aaaa").
     toy = {"aaaa": 3, "abc": 2, "ab": 2, "bc": 2, "xabcx": 1, "cab": 2, "ba": 2}
     ours = _learn_merges(toy, symbols, 100)
     assert ours == _naive_merges(toy, 100)
     assert ours[:2] == [("a", "a"), ("a", "b")]  # 6 "a a" (overlapping), then a tie of 5s broken by the strings
+    rng = np.random.default_rng(0)
+    for _ in range(100):  # small random corpora over 3 letters: ties and overlaps at every step
+        words = {"".join(rng.choice(list("abc"), size=rng.integers(1, 8))): int(rng.integers(1, 5)) for _ in range(12)}
+        assert _learn_merges(words, symbols, 30) == _naive_merges(words, 30), words
 
 
 def test_byte_level_ids_follow_the_rule(corpus_lines, tmp_path):
