@@ -229,7 +229,8 @@ def _add_pretrain(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tokenizer_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", required=True, choices=["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"])
+    # pipelines.tokenizers.TrainKind (spelled out: building the parser imports no tokenizer library)
+    p.add_argument("--kind", required=True, choices=["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe"])
     p.add_argument("--input", required=True, nargs="+", help="folder/prefix URI, glob or files (local, file://, s3://)")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--output", required=True, help="folder URI for the tokenizer files")
@@ -303,7 +304,7 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 # command path -> (help, add-arguments, run)
 COMMANDS = {
-    ("tokenizer", "train"): ("train a WordPiece or SentencePiece tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
+    ("tokenizer", "train"): ("train a WordPiece, SentencePiece or byte-level BPE tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
     ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
     ("finetune",): ("fine-tune a model on a downstream task from a recipe with Ray Train", _add_pretrain, cmd_finetune),
     ("eval",): ("score a fine-tuned model on a split (JSON + HTML), or `eval wic` a model's contextual vectors", _add_eval, cmd_eval),

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ctxmodels.registry import FAMILIES
 from pipelines.objectives import family_objectives
 
-TokenizerKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
+TokenizerKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe"]  # pipelines.tokenizers.TrainKind
 
 
 class RecipeError(ValueError):

@@ -9,7 +9,10 @@ expects (``InputStyle``):
   (Yang et al. 2019; zihangdai/xlnet ``classifier_utils.convert_single_example``);
 * ``gpt``: ``start a (delim b) extract`` (Radford et al. 2018, sec. 3.3 and Fig. 1), token types
   all 0; start = ``[CLS]``'s id, delim = ``[SEP]``'s, extract = ``extract_id`` (default the mask
-  id, never seen in causal pretraining, so like the paper's new randomly initialised token).
+  id, never seen in causal pretraining, so like the paper's new randomly initialised token). A
+  tokenizer without them (a GPT-2 folder: ``<|endoftext|>`` only) uses its end-of-text token for
+  each, and to pad: GPT-2 has no new tokens to learn, so the boundaries are the ones it was
+  pretrained on between documents; the head still reads the last real token.
 
 Every row is padded on the right to a FIXED ``max_len`` (Ray Data concatenates blocks, so widths
 must agree; the training loop trims a batch to its longest real row). Over-long inputs are cut,
@@ -565,11 +568,27 @@ class _Specials(NamedTuple):
     extract: int
 
 
-def _specials(tok, extract_id: int | None) -> _Specials:
-    extract = tok.mask_id if extract_id is None else int(extract_id)
+def _specials(tok, style: InputStyle, extract_id: int | None) -> _Specials:
+    """The ids the style places. gpt: start, delim and extract are [CLS], [SEP] and [MASK] when the
+    tokenizer has them, else its end-of-text token (GPT-2's ``<|endoftext|>``, its only special
+    token), which also pads (attention_mask hides padding; Hugging Face pads GPT-2 with it too).
+    bert / xlnet: [CLS], [SEP] and [PAD] are required; a missing one raises an error naming it and
+    the tokenizer's folder. ``extract_id`` overrides the extract token."""
+    if style != "gpt":
+        return _Specials(int(tok.pad_id), int(tok.cls_id), int(tok.sep_id), -1)  # -1: no extract token in this style
+    eos = tok.special_id("eos")
+
+    def pick(role: str, use: str) -> int:
+        found = tok.special_id(role)
+        if found is None:
+            found = eos if eos is not None else tok.require(role, f"GPT inputs need a {use} token and there is no end-of-text token to use instead")
+        return int(found)
+
+    pad, start, delim = pick("pad", "padding"), pick("cls", "start"), pick("sep", "delim")
+    extract = pick("mask", "extract") if extract_id is None else int(extract_id)
     if not 0 <= extract < tok.vocab_size:
         raise ValueError(f"extract_id={extract} is outside the vocabulary [0, {tok.vocab_size})")
-    return _Specials(int(tok.pad_id), int(tok.cls_id), int(tok.sep_id), extract)
+    return _Specials(pad, start, delim, extract)
 
 
 def _build(style: InputStyle, a: _Segment, b: _Segment | None, max_len: int, sp: _Specials) -> tuple[dict[str, np.ndarray], _Placed, _Placed | None]:
@@ -648,7 +667,7 @@ def encode_text_pairs(tok, texts: Sequence[str], pairs: Sequence[str] | None, ma
     n_special = 3 if pairs is not None else 2
     if max_len < n_special:
         raise ValueError(f"max_len={max_len}: a {'pair' if pairs is not None else 'text'} needs {n_special} special tokens")
-    sp = _specials(tok, extract_id)
+    sp = _specials(tok, style, extract_id)
     ids_a, splits_a = _ragged(tok.encode_batch(list(texts)))
     la = np.diff(splits_a)
     budget = max_len - n_special
@@ -732,7 +751,7 @@ def encode_token_classification(records: dict, tok, cfg: TaskDataConfig) -> dict
     al = encode_words(tok, words)
     n, budget = len(words), cfg.max_len - 2
     keep = np.minimum(al.lengths, budget)
-    out, placed, _ = _build(cfg.input_style, _whole(al.ids, al.splits, keep), None, cfg.max_len, _specials(tok, cfg.extract_id))
+    out, placed, _ = _build(cfg.input_style, _whole(al.ids, al.splits, keep), None, cfg.max_len, _specials(tok, cfg.input_style, cfg.extract_id))
     word_ids = np.full((n, cfg.max_len), -1, dtype=np.int64)  # (N, L)
     word_ids[placed.rows, placed.cols] = al.word_ids[placed.src]
     out["word_ids"] = word_ids
@@ -763,7 +782,7 @@ def encode_question_answering(records: dict, tok, cfg: TaskDataConfig) -> dict[s
     ``context_offsets``: each context token's character span in its context, -1 elsewhere.
     """
     questions, contexts, answers = pick_squad(records, cfg)
-    sp = _specials(tok, cfg.extract_id)
+    sp = _specials(tok, cfg.input_style, cfg.extract_id)
     q_ids, q_splits = _ragged(tok.encode_batch([q.lstrip() for q in questions]))  # as HF run_qa: leading spaces break byte-level BPE
     lq = np.diff(q_splits)
     kq = np.minimum(lq, cfg.max_query_len)  # (N,)

@@ -1,4 +1,4 @@
-"""Subword tokenizers: WordPiece (Hugging Face ``tokenizers``) and SentencePiece, behind one class.
+"""Subword tokenizers: WordPiece, SentencePiece and byte-level BPE, behind one class.
 
 * WordPiece (Wu et al. 2016, "Google's Neural Machine Translation System"; as used by BERT, Devlin
   et al. 2019): BERT's normaliser (clean text, split CJK characters, lowercase and strip accents),
@@ -7,28 +7,48 @@
   BPE (Sennrich et al. 2016): no pre-tokenizer, a word starts with a piece beginning with ``▁``,
   byte fallback so no character is ever unknown, lowercasing by the ``nmt_nfkc_cf`` normalisation
   rule so that training and encoding lowercase the same way.
+* Byte-level BPE (GPT-2, Radford et al. 2019, sec. 2.2; RoBERTa, Liu et al. 2019): BPE over the
+  UTF-8 bytes of GPT-2's pre-tokenizer words (a regex split into letters, digits, other symbols and
+  spaces, each word carrying the space before it, shown as ``Ġ``), so no text is ever unknown; a
+  space is put before the text (``add_prefix_space``, as RoBERTa's tokenizer for pre-split words)
+  so that the first word is encoded as it is everywhere else. Lowercasing by a ``Lowercase``
+  normaliser when asked (GPT-2 and RoBERTa are cased: train with ``lowercase=False`` for them).
 
-All kinds we train put the special tokens at ids 0..4: ``[PAD] [UNK] [CLS] [SEP] [MASK]``.
-Training is reproducible: the same texts and settings give byte-identical files on any machine.
-WordPiece pieces are learned by SentencePiece's BPE trainer and numbered by a rule (special
-tokens, then by frequency, ties by the string; ``_train_wordpiece``); SentencePiece trains with a
-fixed thread count.
-``load_tokenizer`` also reads Hugging Face folders (``tokenizer.json`` and/or ``vocab.txt``), finding
-the special ids by token string, BERT-style (``[PAD]``...) or RoBERTa-style (``<pad> <s> </s>
-<mask> <unk>``). Parity with ``transformers``' pure-Python ``BertTokenizerLegacy`` and its
-``tokenizers``-backed ``BertTokenizer`` is tested on the all-MiniLM-L6-v2 vocabulary.
+All kinds we train put the special tokens at ids 0..4: ``[PAD] [UNK] [CLS] [SEP] [MASK]`` (byte-level
+BPE keeps ``[UNK]`` at 1 although it never produces it, so that every kind we train numbers alike).
+Training is reproducible: the same texts and settings give byte-identical files on any machine and
+thread count. WordPiece pieces are learned by SentencePiece's BPE trainer and numbered by a rule
+(special tokens, then by frequency, ties by the string; ``_train_wordpiece``); SentencePiece trains
+with a fixed thread count; byte-level BPE merges are learned here (``_learn_merges``) and numbered
+by a rule: the special tokens, the 256 byte symbols in byte order, then each merge's new token in
+the order learned; the most frequent pair is merged first, ties by the pair's token strings.
+
+``load_tokenizer`` also reads Hugging Face folders (``tokenizer.json``, ``vocab.txt``, or GPT-2's
+``vocab.json`` + ``merges.txt``), finding the special tokens by the folder's configuration
+(``tokenizer_config.json`` / ``special_tokens_map.json``), else by token string: BERT-style
+(``[PAD]``...), RoBERTa-style (``<pad> <s> </s> <mask> <unk>``) or GPT-2's ``<|endoftext|>`` (its
+end-of-text, unknown and beginning token). A folder needs only the special tokens its model uses:
+a GPT-2 folder has no pad, cls, sep or mask token, and loads. Asking a tokenizer for a token it
+lacks (``tok.mask_id`` of GPT-2's, for masked-LM data) raises an error naming the token and the
+folder; ``special_id(role)`` returns None instead, for callers with a fallback (GPT inputs in
+``pipelines.finetune``). Parity with ``transformers``' pure-Python ``BertTokenizerLegacy`` and its
+``tokenizers``-backed ``BertTokenizer`` is tested on the all-MiniLM-L6-v2 vocabulary, with
+``GPT2Tokenizer`` on GPT-2 folders built by the tests.
 
 Folder layout written by ``Tokenizer.save``::
 
-    wordpiece:      tokenizer.json  vocab.txt  tokenizer_config.json
-    sentencepiece:  spm.model                  tokenizer_config.json
+    wordpiece:       tokenizer.json  vocab.txt                tokenizer_config.json
+    sentencepiece:   spm.model                                tokenizer_config.json
+    byte-level-bpe:  tokenizer.json  vocab.json  merges.txt   tokenizer_config.json
 
-``tokenizer_config.json`` holds ``kind``, ``lowercase`` and the special token strings (plus the
-keys ``transformers`` reads for a BERT tokenizer, so our WordPiece folders also load there).
+``tokenizer_config.json`` holds ``kind``, ``lowercase`` and the special token strings, plus the
+keys ``transformers`` reads (a ``BertTokenizer`` for WordPiece, a ``PreTrainedTokenizerFast`` on
+tokenizer.json for byte-level BPE), so those folders also load there with the same ids.
 """
 
 from __future__ import annotations
 
+import heapq
 import io
 import json
 import os
@@ -41,22 +61,27 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
-TrainKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"]
-# Kinds ``load_tokenizer`` can also return for Hugging Face ``tokenizer.json`` files whose model is not
-# WordPiece (RoBERTa/GPT-2 byte-level BPE, T5-style unigram).
-Kind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "hf-bpe", "hf-unigram"]
+TrainKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe"]
+# Kinds ``load_tokenizer`` can also return for Hugging Face folders whose model is not WordPiece
+# (RoBERTa/GPT-2 byte-level BPE, T5-style unigram).
+Kind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe", "hf-bpe", "hf-unigram"]
 
 ROLES = ("pad", "unk", "cls", "sep", "mask")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in every tokenizer we train
-# Token strings tried, in order, for each role of a folder we did not write (BERT, then RoBERTa style).
+# An end-of-text token: GPT-2's only special token (it stands in for the others in GPT inputs,
+# ``pipelines.finetune``). Optional, never written by our training.
+EXTRA_ROLES = ("eos",)
+# Token strings tried, in order, for each role of a folder we did not write (BERT, RoBERTa, GPT-2).
 _ALIASES = {
     "pad": ("[PAD]", "<pad>"),
-    "unk": ("[UNK]", "<unk>"),
+    "unk": ("[UNK]", "<unk>", "<|endoftext|>"),  # GPT-2's tokenizer names <|endoftext|> its unk token
     "cls": ("[CLS]", "<s>"),
     "sep": ("[SEP]", "</s>"),
     "mask": ("[MASK]", "<mask>"),
+    "eos": ("<|endoftext|>",),
 }
 _SPM_FILE, _HF_FILE, _VOCAB_FILE, _CONFIG_FILE = "spm.model", "tokenizer.json", "vocab.txt", "tokenizer_config.json"
+_BPE_VOCAB_FILE, _BPE_MERGES_FILE = "vocab.json", "merges.txt"  # GPT-2's files
 _MAX_CHARS_PER_WORD = 100  # BERT's WordpieceTokenizer: longer words become [UNK]
 _SPM_THREADS = 8  # fixed (see train_tokenizer): the same model whatever the machine's core count
 _SPM_MAX_SENTENCES = 2_000_000  # reservoir sample for SentencePiece training: bounds memory on big corpora
@@ -68,6 +93,10 @@ def _skip_space(text: str, span: tuple[int, int]) -> tuple[int, int]:
     while start < end and text[start].isspace():
         start += 1
     return start, end
+
+
+class MissingSpecialToken(ValueError):
+    """A caller needs a special token (say [MASK]) that the tokenizer does not have."""
 
 
 class _HFBackend:
@@ -109,6 +138,8 @@ class _HFBackend:
         self.tok.save(str(folder / _HF_FILE))
         if self.model_type == "WordPiece":
             (folder / _VOCAB_FILE).write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+        elif self.model_type == "BPE":  # GPT-2's vocab.json + merges.txt, for readers without tokenizer.json
+            self.tok.model.save(str(folder))
 
 
 class _SPBackend:
@@ -153,32 +184,72 @@ class Tokenizer:
     """A trained or loaded tokenizer: special ids, word starts, batch encoding, save.
 
     Build one with ``train_tokenizer`` or ``load_tokenizer``. Attributes:
-      kind, lowercase, vocab_size; pad_id, unk_id, cls_id, sep_id, mask_id;
-      special_tokens: {role: token string}; special_ids: int64 array of the five ids (role order);
+      kind, lowercase, vocab_size, source (the folder it was loaded from, or "<memory>");
+      pad_id, unk_id, cls_id, sep_id, mask_id, eos_id: the special ids; reading one the tokenizer
+      lacks raises ``MissingSpecialToken`` naming the token and the folder (``special_id(role)``
+      gives None instead);
+      special_tokens: {role: token string} of the roles present; special_ids: int64 array of their
+      ids (role order, each once);
       word_start: bool array (vocab_size,): True where a token begins a word (not "##..." for
-      WordPiece; "▁..." for SentencePiece; every special token), for whole-word and span masking.
+      WordPiece; "▁..." for SentencePiece; "Ġ..." for byte-level BPE; every special token), for
+      whole-word and span masking.
     """
 
-    def __init__(self, backend: _HFBackend | _SPBackend, kind: Kind, lowercase: bool, special_tokens: dict[str, str], source: str = "<memory>"):
+    def __init__(
+        self,
+        backend: _HFBackend | _SPBackend,
+        kind: Kind,
+        lowercase: bool,
+        special_tokens: dict[str, str],
+        source: str = "<memory>",
+        looked_for: dict[str, list[str]] | None = None,
+    ):
         if kind not in get_args(Kind):
             raise ValueError(f"{source}: unknown tokenizer kind {kind!r}; expected one of {get_args(Kind)}")
         self._backend = backend
         self.kind = kind
         self.lowercase = bool(lowercase)
+        self.source = source
         self._tokens = backend.tokens()
         self._ids = {t: i for i, t in enumerate(self._tokens) if t}
         self.vocab_size = len(self._tokens)
-        self.special_tokens = dict(special_tokens)
-        ids = {}
-        for role in ROLES:
-            token = self.special_tokens[role]
+        unknown = set(special_tokens) - set(ROLES + EXTRA_ROLES)
+        if unknown:
+            raise ValueError(f"{source}: unknown special token roles {sorted(unknown)}; expected some of {ROLES + EXTRA_ROLES}")
+        self.special_tokens = {r: special_tokens[r] for r in ROLES + EXTRA_ROLES if special_tokens.get(r)}
+        self._looked_for = {r: list(looked_for.get(r, ())) if looked_for else [] for r in ROLES + EXTRA_ROLES}
+        self._special = {}
+        for role, token in self.special_tokens.items():
             if token not in self._ids:
                 raise ValueError(f"{source}: the {role} token {token!r} is not in the vocabulary")
-            ids[role] = self._ids[token]
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[r] for r in ROLES)
-        self.special_ids = np.array([ids[r] for r in ROLES], dtype=np.int64)
+            self._special[role] = self._ids[token]
+        self.special_ids = np.array(list(dict.fromkeys(self._special.values())), dtype=np.int64)
         self.word_start = backend.word_start(self._tokens)
         self.word_start[self.special_ids] = True
+
+    def special_id(self, role: str) -> int | None:
+        """The id of the ``role`` token ("pad", "unk", "cls", "sep", "mask", "eos"), None if there is none."""
+        if role not in ROLES + EXTRA_ROLES:
+            raise ValueError(f"unknown special token role {role!r}; expected one of {ROLES + EXTRA_ROLES}")
+        return self._special.get(role)
+
+    def require(self, role: str, why: str = "") -> int:
+        """The id of the ``role`` token; ``MissingSpecialToken`` naming it, the folder and ``why`` if there is none."""
+        found = self.special_id(role)
+        if found is None:
+            tried = ", ".join(repr(t) for t in self._looked_for[role] or _ALIASES[role])
+            raise MissingSpecialToken(
+                f"{self.source}: the tokenizer has no {role} token (looked for {tried}){'; ' + why if why else ''}. "
+                f"Use a tokenizer that has one, or name a token of its vocabulary as '{role}_token' in {self.source}/{_CONFIG_FILE}"
+            )
+        return found
+
+    pad_id = property(lambda self: self.require("pad"))
+    unk_id = property(lambda self: self.require("unk"))
+    cls_id = property(lambda self: self.require("cls"))
+    sep_id = property(lambda self: self.require("sep"))
+    mask_id = property(lambda self: self.require("mask"))
+    eos_id = property(lambda self: self.require("eos"))
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, lowercase={self.lowercase})"
@@ -203,11 +274,13 @@ class Tokenizer:
         """
         if max_len < 2:
             raise ValueError(f"max_len={max_len}: need at least 2 for [CLS] and [SEP]")
+        why = "encode_for_model puts [CLS] and [SEP] around each text"
+        cls_id, sep_id = self.require("cls", why), self.require("sep", why)
         cls, sep = self.special_tokens["cls"], self.special_tokens["sep"]
         keep = max_len - 2
         all_ids, all_offsets, all_tokens = [], [], []
         for ids, offsets, tokens in self._backend.encode_offsets(list(texts)):
-            all_ids.append([self.cls_id, *ids[:keep], self.sep_id])
+            all_ids.append([cls_id, *ids[:keep], sep_id])
             all_offsets.append([(0, 0), *offsets[:keep], (0, 0)])
             all_tokens.append([cls, *tokens[:keep], sep])
         return all_ids, all_offsets, all_tokens
@@ -218,10 +291,13 @@ class Tokenizer:
         folder.mkdir(parents=True, exist_ok=True)
         self._backend.save(folder, self._tokens)
         config: dict = {"kind": self.kind, "lowercase": self.lowercase}
-        config.update({f"{role}_token": self.special_tokens[role] for role in ROLES})
+        config.update({f"{role}_token": token for role, token in self.special_tokens.items()})
         if self.kind == "wordpiece":
             # What transformers' BertTokenizer reads, so AutoTokenizer.from_pretrained(folder) works.
             config.update(tokenizer_class="BertTokenizer", do_lower_case=self.lowercase, strip_accents=None, tokenize_chinese_chars=True)
+        elif self.kind == "byte-level-bpe":
+            # tokenizer.json holds the whole pipeline ([CLS] a [SEP] added by its post-processor).
+            config.update(tokenizer_class="PreTrainedTokenizerFast")
         (folder / _CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
@@ -322,14 +398,149 @@ def _train_wordpiece(lines: list[str], vocab_size: int, lowercase: bool) -> HFTo
     return _wordpiece_tokenizer({t: i for i, t in enumerate([*SPECIAL_TOKENS, *rest])}, lowercase)
 
 
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value, in byte order (openai/gpt-2 ``bytes_to_unicode``).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, ...) take the
+    characters from U+0100 on, in byte order (space, 0x20, becomes "Ġ"). The ``tokenizers``
+    ByteLevel pre-tokenizer maps bytes the same way.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, n_other = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + n_other))
+            n_other += 1
+    return out
+
+
+_MIN_PAIR_COUNT = 2  # a pair seen once is not worth a token: training stops there, below vocab_size
+
+
+def _learn_merges(word_counts: dict[str, int], symbols: list[str], n_new: int) -> list[tuple[str, str]]:
+    """BPE merges (Sennrich et al. 2016) learned from ``word_counts``, in order, until they have made
+    ``n_new`` new tokens.
+
+    Words are strings of the base ``symbols`` (one character each). Each step merges, in every word,
+    the adjacent pair of symbols seen most often (counted over words times their counts; an
+    overlapping "a a a" counts "a a" twice), left to right; ties go to the smallest (left, right)
+    pair of token strings, so the result never depends on hash or thread order. Stops early when no
+    pair is seen ``_MIN_PAIR_COUNT`` times. Should a merge remake a token an earlier one made
+    ("ab"+"c" after "a"+"bc"), both stay merge rules and the token counts once.
+
+    Incremental: pair counts and the words holding each pair are kept up to date, and only the
+    words holding the merged pair are rewritten; a heap ordered by (-count, left, right) finds the
+    best pair (entries whose count has changed since they were pushed are skipped).
+    """
+    names = list(symbols)  # symbol id -> token string
+    index = {t: i for i, t in enumerate(names)}
+    words = [[index[ch] for ch in w] for w in word_counts]  # (U,) symbol ids of each distinct word
+    counts = list(word_counts.values())
+    pair_count: dict[tuple[int, int], int] = {}
+    holders: dict[tuple[int, int], set[int]] = {}  # pair -> words that held it (a superset: stale ones skipped)
+    for w, (word, c) in enumerate(zip(words, counts)):
+        for pair in zip(word, word[1:]):
+            pair_count[pair] = pair_count.get(pair, 0) + c
+            holders.setdefault(pair, set()).add(w)
+    heap = [(-c, names[a], names[b], a, b) for (a, b), c in pair_count.items()]
+    heapq.heapify(heap)
+    merges: list[tuple[str, str]] = []
+    made = 0  # new tokens: a merge may remake an existing one
+    while heap and made < n_new:
+        neg, _, _, a, b = heapq.heappop(heap)
+        if pair_count.get((a, b), 0) != -neg:
+            continue  # stale: the pair's count changed since this entry was pushed
+        if -neg < _MIN_PAIR_COUNT:
+            break
+        merges.append((names[a], names[b]))
+        token = names[a] + names[b]
+        new = index.get(token)
+        if new is None:
+            new = index[token] = len(names)
+            names.append(token)
+            made += 1
+        delta: dict[tuple[int, int], int] = {}
+        for w in holders.pop((a, b)):
+            old, c = words[w], counts[w]
+            merged, i = [], 0
+            while i < len(old):
+                if i + 1 < len(old) and old[i] == a and old[i + 1] == b:
+                    merged.append(new)
+                    i += 2
+                else:
+                    merged.append(old[i])
+                    i += 1
+            if len(merged) == len(old):
+                continue  # a stale holder: the pair left this word in an earlier merge
+            for pair in zip(old, old[1:]):
+                delta[pair] = delta.get(pair, 0) - c
+            for pair in zip(merged, merged[1:]):
+                delta[pair] = delta.get(pair, 0) + c
+                holders.setdefault(pair, set()).add(w)
+            words[w] = merged
+        for pair, d in delta.items():
+            if d:
+                c = pair_count[pair] = pair_count.get(pair, 0) + d
+                if c > 0:
+                    heapq.heappush(heap, (-c, names[pair[0]], names[pair[1]], *pair))
+                else:
+                    pair_count.pop(pair)
+                    holders.pop(pair, None)
+    return merges
+
+
+def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], lowercase: bool) -> HFTokenizer:
+    """GPT-2's byte-level BPE pipeline on ``vocab`` + ``merges``, with RoBERTa's ``[CLS] a [SEP]`` template."""
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # never split from text
+    # trim_offsets: a "Ġword" token's span starts at the word, not at the space before it.
+    tok.post_processor = processors.RobertaProcessing(("[SEP]", vocab["[SEP]"]), ("[CLS]", vocab["[CLS]"]), trim_offsets=True, add_prefix_space=True)
+    return tok
+
+
+def _train_byte_level_bpe(lines: Iterable[str], vocab_size: int, lowercase: bool) -> HFTokenizer:
+    """Byte-level BPE (GPT-2 / RoBERTa) learned reproducibly; ids by the rule in the module doc.
+
+    ``tokenizers``' ``BpeTrainer`` is not used: it numbers the 256 byte symbols by their characters'
+    code points rather than by byte and breaks ties between equally frequent pairs by those ids;
+    we want a rule that does not depend on its internals (version to version) nor on thread count.
+    """
+    symbols = _byte_symbols()
+    base = len(SPECIAL_TOKENS) + len(symbols)
+    if vocab_size < base:
+        raise ValueError(f"byte-level-bpe: vocab_size={vocab_size} is below the {base} base tokens (5 special + 256 bytes)")
+    normalizer = normalizers.Lowercase() if lowercase else None
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    word_counts: dict[str, int] = {}
+    for line in lines:
+        text = normalizer.normalize_str(line) if normalizer is not None else line
+        for word, _ in pre.pre_tokenize_str(text):
+            word_counts[word] = word_counts.get(word, 0) + 1
+    merges = _learn_merges(word_counts, symbols, vocab_size - base)
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *symbols])}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    return _byte_level_tokenizer(vocab, merges, lowercase)
+
+
 def train_tokenizer(kind: TrainKind, texts: Iterable[str], vocab_size: int, lowercase: bool = True) -> Tokenizer:
     """Train a tokenizer of ``kind`` on ``texts`` (lines or whole documents), special ids 0..4.
 
-    SentencePiece may stop below ``vocab_size`` on a small corpus (``hard_vocab_limit=False``).
+    SentencePiece may stop below ``vocab_size`` on a small corpus (``hard_vocab_limit=False``), and
+    byte-level BPE when no pair of tokens is seen twice any more; byte-level BPE needs ``vocab_size``
+    of at least 261 (5 special tokens and the 256 bytes).
     """
     specials = dict(zip(ROLES, SPECIAL_TOKENS))
     if kind == "wordpiece":
         return Tokenizer(_HFBackend(_train_wordpiece(list(_lines(texts)), vocab_size, lowercase)), kind, lowercase, specials)
+    if kind == "byte-level-bpe":
+        return Tokenizer(_HFBackend(_train_byte_level_bpe(_lines(texts), vocab_size, lowercase)), kind, lowercase, specials)
     if kind in ("sentencepiece-unigram", "sentencepiece-bpe"):
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
@@ -378,16 +589,26 @@ def _token_string(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _resolve_specials(config: dict, has_token, folder: Path) -> dict[str, str]:
-    """{role: token string}: the folder's configured token if in the vocabulary, else the first alias that is."""
-    out = {}
-    for role in ROLES:
-        candidates = [t for t in (_token_string(config.get(f"{role}_token")),) if t] + list(_ALIASES[role])
-        found = next((t for t in candidates if has_token(t)), None)
-        if found is None:
-            raise ValueError(f"{folder}: no {role} token in the vocabulary (tried {candidates}); set '{role}_token' in {_CONFIG_FILE}")
-        out[role] = found
-    return out
+def _resolve_specials(config: dict, has_token) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """({role: token string} of the roles found, {role: the candidates looked for}).
+
+    A role's token is the folder's configured one (``{role}_token``) if it is in the vocabulary, else
+    the first alias that is; a role with neither is left out: a folder needs only the special
+    tokens its model uses (GPT-2's has none but ``<|endoftext|>``), and ``Tokenizer`` names a missing
+    one when a caller asks for it. Our own folders (``kind`` in the config) name every special
+    token they have, so no alias is tried there: a byte-level BPE token that happens to read
+    "<|endoftext|>" stays an ordinary token.
+    """
+    ours = "kind" in config
+    found, looked_for = {}, {}
+    for role in ROLES + EXTRA_ROLES:
+        configured = [t for t in (_token_string(config.get(f"{role}_token")),) if t]
+        candidates = configured if ours else list(dict.fromkeys(configured + list(_ALIASES[role])))
+        looked_for[role] = candidates
+        token = next((t for t in candidates if has_token(t)), None)
+        if token is not None:
+            found[role] = token
+    return found, looked_for
 
 
 def _normalizer_lowercases(tok_json: dict) -> bool:
@@ -403,23 +624,48 @@ def _wordpiece_from_vocab(vocab_file: Path, config: dict, folder: Path) -> HFTok
     with open(vocab_file, encoding="utf-8") as f:
         for i, line in enumerate(f):
             vocab[line.rstrip("\n")] = i
-    specials = _resolve_specials(config, vocab.__contains__, folder)
+    specials, looked_for = _resolve_specials(config, vocab.__contains__)
+    if "unk" not in specials:  # WordPiece turns words it cannot split into the unk token: it needs one
+        raise ValueError(f"{vocab_file}: no unk token in the vocabulary (looked for {looked_for['unk']}); WordPiece needs one: set 'unk_token' in {folder / _CONFIG_FILE}")
     tok = HFTokenizer(models.WordPiece(vocab, unk_token=specials["unk"], max_input_chars_per_word=_MAX_CHARS_PER_WORD))
     lowercase = bool(config.get("do_lower_case", config.get("lowercase", True)))
     _bert_pipeline(tok, lowercase, strip_accents=config.get("strip_accents"), chinese_chars=config.get("tokenize_chinese_chars", True))
     # As in BERT, special tokens written in the text are matched whole and never split or lowercased.
-    tok.add_special_tokens([specials[r] for r in ROLES])
-    tok.post_processor = _bert_template(tok, specials["cls"], specials["sep"])
+    tok.add_special_tokens(list(dict.fromkeys(specials.values())))
+    if "cls" in specials and "sep" in specials:
+        tok.post_processor = _bert_template(tok, specials["cls"], specials["sep"])
+    return tok
+
+
+def _byte_level_from_vocab(folder: Path, config: dict) -> HFTokenizer:
+    """GPT-2's tokenizer from vocab.json + merges.txt, as transformers' GPT2Tokenizer builds it.
+
+    No normaliser; the ByteLevel pre-tokenizer with the folder's ``add_prefix_space`` (GPT-2's
+    default: False); the special tokens of the configuration matched whole in text.
+    """
+    if not (folder / _BPE_MERGES_FILE).is_file():
+        raise FileNotFoundError(f"{folder}: {_BPE_VOCAB_FILE} without {_BPE_MERGES_FILE}; a GPT-2 style BPE folder needs both (or a {_HF_FILE})")
+    try:
+        bpe = models.BPE.from_file(str(folder / _BPE_VOCAB_FILE), str(folder / _BPE_MERGES_FILE), fuse_unk=False)
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"{folder}: cannot read {_BPE_VOCAB_FILE} / {_BPE_MERGES_FILE} as a BPE model ({e})") from e
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space", False)), use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    specials, _ = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None)
+    tok.add_special_tokens(list(dict.fromkeys(specials.values())))
     return tok
 
 
 def load_tokenizer(local_dir: str | os.PathLike) -> Tokenizer:
-    """Load our tokenizer folder, a Hugging Face one (tokenizer.json and/or vocab.txt), or a checkpoint's ``tokenizer/``."""
+    """Load our tokenizer folder, a Hugging Face one (tokenizer.json, vocab.txt, or vocab.json + merges.txt),
+    or a checkpoint's ``tokenizer/``."""
     folder = Path(local_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
     names = {p.name for p in folder.iterdir()}
-    if not names & {_SPM_FILE, _HF_FILE, _VOCAB_FILE} and (folder / "tokenizer").is_dir():
+    if not names & {_SPM_FILE, _HF_FILE, _VOCAB_FILE, _BPE_VOCAB_FILE} and (folder / "tokenizer").is_dir():
         return load_tokenizer(folder / "tokenizer")
     config = _read_json(folder / _CONFIG_FILE)
     for key, value in _read_json(folder / "special_tokens_map.json").items():
@@ -432,8 +678,8 @@ def load_tokenizer(local_dir: str | os.PathLike) -> Tokenizer:
             raise ValueError(f"{folder}: {_SPM_FILE} needs {_CONFIG_FILE} with kind 'sentencepiece-unigram' or 'sentencepiece-bpe' (found kind={kind!r})")
         backend = _SPBackend((folder / _SPM_FILE).read_bytes())
         pieces = set(backend.tokens())
-        specials = _resolve_specials(config, pieces.__contains__, folder)
-        return Tokenizer(backend, kind, config.get("lowercase", True), specials, source)
+        specials, looked_for = _resolve_specials(config, pieces.__contains__)
+        return Tokenizer(backend, kind, config.get("lowercase", True), specials, source, looked_for)
 
     if _HF_FILE in names:
         tok = HFTokenizer.from_file(str(folder / _HF_FILE))
@@ -443,15 +689,22 @@ def load_tokenizer(local_dir: str | os.PathLike) -> Tokenizer:
         kind = {"WordPiece": "wordpiece", "BPE": "hf-bpe", "Unigram": "hf-unigram"}.get(backend.model_type)
         if kind is None:
             raise ValueError(f"{folder / _HF_FILE}: model type {backend.model_type} is not supported (WordPiece, BPE or Unigram)")
-        specials = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None, folder)
-        return Tokenizer(backend, kind, lowercase, specials, source)
+        if kind == "hf-bpe" and config.get("kind") == "byte-level-bpe":  # one we trained
+            kind = "byte-level-bpe"
+        specials, looked_for = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None)
+        return Tokenizer(backend, kind, lowercase, specials, source, looked_for)
 
     if _VOCAB_FILE in names:
         tok = _wordpiece_from_vocab(folder / _VOCAB_FILE, config, folder)
-        specials = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None, folder)
-        return Tokenizer(_HFBackend(tok), "wordpiece", config.get("do_lower_case", config.get("lowercase", True)), specials, source)
+        specials, looked_for = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None)
+        return Tokenizer(_HFBackend(tok), "wordpiece", config.get("do_lower_case", config.get("lowercase", True)), specials, source, looked_for)
+
+    if _BPE_VOCAB_FILE in names:
+        tok = _byte_level_from_vocab(folder, config)
+        specials, looked_for = _resolve_specials(config, lambda t: tok.token_to_id(t) is not None)
+        return Tokenizer(_HFBackend(tok), "hf-bpe", config.get("lowercase", config.get("do_lower_case", False)), specials, source, looked_for)
 
     found = ", ".join(sorted(names)) or "nothing"
     raise FileNotFoundError(
-        f"no tokenizer in {folder}: expected {_SPM_FILE} (+{_CONFIG_FILE}), {_HF_FILE} or {_VOCAB_FILE}; found {found}"
+        f"no tokenizer in {folder}: expected {_SPM_FILE} (+{_CONFIG_FILE}), {_HF_FILE}, {_VOCAB_FILE} or {_BPE_VOCAB_FILE} + {_BPE_MERGES_FILE}; found {found}"
     )

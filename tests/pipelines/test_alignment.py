@@ -10,12 +10,10 @@ from __future__ import annotations
 import gzip
 import unicodedata
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import pytest
 
-from pipelines import tokenizers
 from pipelines.alignment import encode_texts, encode_words, first_subtokens, pool_words, whitespace_words
 from pipelines.tokenizers import load_tokenizer, train_tokenizer
 
@@ -50,24 +48,30 @@ def _lines(n: int) -> list[str]:
 
 
 def _byte_level_bpe(lines: list[str], tmp: Path):
-    if "byte-level-bpe" in get_args(tokenizers.TrainKind):  # being added to tokenizers.py by piece `repro`
-        return train_tokenizer("byte-level-bpe", lines, vocab_size=800)
+    """Our byte-level BPE (test_finetune_data imports this helper; ``tmp`` is no longer needed)."""
+    return train_tokenizer("byte-level-bpe", lines, vocab_size=800)
+
+
+def _gpt2_folder(lines: list[str], tmp: Path):
+    """A GPT-2-style folder (<|endoftext|> only, no prefix space), built here: nothing is downloaded."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers, trainers
 
-    hf = HFTokenizer(models.BPE(unk_token="<unk>"))
+    hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    hf.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=800, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    hf.save(str(tmp / "tokenizer.json"))
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator(lines, trainer)
+    hf.model.save(str(tmp))  # vocab.json + merges.txt
     return load_tokenizer(tmp)
 
 
-@pytest.fixture(scope="module", params=["minilm", "wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe"])
+@pytest.fixture(scope="module", params=["minilm", "wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe", "gpt2-folder"])
 def tok(request, minilm_dir, tmp_path_factory):
     if request.param == "minilm":
         return load_tokenizer(minilm_dir)
     lines = _lines(2000)
+    if request.param == "gpt2-folder":
+        return _gpt2_folder(lines, tmp_path_factory.mktemp("gpt2"))
     if request.param == "byte-level-bpe":
         return _byte_level_bpe(lines, tmp_path_factory.mktemp("bbpe"))
     return train_tokenizer(request.param, lines, vocab_size=800)
@@ -116,6 +120,26 @@ def test_words_split_into_many_pieces(tok):
     _check_round_trip(al, long_words)
     counts = [len(t) for t in al.word_tokens(0)]
     assert counts[0] >= 3 and counts[1] >= 1
+
+
+def test_byte_pieces_of_one_character_share_its_word(tok):
+    """Byte-level BPE splits a character it has no token for into byte pieces, each spanning the
+    whole character: they all belong to its word, and only the first is the word's first sub-token."""
+    if tok.kind not in ("byte-level-bpe", "hf-bpe"):
+        pytest.skip("byte-level BPE only")
+    words = [["Emoji", "😀👍🏽", "東京", "façade", "🇫🇷!"]]
+    al = encode_words(tok, words)
+    _check_round_trip(al, words)
+    ids, offsets, wids = al.row(0)
+    per_word = al.word_tokens(0)
+    assert [len(t) for t in per_word[1:3]] >= [8, 2]  # 3 emoji of 4 bytes each, 2 CJK characters of 3
+    assert wids.tolist() == sorted(wids.tolist()) and set(wids.tolist()) == set(range(5))
+    first = first_subtokens(wids[None, :])[0]
+    assert first.sum() == 5 and all(first[t[0]] and not first[t[1:]].any() for t in per_word)
+    text = al.texts[0]
+    emoji_spans = {(int(s), int(e)) for s, e in offsets[per_word[1]]}
+    # Whole characters, never halves; "" for the space before the word when it is a piece of its own ("Ġ").
+    assert {text[s:e] for s, e in emoji_spans} <= {"", "😀", "👍", "🏽", "👍🏽", "😀👍", "😀👍🏽"}
 
 
 def test_plain_texts_round_trip_and_match_the_tokenizer(tok):

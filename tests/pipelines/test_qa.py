@@ -139,3 +139,64 @@ def test_trimmed_batches_and_bad_inputs(windows):
         decode_qa(s, e, feats, [])
     with pytest.raises(ValueError, match="max_answer_len"):
         decode_qa(s, e, feats, [CONTEXT], max_answer_len=0)
+
+
+HARD_CONTEXT = (
+    "Le café naïve résumé of Ångström's façade: 東京は日本の首都です。 Emoji 😀👍🏽 and flags 🇫🇷 appear; "
+    "pneumonoultramicroscopicsilicovolcanoconiosis is long, (((nested))) and “smart quotes” too. 3.14159 ends it."
+)
+HARD_ANSWERS = ["naïve résumé", "Ångström's", "東京", "😀👍🏽", "🇫🇷", "pneumonoultramicroscopicsilicovolcanoconiosis", "nested", "smart quotes", "3.14159"]
+
+
+def _gpt2_folder(lines, tmp):
+    """A GPT-2-style folder (<|endoftext|> only), built here: nothing is downloaded."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator(lines, trainer)
+    hf.model.save(str(tmp))
+    return load_tokenizer(tmp)
+
+
+@pytest.mark.parametrize("which", ["byte-level-bpe", "gpt2-folder"])
+def test_byte_level_answer_positions_on_hard_text(which, tmp_path):
+    """Answers made of accented, CJK and emoji characters (split into byte pieces) and of words split
+    into many pieces: each window holding one labels tokens whose spans give it back, and decoding
+    those labels returns it."""
+    import gzip
+    from pathlib import Path
+
+    from pipelines.tokenizers import train_tokenizer
+
+    shard = Path(__file__).resolve().parents[2] / "data" / "sample" / "wordnet-0000-of-0008.txt.gz"
+    with gzip.open(shard, "rt", encoding="utf-8") as f:
+        lines = [line for line in f.read().split("\n") if line][:2000]
+    if which == "gpt2-folder":
+        tok, style = _gpt2_folder(lines, tmp_path), "gpt"
+    else:
+        tok, style = train_tokenizer("byte-level-bpe", lines, vocab_size=600, lowercase=False), "bert"
+    n = len(HARD_ANSWERS)
+    cfg = TaskDataConfig(kind="question-answering", max_len=64, max_query_len=8, doc_stride=24, input_style=style)
+    records = {
+        "question": [f"Where is {a}?" for a in HARD_ANSWERS],
+        "context": [HARD_CONTEXT] * n,
+        "answers": [{"text": [a], "answer_start": [HARD_CONTEXT.index(a)]} for a in HARD_ANSWERS],
+    }
+    feats = encode_question_answering(records, tok, cfg)
+    holding = np.flatnonzero(feats["start_positions"] > 0)
+    assert sorted(set(feats["example_index"][holding].tolist())) == list(range(n))  # every answer fits some window
+    length = feats["input_ids"].shape[1]
+    s = np.full((len(feats["input_ids"]), length), -10.0)
+    e = np.full_like(s, -10.0)
+    for f in holding:
+        k = feats["example_index"][f]
+        i, j = feats["start_positions"][f], feats["end_positions"][f]
+        offs = feats["context_offsets"][f]
+        assert HARD_CONTEXT[offs[i, 0] : offs[j, 1]] == HARD_ANSWERS[k], (which, HARD_ANSWERS[k])
+        s[f, i] = e[f, j] = 10.0
+    preds = decode_qa(s, e, feats, [HARD_CONTEXT] * n, max_answer_len=40)
+    assert [p["text"] for p in preds] == HARD_ANSWERS
+    assert [p["start"] for p in preds] == [HARD_CONTEXT.index(a) for a in HARD_ANSWERS]

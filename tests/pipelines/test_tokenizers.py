@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.tokenizers import SPECIAL_TOKENS, Tokenizer, load_tokenizer, train_tokenizer
+from pipelines.tokenizers import SPECIAL_TOKENS, MissingSpecialToken, _byte_symbols, Tokenizer, load_tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "data" / "sample"
-KINDS = ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe")
+KINDS = ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe")
 
 HARD_CASES = [
     "",
@@ -218,6 +218,8 @@ def test_special_ids_are_0_to_4(trained):
 def test_word_start_known_tokens(trained):
     if trained.kind == "wordpiece":
         starts, inside = ["the", "bank", ",", "."], ["##s", "##ing", "##ed"]
+    elif trained.kind == "byte-level-bpe":  # "Ġ" is the space before a word; bytes are tokens of their own
+        starts, inside = ["Ġthe", "Ġbank", "Ġa"], ["s", "ing", "ed", ",", "A", "æ"]
     else:
         starts, inside = ["▁the", "▁bank", "▁a"], ["s", "ing", "<0x41>", "<0xE6>"]
     for token in starts:
@@ -231,7 +233,10 @@ def test_word_start_known_tokens(trained):
 
 def test_save_load_round_trip(trained, corpus_lines, tmp_path):
     trained.save(tmp_path)
-    expected_files = {"tokenizer.json", "vocab.txt", "tokenizer_config.json"} if trained.kind == "wordpiece" else {"spm.model", "tokenizer_config.json"}
+    expected_files = {
+        "wordpiece": {"tokenizer.json", "vocab.txt", "tokenizer_config.json"},
+        "byte-level-bpe": {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"},
+    }.get(trained.kind, {"spm.model", "tokenizer_config.json"})
     assert {p.name for p in tmp_path.iterdir()} == expected_files
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["kind"] == trained.kind and config["lowercase"] is True and config["mask_token"] == "[MASK]"
@@ -279,7 +284,17 @@ def _normal(kind: str, s: str) -> str:
     """What the tokenizer's normaliser makes of a surface string (lowercase=True)."""
     if kind == "wordpiece":  # BERT: lowercase, then drop combining marks
         return "".join(c for c in unicodedata.normalize("NFD", s.lower()) if unicodedata.category(c) != "Mn")
+    if kind == "byte-level-bpe":  # a Lowercase normaliser only
+        return s.lower()
     return unicodedata.normalize("NFKC", s).casefold()  # SentencePiece nmt_nfkc_cf
+
+
+BYTE_OF_SYMBOL = {c: b for b, c in enumerate(_byte_symbols())}  # "Ġ" -> 0x20 ...
+
+
+def _token_bytes(token: str) -> bytes:
+    """The UTF-8 bytes a byte-level BPE token stands for."""
+    return bytes(BYTE_OF_SYMBOL[c] for c in token)
 
 
 OFFSET_TEXTS = [
@@ -296,6 +311,23 @@ def test_offsets_reproduce_surface_forms(trained, corpus_lines):
     texts = corpus_lines[:500] + OFFSET_TEXTS
     ids, offsets, tokens = trained.encode_for_model(texts, 10_000)
     checked = 0
+    if trained.kind == "byte-level-bpe":
+        for text, offs, toks in zip(texts, offsets, tokens):
+            # Every byte of the text is in exactly one token, after the prefix space.
+            assert b"".join(_token_bytes(t) for t in toks[1:-1]) == (" " + _normal(trained.kind, text)).encode(), text
+            for (start, end), token in zip(offs[1:-1], toks[1:-1]):
+                assert 0 <= start <= end <= len(text), (text, token, start, end)
+                raw = _token_bytes(token).lstrip(b" ")  # "Ġbank": the span starts at the word
+                surface = _normal(trained.kind, text[start:end]).encode()
+                if start == end:
+                    assert raw.isspace() or not raw, (text, token)  # whitespace runs: no surface
+                elif _is_utf8(raw):
+                    assert raw == surface, (text, token, text[start:end])  # whole characters: their own span
+                else:
+                    assert raw in surface, (text, token, text[start:end])  # bytes of characters: their span
+                checked += 1
+        assert checked > 5000
+        return
     for text, offs, toks in zip(texts, offsets, tokens):
         byte_run, run_start = b"", None  # SentencePiece byte-fallback pieces of one character
         for (start, end), token in zip(offs[1:-1], toks[1:-1]):
@@ -317,8 +349,16 @@ def test_offsets_reproduce_surface_forms(trained, corpus_lines):
     assert checked > 5000
 
 
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_lowercase_option(corpus_lines):
-    for kind in ("wordpiece", "sentencepiece-bpe"):
+    for kind in ("wordpiece", "sentencepiece-bpe", "byte-level-bpe"):
         cased = train_tokenizer(kind, corpus_lines[:3000], vocab_size=800, lowercase=False)
         uncased = train_tokenizer(kind, corpus_lines[:3000], vocab_size=800, lowercase=True)
         assert not cased.lowercase and uncased.lowercase
@@ -335,13 +375,26 @@ def test_missing_or_empty_folder_gives_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
     (tmp_path / "README.md").write_text("not a tokenizer")
-    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*expected spm\.model.*tokenizer\.json.*vocab\.txt; found README\.md"):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer in .*expected spm\.model.*tokenizer\.json.*vocab\.txt.*vocab\.json \+ merges\.txt; found README\.md"):
         load_tokenizer(tmp_path)
 
 
-def test_missing_special_token_is_named(tmp_path):
+def test_missing_special_token_is_named_when_needed(tmp_path):
+    """A folder without [MASK] loads; asking for the mask id names the token and the folder."""
+    from pipelines.masking import VocabInfo
+
     (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\n")
-    with pytest.raises(ValueError, match=r"no mask token"):
+    tok = load_tokenizer(tmp_path)
+    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id) == (0, 1, 2, 3)
+    assert tok.special_id("mask") is None and tok.special_ids.tolist() == [0, 1, 2, 3]
+    assert tok.encode_for_model(["hello"], 8)[0] == [[2, 4, 3]]
+    expected = rf"{re.escape(str(tmp_path))}: the tokenizer has no mask token \(looked for '\[MASK\]', '<mask>'\).*mask_token"
+    with pytest.raises(MissingSpecialToken, match=expected):
+        tok.mask_id
+    with pytest.raises(ValueError, match=expected):  # masked-LM data asks for it
+        VocabInfo.from_tokenizer(tok)
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n[SEP]\nhello\n")  # WordPiece itself needs [UNK]
+    with pytest.raises(ValueError, match=r"vocab\.txt: no unk token.*'\[UNK\]'"):
         load_tokenizer(tmp_path)
 
 
@@ -374,16 +427,20 @@ import hashlib, os, sys, tempfile
 from pipelines.sources import sample_text
 from pipelines.tokenizers import train_tokenizer
 texts = list(sample_text([sys.argv[1]], 150_000))
-for kind in ("wordpiece", "sentencepiece-unigram", "sentencepiece-bpe"):
+for kind, size in (("wordpiece", 1200), ("sentencepiece-unigram", 1200), ("sentencepiece-bpe", 1200), ("byte-level-bpe", 1200), ("byte-level-bpe", 3000)):
     d = tempfile.mkdtemp()
-    train_tokenizer(kind, texts, 1200).save(d)
+    train_tokenizer(kind, texts, size).save(d)
     for f in sorted(os.listdir(d)):
-        print(kind, f, hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest())
+        print(kind, size, f, hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest())
 """
 
 
 def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
-    """The same text and settings give the same files, run after run, with 1 or 2 threads."""
+    """The same text and settings give the same files, run after run, with 1 or 2 threads.
+
+    Fresh processes with different PYTHONHASHSEED: string hashes (so set and dict-of-set orders)
+    change between them, as Rust's hash maps do in ``tokenizers``.
+    """
     import os
     import subprocess
     import sys
@@ -391,9 +448,215 @@ def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
     repo = Path(__file__).resolve().parents[2]
     shard = str(repo / "data" / "sample" / "wordnet-0000-of-0008.txt.gz")
     outs = []
-    for threads in ("1", "2", "2"):
-        env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONPATH": str(repo)}
+    for threads, hash_seed in (("1", "0"), ("2", "1"), ("2", "random")):
+        env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(repo)}
         outs.append(subprocess.run([sys.executable, "-c", _TRAIN_AND_HASH, shard], env=env, cwd=repo,
                                    capture_output=True, text=True, check=True).stdout)
-    assert outs[0].count("\n") == 7  # wordpiece: 3 files, each sentencepiece kind: 2
+    assert outs[0].count("\n") == 3 + 2 + 2 + 4 + 4  # wordpiece: 3 files, sentencepiece: 2, byte-level BPE: 4
     assert outs[0] == outs[1] == outs[2]
+
+
+# ------------------------------------------------------------------------- byte-level BPE
+
+
+def _naive_merges(word_counts: dict[str, int], n_new: int) -> list[tuple[str, str]]:
+    """BPE as Sennrich et al. (2016) write it: recount every pair of every word before each merge."""
+    words = {tuple(w): c for w, c in word_counts.items()}
+    merges, made = [], set()
+    while len(made) < n_new:
+        pairs: dict[tuple[str, str], int] = {}
+        for word, c in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] = pairs.get(pair, 0) + c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        if pairs[best] < 2:
+            break
+        merges.append(best)
+        made.add(best[0] + best[1])
+        merged = {}
+        for word, c in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if word[i : i + 2] == best:
+                    out.append(best[0] + best[1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + c
+        words = merged
+    return merges
+
+
+def test_learned_merges_equal_naive_bpe(corpus_lines):
+    from tokenizers import pre_tokenizers
+
+    from pipelines.tokenizers import _learn_merges
+
+    symbols = _byte_symbols()
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    counts: dict[str, int] = {}
+    for line in corpus_lines[:300] + HARD_CASES:
+        for word, _ in pre.pre_tokenize_str(line):
+            counts[word] = counts.get(word, 0) + 1
+    assert _learn_merges(counts, symbols, 300) == _naive_merges(counts, 300)
+    # Ties everywhere and overlapping pairs ("aaaa").
+    toy = {"aaaa": 3, "abc": 2, "ab": 2, "bc": 2, "xabcx": 1, "cab": 2, "ba": 2}
+    ours = _learn_merges(toy, symbols, 100)
+    assert ours == _naive_merges(toy, 100)
+    assert ours[:2] == [("a", "a"), ("a", "b")]  # 6 "a a" (overlapping), then a tie of 5s broken by the strings
+    rng = np.random.default_rng(0)
+    for _ in range(100):  # small random corpora over 3 letters: ties and overlaps at every step
+        words = {"".join(rng.choice(list("abc"), size=rng.integers(1, 8))): int(rng.integers(1, 5)) for _ in range(12)}
+        assert _learn_merges(words, symbols, 30) == _naive_merges(words, 30), words
+
+
+def test_byte_level_ids_follow_the_rule(corpus_lines, tmp_path):
+    tok = train_tokenizer("byte-level-bpe", corpus_lines[:2000], vocab_size=700, lowercase=False)
+    assert [tok.id_to_token(i) for i in range(5)] == list(SPECIAL_TOKENS)
+    assert [_token_bytes(tok.id_to_token(5 + b)) for b in range(256)] == [bytes([b]) for b in range(256)]
+    tok.save(tmp_path)
+    merges = [tuple(line.split(" ")) for line in (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()[1:]]
+    expected, seen = [], set(SPECIAL_TOKENS) | set(_byte_symbols())
+    for left, right in merges:
+        if left + right not in seen:
+            seen.add(left + right)
+            expected.append(left + right)
+    assert [tok.id_to_token(i) for i in range(261, tok.vocab_size)] == expected and tok.vocab_size == 700
+    vocab = json.loads((tmp_path / "vocab.json").read_text(encoding="utf-8"))
+    assert vocab == {tok.id_to_token(i): i for i in range(tok.vocab_size)}
+    with pytest.raises(ValueError, match=r"vocab_size=200 is below the 261 base tokens"):
+        train_tokenizer("byte-level-bpe", corpus_lines[:10], vocab_size=200)
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_byte_level_round_trip_on_hard_text(corpus_lines, lowercase):
+    tok = train_tokenizer("byte-level-bpe", corpus_lines[:3000], vocab_size=1000, lowercase=lowercase)
+    texts = HARD_CASES + [c.upper() for c in HARD_CASES] + [" ".join(HARD_CASES)]
+    texts = [t for t in texts if not any(s in t.upper() for s in SPECIAL_TOKENS)]  # those are matched whole
+    assert len(texts) > 40
+    for text, ids in zip(texts, tok.encode_batch(texts)):
+        assert 1 not in ids.tolist()  # nothing is unknown to a byte-level model
+        decoded = tok._backend.tok.decode(ids.tolist(), skip_special_tokens=False)
+        normal = text.lower() if lowercase else text
+        assert decoded == (" " + normal if text and not text.startswith(" ") else normal), text  # with the prefix space
+    ids = tok.encode_batch(["pneumonoultramicroscopicsilicovolcanoconiosis 😀"])[0]
+    assert len(ids) >= 8  # a rare word and an emoji: many pieces
+
+
+def test_byte_level_folder_reads_in_transformers(corpus_lines, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok = train_tokenizer("byte-level-bpe", corpus_lines[:3000], vocab_size=1000, lowercase=False)
+    tok.save(tmp_path)
+    texts = corpus_lines[:200] + HARD_CASES
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.encode_for_model(texts, 128)[0] == ref(texts, truncation=True, max_length=128)["input_ids"]
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.kind == "byte-level-bpe" and loaded.special_tokens == tok.special_tokens
+
+
+# ------------------------------------------------------------------------ GPT-2 folders
+
+
+GPT2_TEXTS = [
+    "Hello world", " leading space", "The bank of the river.", "<|endoftext|>two documents<|endoftext|>",
+    "Café naïve 東京 😀👍🏽 ﬁ ＡＢＣ", "tab\there  two  spaces\nnewline", "don't can't 3.14159 1,000,000", "",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2_folders(corpus_lines, tmp_path_factory) -> dict[str, Path]:
+    """GPT-2-style folders built here (no hub): a byte-level BPE with <|endoftext|> as its only special token,
+    saved by transformers (tokenizer.json + tokenizer_config.json) and as bare vocab.json + merges.txt."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator(corpus_lines[:3000], trainer)
+    root = tmp_path_factory.mktemp("gpt2")
+    eot = "<|endoftext|>"
+    fast = transformers.GPT2TokenizerFast(tokenizer_object=hf, bos_token=eot, eos_token=eot, unk_token=eot)
+    fast.save_pretrained(root / "saved")
+    (root / "bare").mkdir()
+    hf.model.save(str(root / "bare"))
+    return {"saved": root / "saved", "bare": root / "bare"}
+
+
+@pytest.mark.parametrize("layout", ["saved", "bare"])
+def test_gpt2_folder_loads_and_encodes_as_transformers(gpt2_folders, corpus_lines, layout):
+    import transformers
+
+    folder = gpt2_folders[layout]
+    tok = load_tokenizer(folder)
+    ref = transformers.GPT2TokenizerFast.from_pretrained(folder)
+    eot = ref.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.kind == "hf-bpe" and tok.vocab_size == len(ref) and not tok.lowercase
+    assert tok.special_tokens == {"unk": "<|endoftext|>", "eos": "<|endoftext|>"} and tok.eos_id == tok.unk_id == eot
+    assert tok.special_ids.tolist() == [eot]
+    texts = corpus_lines[:300] + GPT2_TEXTS + HARD_CASES
+    expected = ref(texts, add_special_tokens=False)["input_ids"]
+    assert [ids.tolist() for ids in tok.encode_batch(texts)] == expected
+    # Offsets as alignment wants them: a "Ġword" token spans the word, not the space before it.
+    text = "The bank  of the river"
+    _, offsets, tokens = tok._backend.encode_offsets([text])[0]
+    assert "Ġthe" in tokens and "Ġ" in tokens  # the double space leaves one alone
+    assert [text[s:e] for s, e in offsets] == [_token_bytes(t).decode().lstrip(" ") for t in tokens]
+    for role, token in (("mask", "<mask>"), ("cls", "<s>"), ("pad", "<pad>")):
+        with pytest.raises(MissingSpecialToken, match=rf"{re.escape(str(folder))}: the tokenizer has no {role} token \(looked for .*'{token}'"):
+            getattr(tok, f"{role}_id")
+    with pytest.raises(MissingSpecialToken, match=r"no cls token.*encode_for_model puts \[CLS\]"):
+        tok.encode_for_model(["hello"], 8)
+
+
+def test_gpt2_folder_gives_gpt_inputs_with_endoftext_and_names_what_other_styles_miss(gpt2_folders):
+    from pipelines.finetune import encode_text_pairs
+
+    tok = load_tokenizer(gpt2_folders["saved"])
+    eot = tok.eos_id
+    a, b = (x.tolist() for x in tok.encode_batch(["hello world", "good bye now"]))
+    out = encode_text_pairs(tok, ["hello world"], ["good bye now"], len(a) + len(b) + 5, "gpt")
+    assert out["input_ids"][0].tolist() == [eot, *a, eot, *b, eot, eot, eot]  # start a delim b extract, padding
+    assert out["attention_mask"][0].tolist() == [1] * (len(a) + len(b) + 3) + [0, 0]
+    out = encode_text_pairs(tok, ["hello world"], None, len(a) + 2, "gpt", extract_id=7)
+    assert out["input_ids"][0].tolist() == [eot, *a, 7]
+    with pytest.raises(MissingSpecialToken, match=rf"{re.escape(str(gpt2_folders['saved']))}: the tokenizer has no pad token"):
+        encode_text_pairs(tok, ["hello world"], None, 8, "bert")
+
+
+def test_gpt_inputs_without_endoftext_name_the_missing_token(tmp_path):
+    from pipelines.finetune import encode_text_pairs
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "Ġ": 2, "ab": 3}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    tok = load_tokenizer(tmp_path)
+    assert tok.special_tokens == {} and tok.encode_batch(["ab"])[0].tolist() == [3]
+    with pytest.raises(MissingSpecialToken, match=r"no pad token.*GPT inputs need a padding token and there is no end-of-text token"):
+        encode_text_pairs(tok, ["ab"], None, 4, "gpt")
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"vocab\.json without merges\.txt"):
+        load_tokenizer(tmp_path)
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def test_cli_and_recipe_accept_every_trained_kind(tmp_path):
+    from typing import get_args
+
+    from jobs.cli import build_parser
+    from jobs.config import TokenizerKind
+    from pipelines.tokenizers import TrainKind
+
+    assert get_args(TokenizerKind) == get_args(TrainKind)
+    args = build_parser().parse_args(["tokenizer", "train", "--kind", "byte-level-bpe", "--input", str(SAMPLE / "wordnet-0000-of-0008.txt.gz"),
+                                      "--vocab-size", "400", "--sample-chars", "50000", "--cased", "--output", str(tmp_path / "tok")])
+    assert args.run(args) == 0
+    tok = load_tokenizer(tmp_path / "tok")
+    assert (tok.kind, tok.vocab_size, tok.lowercase) == ("byte-level-bpe", 400, False)
