@@ -390,16 +390,8 @@ def answer_results(predictions: list[dict], version_2: bool) -> list[dict]:
 
 
 def decode_ids(tok, ids: list[int]) -> str:
-    """Text of token ids, special tokens dropped, through the tokenizer's own decoder.
-
-    pipelines.tokenizers.Tokenizer has no decode yet; this reads its backend as pipelines.alignment
-    reads offsets. It belongs there as ``Tokenizer.decode``."""
-    special = set(tok.special_ids.tolist())
-    ids = [int(i) for i in ids if int(i) not in special]
-    backend = tok._backend
-    if hasattr(backend, "sp"):
-        return backend.sp.decode(ids)
-    return backend.tok.decode(ids, skip_special_tokens=True)
+    """Text of token ids, special tokens dropped, through the tokenizer's own decoder."""
+    return tok.decode(ids)
 
 
 def token_surface(tok, token_id: int) -> str:

@@ -122,6 +122,9 @@ class _HFBackend:
         # Byte-level BPE marks a preceding space with "Ġ", Metaspace models with "▁".
         return np.fromiter((t.startswith(("Ġ", "▁")) for t in tokens), dtype=np.bool_, count=len(tokens))
 
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
     def encode_ids(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # _fast skips offsets (tokenizers>=0.20)
         return [np.asarray(e.ids, dtype=np.int32) for e in encode(texts, add_special_tokens=False)]
@@ -155,6 +158,9 @@ class _SPBackend:
     def word_start(self, tokens: list[str]) -> np.ndarray:
         # Byte-fallback pieces (<0xE6>) continue whatever precedes them; a word opens with "▁...".
         return np.fromiter((t.startswith("▁") for t in tokens), dtype=np.bool_, count=len(tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode(ids)
 
     def encode_ids(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int32) for ids in self.sp.encode(texts, out_type=int)]
@@ -260,6 +266,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of ``token`` (a vocabulary entry such as "##ing" or "▁bank"), None if absent."""
         return self._ids.get(token)
+
+    def decode(self, ids: list[int] | np.ndarray) -> str:
+        """The text of token ids, special tokens dropped, through the tokenizer's own decoder
+        (WordPiece joins "##" pieces; byte-level BPE and SentencePiece restore spaces and bytes).
+        Byte-level BPE keeps the space its pre-tokenizer puts before a word, also before the first
+        one (" bank"), as GPT-2's tokenizer does: what a generated continuation needs."""
+        special = set(self.special_ids.tolist())
+        return self._backend.decode([int(i) for i in ids if int(i) not in special])
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids (int32) of each text, without special tokens; encoded in one native batch call."""

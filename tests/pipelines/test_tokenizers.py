@@ -660,3 +660,12 @@ def test_cli_and_recipe_accept_every_trained_kind(tmp_path):
     assert args.run(args) == 0
     tok = load_tokenizer(tmp_path / "tok")
     assert (tok.kind, tok.vocab_size, tok.lowercase) == ("byte-level-bpe", 400, False)
+
+
+def test_decode_inverts_encode_on_plain_words(trained):
+    """Tokenizer.decode (the server's fill-mask and generate text) through each kind's own decoder."""
+    texts = ["the river bank was muddy", "she deposited money in the bank", "an unbelievably photosynthetic organism"]
+    for text, ids in zip(texts, trained.encode_batch(texts)):
+        assert trained.decode(ids).removeprefix(" ") == text
+        assert trained.decode([trained.cls_id, *ids.tolist(), trained.sep_id]).removeprefix(" ") == text
+        assert trained.decode(ids[-2:]).strip() != text
