@@ -24,7 +24,7 @@ from pipelines.tokenizers import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = REPO / "data" / "tasks" / "lexname"
-N_TRAIN, N_VAL, STEPS, BATCH = 10**6, 10**6, 150, 32  # whole splits (train is grouped by label)
+N_TRAIN, N_VAL, STEPS, BATCH = 10**6, 10**6, 300, 32  # whole splits (train is grouped by label)
 
 
 def read(split: str, n: int) -> dict[str, list]:
@@ -53,6 +53,7 @@ def rows(records, tok, labels, family) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.slow  # ~2-4 min for the 8 families on 2 cores (ELMo's BiLSTM the most)
 def test_each_family_beats_the_majority_class_on_held_out_glosses(family, data):
     tok, tok_dir, labels, train, val, baseline = data
     cfg = make_config(family, "tiny", {"vocab_size": tok.vocab_size})
