@@ -178,10 +178,10 @@ class ClassifyRequest(TaskRequest):
         return {"texts": _as_list(self.input), "pairs": None, "truncate": self.truncate}
 
 
-class TagRequest(TaskRequest):
-    input: str | list[str]  # words are the whitespace-separated runs of each text
-    scheme: Literal["IOB2", "IOBES"] | None = None  # None: conlleval's lenient grouping (what ctx eval scores)
-    truncate: bool = False
+class TextsRequest(TaskRequest):
+    """A route that reads one text or a list of texts under ``input``."""
+
+    input: str | list[str]
 
     @field_validator("input", mode="before")
     @classmethod
@@ -190,6 +190,12 @@ class TagRequest(TaskRequest):
 
     def texts(self) -> list[str]:
         return _as_list(self.input)
+
+
+class TagRequest(TextsRequest):
+    # words are the whitespace-separated runs of each text
+    scheme: Literal["IOB2", "IOBES"] | None = None  # None: conlleval's lenient grouping (what ctx eval scores)
+    truncate: bool = False
 
     def payload(self) -> dict[str, Any]:
         return {"texts": self.texts(), "scheme": self.scheme, "truncate": self.truncate}
@@ -243,18 +249,10 @@ class RerankRequest(TaskRequest):
         return {"query": self.query, "texts": self.texts_, "raw_scores": self.raw_scores, "return_text": self.return_text, "truncate": self.truncate}
 
 
-class FillMaskRequest(TaskRequest):
-    input: str | list[str]  # each text holds the tokenizer's mask token ([MASK], <mask>) at least once
+class FillMaskRequest(TextsRequest):
+    # each text holds the tokenizer's mask token ([MASK], <mask>) at least once
     top_k: int = Field(5, ge=1, le=100)
     truncate: bool = False
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input(cls, v: Any) -> Any:
-        return check_texts(v, allow_str=True)
-
-    def texts(self) -> list[str]:
-        return _as_list(self.input)
 
     def payload(self) -> dict[str, Any]:
         return {"texts": self.texts(), "top_k": self.top_k, "truncate": self.truncate}
@@ -282,17 +280,8 @@ class GenerateRequest(TaskRequest):
         return None
 
 
-class TokenizeRequest(TaskRequest):
-    input: str | list[str]
+class TokenizeRequest(TextsRequest):
     add_special_tokens: bool = True  # [CLS] ... [SEP] as the embeddings endpoints read a text
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input(cls, v: Any) -> Any:
-        return check_texts(v, allow_str=True)
-
-    def texts(self) -> list[str]:
-        return _as_list(self.input)
 
     def payload(self) -> dict[str, Any]:
         return {"texts": self.texts(), "add_special_tokens": self.add_special_tokens}
