@@ -286,7 +286,7 @@ class EmbeddingModel(TaskServing):
         import torch
 
         T = max(len(r) for r in rows)
-        ids = np.full((len(rows), T), self.tokenizer.pad_id, dtype=np.int64)  # (B, T)
+        ids = np.full((len(rows), T), self.tokenizer.padding_id, dtype=np.int64)  # (B, T); GPT-2 has no [PAD]
         mask = np.zeros((len(rows), T), dtype=np.int64)  # (B, T)
         for b, r in enumerate(rows):
             ids[b, : len(r)] = r

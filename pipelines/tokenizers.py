@@ -284,20 +284,37 @@ class Tokenizer:
 
         Returns (ids, offsets, tokens): offsets are (start, end) into the original text, so
         ``text[start:end]`` is the token's surface form; (0, 0) for [CLS] and [SEP]. Tokens are the
-        vocabulary strings ("##ing", "▁bank", "<0xE6>").
+        vocabulary strings ("##ing", "▁bank", "<0xE6>"). A tokenizer without [CLS]/[SEP]-like tokens
+        (GPT-2's, whose only special token is <|endoftext|>) gives the tokens alone, as
+        transformers' GPT2Tokenizer does.
         """
-        if max_len < 2:
-            raise ValueError(f"max_len={max_len}: need at least 2 for [CLS] and [SEP]")
-        why = "encode_for_model puts [CLS] and [SEP] around each text"
-        cls_id, sep_id = self.require("cls", why), self.require("sep", why)
-        cls, sep = self.special_tokens["cls"], self.special_tokens["sep"]
-        keep = max_len - 2
+        cls_id, sep_id = self.special_id("cls"), self.special_id("sep")
+        plain = cls_id is None or sep_id is None
+        if max_len < (1 if plain else 2):
+            raise ValueError(f"max_len={max_len}: need at least {1 if plain else 2} (special tokens included)")
+        keep = max_len if plain else max_len - 2
         all_ids, all_offsets, all_tokens = [], [], []
         for ids, offsets, tokens in self._backend.encode_offsets(list(texts)):
+            if plain:
+                all_ids.append(list(ids[:keep]))
+                all_offsets.append(list(offsets[:keep]))
+                all_tokens.append(list(tokens[:keep]))
+                continue
+            cls, sep = self.special_tokens["cls"], self.special_tokens["sep"]
             all_ids.append([cls_id, *ids[:keep], sep_id])
             all_offsets.append([(0, 0), *offsets[:keep], (0, 0)])
             all_tokens.append([cls, *tokens[:keep], sep])
         return all_ids, all_offsets, all_tokens
+
+    @property
+    def padding_id(self) -> int:
+        """What padding positions hold: [PAD], else the end-of-text token (GPT-2), else 0. The
+        attention mask hides them, so any id of the vocabulary serves."""
+        for role in ("pad", "eos"):
+            found = self.special_id(role)
+            if found is not None:
+                return found
+        return 0
 
     def save(self, local_dir: str | os.PathLike) -> None:
         """Write the tokenizer files into ``local_dir`` (created if needed); see the module doc."""

@@ -611,8 +611,10 @@ def test_gpt2_folder_loads_and_encodes_as_transformers(gpt2_folders, corpus_line
     for role, token in (("mask", "<mask>"), ("cls", "<s>"), ("pad", "<pad>")):
         with pytest.raises(MissingSpecialToken, match=rf"{re.escape(str(folder))}: the tokenizer has no {role} token \(looked for .*'{token}'"):
             getattr(tok, f"{role}_id")
-    with pytest.raises(MissingSpecialToken, match=r"no cls token.*encode_for_model puts \[CLS\]"):
-        tok.encode_for_model(["hello"], 8)
+    # What the server reads: the tokens alone (no [CLS]/[SEP] to add), padded with <|endoftext|>.
+    ids, offsets, tokens = tok.encode_for_model(["The bank of the river", "hi"], 3)
+    assert ids == [expected_ids[:3] for expected_ids in ref(["The bank of the river", "hi"], add_special_tokens=False)["input_ids"]]
+    assert len(offsets[0]) == len(tokens[0]) == 3 and tok.padding_id == eot
 
 
 def test_gpt2_folder_gives_gpt_inputs_with_endoftext_and_names_what_other_styles_miss(gpt2_folders):
