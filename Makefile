@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/masking.py
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/data_pipeline.py
+	$(BIN)/python benchmarks/finetune_throughput.py
+	$(BIN)/python benchmarks/baselines.py
 
 clean:
 	rm -rf $(VENV) runs
