@@ -163,6 +163,19 @@ def test_the_server_still_answers_after_the_fuzz(server):
             assert r.status_code == 200, r.text
 
 
+def test_the_spec_declares_the_error_body_the_server_sends(server):
+    """FastAPI declared {"detail": [...]} for 422, which this server never sends: conformance passed
+    vacuously. Every operation now declares the real error body for 4XX and 5XX."""
+    spec = httpx.get(f"{server}/openapi.json", timeout=60).json()
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    assert spec["components"]["schemas"]["ErrorBody"]["required"] == ["error"]
+    for path, operations in spec["paths"].items():
+        for method, op in operations.items():
+            for status in ("4XX", "5XX"):
+                schema = op["responses"][status]["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+
+
 # ----------------------------------------------------------------------------- what the fuzz found
 
 
