@@ -467,6 +467,25 @@ class AsciiJSON(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    request_id: str | None = None  # 5xx: the server log has the details under it
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# The body of every 4xx and 5xx, in the OpenAPI spec too: FastAPI would declare {"detail": [...]} for 422,
+# which this server never sends.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "The request's mistake, named"},
+    "5XX": {"model": ErrorBody, "description": "The server's failure: only a request id"},
+}
+
+
 def _error(status: int, message: str, type_: str, code: str | None = None, request_id: str | None = None, headers: dict | None = None) -> AsciiJSON:
     body: dict[str, Any] = {"message": message, "type": type_}
     if code:
@@ -681,7 +700,7 @@ def _retry_after(seconds: float) -> str:
 
 def http_api(gw: "Gateway") -> FastAPI:
     """The FastAPI app of one Gateway replica; routes call the Gateway's methods."""
-    api = FastAPI(title="ctx embeddings", version="1")
+    api = FastAPI(title="ctx embeddings", version="1", responses=ERROR_RESPONSES)
     api.add_middleware(Guard, gateway=gw)
 
     @api.exception_handler(ApiError)
@@ -719,7 +738,7 @@ def http_api(gw: "Gateway") -> FastAPI:
     async def healthz() -> dict:
         return {"status": "ok", "models": sorted(gw.models)}
 
-    @api.get("/readyz")
+    @api.get("/readyz", responses={503: {"description": "Not ready: {status, models} says which model is not"}})
     async def readyz() -> Response:
         return await gw.readyz()
 

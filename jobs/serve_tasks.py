@@ -449,7 +449,9 @@ def pick_token(logits, temperature: float, top_k: int | None, top_p: float | Non
     logits = logits.detach().float().cpu()
     if temperature == 0:
         return int(logits.argmax())
-    scores = logits / temperature
+    # The best score shifted to 0 and the temperature kept above float32's smallest normal: a tiny one
+    # (5e-324 is valid JSON) then gives -inf to the others, never inf - inf or 0 / 0 = nan: the argmax.
+    scores = (logits - logits.max()) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -457,6 +459,7 @@ def pick_token(logits, temperature: float, top_k: int | None, top_p: float | Non
     if top_p is not None and top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         outside = sorted_p.cumsum(0) - sorted_p >= top_p  # the nucleus was complete before this token
+        outside[0] = False  # the best token always stays (a top_p under float32's resolution, 5e-324, keeps it alone)
         sorted_p[outside] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))
