@@ -43,6 +43,7 @@ def test_models_take_the_defaults_and_settings_go_where_they_belong():
         ({"models": "just-a-path"}, ["NAME=URI"]),
         ({"models": {"m": "/x"}, "limits": {"max_inputs": 0}}, ["limits.max_inputs", "greater than 0"]),
         ({"models": {"m": "/x"}, "limits": {"max_inputz": 3}}, ["limits.max_inputz", "extra"]),
+        ({"models": {"m": "/x"}, "defaults": {"max_batch_tokens": 0}}, ["models.m.max_batch_tokens", "greater than or equal to 1"]),
         ({"models": {"m": {"uri": "/x", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}}}, ["autoscaling", "above max_replicas"]),
         ({"models": {"bad name!": "/x"}}, ["bad name!"]),
         ({"models": {"m": "/x"}, "auth": {"api_key_sha256": ["secret"]}}, ["api_key_sha256", "SHA-256"]),
@@ -187,3 +188,4 @@ def test_the_example_config_validates():
 
     cfg = sc.load_config(REPO / "configs" / "serve" / "minilm.yaml")
     assert cfg.models["minilm"].autoscaling.max_replicas == 4 and cfg.models["bert-tiny"].max_batch_size == 32
+    assert cfg.models["minilm"].max_batch_tokens == 16384 and cfg.models["bert-tiny"].max_batch_tokens == 8192
