@@ -1037,7 +1037,7 @@ class Gateway:
         unit = "words" if req.granularity == "word" else "tokens"
         data = []
         for i, r in enumerate(out["rows"]):
-            vectors = np.asarray(r["embeddings"], dtype=np.float32).reshape(len(r["offsets"]), -1)  # (T or words, width)
+            vectors = np.asarray(r["embeddings"], dtype=np.float32)  # (T or words, width); (0, width) for no words
             item = {"index": i, unit: r[unit], "offsets": [list(o) for o in r["offsets"]]}
             if req.encoding_format == "base64":
                 item["embeddings"], item["shape"] = _encode_vector(vectors, "base64"), list(vectors.shape)

@@ -202,6 +202,12 @@ def test_word_vectors_are_the_mean_of_their_sub_tokens(client, models, tok):
     assert item["shape"] == [3, 768]  # Tokenization | isn't | trivial!
     np.testing.assert_allclose(got, _words_by_hand(TEXTS[0], h, offsets)[2], atol=TOL)
 
+    # A word of characters the tokenizer drops (a zero-width space) keeps no token: no words, no 5xx.
+    r = _post(client, "/v1/token-embeddings", {"model": "minilm", "input": ["\u200b"], "granularity": "word", "encoding_format": "base64"})
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    assert item["words"] == [] and item["shape"] == [0, 384]
+
 
 def test_token_granularity_features_and_base64(client, models, tok):
     for strategy in ("concat-last-four", "second-to-last"):
