@@ -1,10 +1,10 @@
 """Serve contextual embeddings over HTTP with Ray Serve.
 
-    POST /v1/embeddings        OpenAI-compatible sentence vectors: pooling mean | cls | last,
-                               ``dimensions`` (Matryoshka truncation, re-normalised), ``truncate``,
-                               ``encoding_format`` float | base64
-    POST /v1/token-embeddings  one vector per token from any layers, with the token strings and
-                               their character offsets in the input
+    POST /v1/embeddings        OpenAI-compatible sentence vectors: pooling mean | cls | last over token
+                               vectors made by a ``features`` strategy (ctxmodels.features), ``dimensions``
+                               (Matryoshka truncation, re-normalised), ``truncate``, ``encoding_format``
+    POST /v1/token-embeddings  one vector per token (or per word: granularity "word") from any layers or a
+                               ``features`` strategy, with the token strings and their character offsets
     POST /v1/classify, /v1/tag, /v1/answer, /v1/rerank   fine-tuned task checkpoints
     POST /v1/fill-mask, /v1/generate                     pretrained masked / causal LM heads
     POST /tokenize                                       ids, tokens and offsets (jobs/serve_tasks.py)
@@ -14,8 +14,9 @@
 
 Two kinds of deployment (Ray Serve docs, "Deploy Compositions of Models"):
 * ``EmbeddingModel``, one per served model: loads one resolved checkpoint (local path, ``file://``
-  or ``s3://``) and its tokenizer, and groups concurrent sentence requests into one forward pass
-  with ``@serve.batch``.
+  or ``s3://``) and its tokenizer, and groups concurrent sentence requests with ``@serve.batch``;
+  what a batch collects runs sorted by length in forward passes of at most ``max_batch_tokens``
+  padded tokens (``token_budget_groups``).
 * ``Gateway``, the FastAPI ingress: checks the API key, the body size and every character limit
   before anything is tokenized, routes requests by model name through bounded queues (429 with
   Retry-After when full), and turns every failure into ``{"error": {"message", "type", ...}}``;
@@ -37,6 +38,7 @@ the local Ray it started.
 # not strings, to read them from the body.
 import asyncio
 import base64
+import collections
 import hashlib
 import hmac
 import json
@@ -55,7 +57,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
@@ -177,6 +179,22 @@ def char_ids_backbone(backbone, tokenizer, max_chars: int):
     return CharIdsBackbone()
 
 
+def token_budget_groups(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Indices of rows (``lengths`` in tokens) grouped into forward passes, shortest rows first: each
+    group has at most ``max_rows`` rows and at most ``max_tokens`` padded tokens (rows x its longest
+    row), so rows of similar length share a pass and padding stays small. A row longer than
+    ``max_tokens`` gets a pass of its own (it cannot be split). Ties keep their given order."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        group = groups[-1] if groups else None
+        # Sorted ascending: the row joining a group is its longest, so the padded size is rows x its length.
+        if group is not None and len(group) < max_rows and (len(group) + 1) * lengths[i] <= max_tokens:
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 # ----------------------------------------------------------------------------- model replicas
 
 
@@ -217,10 +235,18 @@ class EmbeddingModel(TaskServing):
         # RoBERTa spends position rows on its offset: max_tokens is what it reads.
         max_len = getattr(config, "max_tokens", None) or getattr(config, "max_seq_len", None)
         self.max_len = int(max_len or DEFAULT_MAX_LEN)
-        self.max_batch_size = settings.max_batch_size
+        self.max_batch_size, self.max_batch_tokens = settings.max_batch_size, settings.max_batch_tokens
+        if self.max_batch_tokens < self.max_len:
+            logger.warning(
+                "model %s: max_batch_tokens=%d is below the %d tokens it reads; a longer text runs alone, over the budget",
+                name, self.max_batch_tokens, self.max_len,
+            )
+        self.recent_passes: collections.deque = collections.deque(maxlen=1024)  # (rows, padded length) per forward pass
         self._embed_batch.set_max_batch_size(settings.max_batch_size)
         self._embed_batch.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
         self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
+        # A checkpoint fine-tuned with features: scalar-mix carries its learned layer weights (TaskModel.mix).
+        self.mix = getattr(self.model, "mix", None)
         # One real forward pass: warms the model up and tells the layer count and width of any family.
         hidden = self._forward_check()
         self.n_hidden = len(hidden)  # n_layer + 1: index 0 is the embedding output
@@ -317,34 +343,78 @@ class EmbeddingModel(TaskServing):
             raise InputError(f"pooling 'cls': model {self.name!r} puts no [CLS] token in its input; use pooling 'mean'")
         return int(where[0])
 
-    def _token_vectors(self, rows: list[np.ndarray], layers: list[int]) -> list[np.ndarray]:
-        """float32 (T_i, len(layers)*D) per row, run in chunks of max_batch_size rows."""
+    def _strategy(self, features: str) -> int:
+        """How many layer widths ``features``' vectors have; a 400 for a strategy this model cannot use."""
+        from ctxmodels.features import FEATURE_STRATEGIES, n_combined
+
+        try:
+            n = n_combined(features)
+        except ValueError as e:
+            raise InputError(f"features: {e}") from None
+        if features == "scalar-mix" and self.mix is None:
+            usable = ", ".join(s for s in FEATURE_STRATEGIES if s != "scalar-mix")
+            raise InputError(
+                f"features 'scalar-mix': model {self.name!r} has no learned mix weights (only a checkpoint fine-tuned "
+                f"with task.features: scalar-mix has them); use one of {usable}"
+            )
+        return n
+
+    def _passes(self, rows: list[np.ndarray]):
+        """Forward passes over ``rows`` grouped under max_batch_size and max_batch_tokens; yields (the
+        group's row indices, its hidden states (n_layer + 1 of (B, T, D)), attention mask (B, T),
+        (rows, real tokens, padded tokens))."""
         import torch
 
-        from ctxmodels import features
-
-        out = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
-            ids, mask = self._pad(chunk)
+        for group in token_budget_groups([len(r) for r in rows], self.max_batch_size, self.max_batch_tokens):
+            ids, mask = self._pad([rows[i] for i in group])  # (B, T)
             with torch.inference_mode():
-                hidden = features.token_embeddings(self.backbone, ids, mask, layers=layers)  # (B, T, L*D)
-            hidden = hidden.float().cpu().numpy()
-            out.extend(hidden[b, : len(row)] for b, row in enumerate(chunk))
-        return out
+                states = self.backbone.hidden_states(ids, attention_mask=mask)
+            B, T = ids.shape
+            self.recent_passes.append((int(B), int(T)))
+            yield group, states, mask, (int(B), int(mask.sum()), int(B * T))
 
-    def _pool(self, items: list[tuple[np.ndarray, int | None]]) -> list[np.ndarray]:
-        """items: (ids, position to take, or None for the mean over real tokens) -> float32 (D,)."""
+    def _token_vectors(self, rows: list[np.ndarray], layers: list[int] | None, features: str | None) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+        """float32 (T_i, len(layers)*D), or (T_i, n_combined(features)*D), per row in the given order;
+        and the (rows, tokens, padded tokens) of each forward pass."""
         import torch
 
-        from ctxmodels import features
+        from ctxmodels.features import combine_layers
 
-        ids, mask = self._pad([row for row, _ in items])
-        with torch.inference_mode():
-            hidden = features.token_embeddings(self.backbone, ids, mask, layers="last")  # (B, T, D)
-            mean = features.mean_pool(hidden, mask)  # (B, D)
-            out = [mean[b] if pos is None else hidden[b, pos] for b, (_, pos) in enumerate(items)]
-        return [v.float().cpu().numpy() for v in out]
+        out: list[np.ndarray | None] = [None] * len(rows)
+        sizes = []
+        for group, states, _, size in self._passes(rows):
+            with torch.inference_mode():
+                if features is not None:
+                    hidden = combine_layers(states, features, self.mix)  # (B, T, n*D)
+                else:
+                    hidden = torch.cat([states[i] for i in layers], dim=-1)  # (B, T, L*D)
+            hidden = hidden.float().cpu().numpy()
+            for b, i in enumerate(group):
+                out[i] = hidden[b, : len(rows[i])]
+            sizes.append(size)
+        return out, sizes
+
+    def _pool(self, items: list[tuple[np.ndarray, int | None, str]]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
+        """items: (ids, position to take or None for the mean over real tokens, feature strategy) ->
+        float32 (n_combined*D,) per item in the given order; and per forward pass (an item of it, its
+        (rows, tokens, padded tokens))."""
+        import torch
+
+        from ctxmodels.features import combine_layers, mean_pool
+
+        out: list[np.ndarray | None] = [None] * len(items)
+        sizes = []
+        for group, states, mask, size in self._passes([row for row, _, _ in items]):
+            with torch.inference_mode():
+                for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
+                    hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)
+                    mean = mean_pool(hidden, mask)  # (B, n*D)
+                    for b, i in enumerate(group):
+                        _, pos, wanted = items[i]
+                        if wanted == strategy:
+                            out[i] = (mean[b] if pos is None else hidden[b, pos]).float().cpu().numpy()
+            sizes.append((group[0], size))
+        return out, sizes
 
     def _stamp(self) -> dict[str, str]:
         return {"version": self.version, "tokenizer_hash": self.tokenizer_hash}
@@ -352,13 +422,14 @@ class EmbeddingModel(TaskServing):
     # --- Ray seam: request handlers, called through DeploymentHandles ---
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def _embed_batch(self, items: list[tuple[np.ndarray, int | None]]) -> list[tuple[np.ndarray, tuple[int, int] | None]]:
-        """Each item's vector; the batch's (texts, tokens) ride on its first item, so a caller that
-        collects them counts every batch once."""
+    async def _embed_batch(self, items: list[tuple[np.ndarray, int | None, str]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
+        """Each item's vector, in the order given; the rows are run in forward passes by length under the
+        token budget (``_passes``). Each pass's (texts, tokens, padded tokens) rides on one of its items,
+        so a caller that collects them counts every pass once."""
         # The forward runs in a thread (torch releases the GIL), so the loop keeps queueing the next batch.
-        vectors = await asyncio.to_thread(self._pool, items)
-        size = (len(items), sum(len(row) for row, _ in items))
-        return [(v, size if i == 0 else None) for i, v in enumerate(vectors)]
+        vectors, sizes = await asyncio.to_thread(self._pool, items)
+        carried = dict(sizes)
+        return [(v, carried.get(i)) for i, v in enumerate(vectors)]
 
     async def embed(self, *args: Any) -> dict:
         """``_embed``'s answer, or {"refused": (status, message)}: a bad request is the client's error, so
@@ -374,6 +445,11 @@ class EmbeddingModel(TaskServing):
         except InputError as e:
             return _refusal(e)
 
+    async def forward_passes(self) -> list[tuple[int, int]]:
+        """(rows, padded length) of this replica's recent forward passes, oldest first: what the token
+        budget bounds (rows x length <= max_batch_tokens unless a row alone is longer)."""
+        return list(self.recent_passes)
+
     async def task(self, route: str, args: dict) -> dict:
         """A task route's answer ({"body", version, tokenizer_hash}; jobs/serve_tasks.py), or a refusal."""
         try:
@@ -388,18 +464,23 @@ class EmbeddingModel(TaskServing):
         normalize: bool = False,
         dimensions: int | None = None,
         truncate: bool = False,
+        features: str = "last",
     ) -> dict:
-        """{"embeddings": float32 (D,) arrays, "n_tokens": tokens per text (special tokens included),
-        "batches": (texts, tokens) of the forward passes these texts started, version, tokenizer_hash}.
+        """{"embeddings": float32 (n_combined(features)*D,) arrays, "n_tokens": tokens per text (special
+        tokens included), "batches": (texts, tokens, padded tokens) of the forward passes these texts
+        started, version, tokenizer_hash}.
 
-        ``dimensions`` keeps the first k components and re-normalises (Matryoshka Representation
-        Learning, Kusupati et al. 2022; OpenAI's text-embedding-3 ``dimensions``)."""
-        if dimensions is not None and not 1 <= dimensions <= self.dim:
-            raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {self.dim}-dimensional vectors; ask for 1..{self.dim}")
+        ``features`` combines the layers into token vectors (``ctxmodels.features.combine_layers``: the
+        strategies of fine-tuning), which ``pooling`` then pools. ``dimensions`` keeps the first k
+        components and re-normalises (Matryoshka Representation Learning, Kusupati et al. 2022; OpenAI's
+        text-embedding-3 ``dimensions``)."""
+        dim = self.dim * self._strategy(features)
+        if dimensions is not None and not 1 <= dimensions <= dim:
+            raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {dim}-dimensional vectors (features {features!r}); ask for 1..{dim}")
         # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
         ids, _, _ = await asyncio.to_thread(self._encode, texts, truncate)
         positions = [self._position(row, pooling) for row in ids]
-        results = await asyncio.gather(*(self._embed_batch((row, pos)) for row, pos in zip(ids, positions)))
+        results = await asyncio.gather(*(self._embed_batch((row, pos, features)) for row, pos in zip(ids, positions)))
         vectors = [v for v, _ in results]
         if dimensions is not None:
             vectors = [v[:dimensions] for v in vectors]
@@ -412,30 +493,80 @@ class EmbeddingModel(TaskServing):
             **self._stamp(),
         }
 
-    async def _token_embeddings(self, texts: list[str], layers: str | list[int] = "last", truncate: bool = False) -> dict:
-        """{"rows": per text tokens, offsets, n_tokens and float32 (T, len(layers)*D) vectors, layers in
-        the order asked; version, tokenizer_hash}. Refused before the forward pass when the answer
-        would hold more than ``max_token_embedding_values`` numbers."""
-        layer_ids = self._layers(layers)
+    async def _token_embeddings(
+        self,
+        texts: list[str],
+        layers: str | list[int] = "last",
+        truncate: bool = False,
+        features: str | None = None,
+        granularity: Literal["token", "word"] = "token",
+    ) -> dict:
+        """{"rows": per text its tokens (or words), character offsets, n_tokens and float32 vectors (one
+        a token or word: the layers asked, concatenated in that order, or ``features`` combined), "batches"
+        as ``_embed``'s, version, tokenizer_hash}. Refused before the forward pass when the answer would
+        hold more than ``max_token_embedding_values`` numbers.
+
+        A word is a whitespace-separated run of the text (``pipelines.alignment.encode_texts``, as
+        fine-tuning aligns plain text) and its vector the mean of its sub-tokens' vectors; a word left
+        without tokens (cut by truncation, or only characters the tokenizer drops) is left out."""
+        if features is not None:
+            layer_ids, width, what = None, self.dim * self._strategy(features), f"features {features!r}"
+        else:
+            layer_ids = self._layers(layers)
+            width, what = len(layer_ids) * self.dim, f"{len(layer_ids)} layers x {self.dim}"
         ids, offsets, tokens = await asyncio.to_thread(self._encode, texts, truncate)
-        n_values = sum(len(row) for row in ids) * len(layer_ids) * self.dim
-        cap = self.limits.max_token_embedding_values
+        words = await asyncio.to_thread(self._words, texts, ids) if granularity == "word" else None
+        n_vectors = sum(len(spans) for _, spans in words) if words is not None else sum(len(row) for row in ids)
+        n_values, cap = n_vectors * width, self.limits.max_token_embedding_values
         if n_values > cap:
             raise LimitError(
-                f"the answer would hold {n_values} numbers ({sum(len(r) for r in ids)} tokens x {len(layer_ids)} "
-                f"layers x {self.dim}), more than max_token_embedding_values={cap}: ask for fewer texts or layers"
+                f"the answer would hold {n_values} numbers ({n_vectors} {granularity}s x {width} values each: {what}), "
+                f"more than max_token_embedding_values={cap}: ask for fewer texts, layers or a narrower strategy"
             )
-        vectors = await asyncio.to_thread(self._token_vectors, ids, layer_ids)
-        rows = [
-            {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}
-            for tok, off, vec, row in zip(tokens, offsets, vectors, ids)
-        ]
-        return {"rows": rows, **self._stamp()}
+        vectors, sizes = await asyncio.to_thread(self._token_vectors, ids, layer_ids, features)
+        if words is None:
+            rows = [
+                {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}
+                for tok, off, vec, row in zip(tokens, offsets, vectors, ids)
+            ]
+        else:
+            rows = [
+                {"words": [text[s:e] for s, e in spans.tolist()], "offsets": [tuple(o) for o in spans.tolist()],
+                 "embeddings": word_means(vec, word_ids, len(spans)), "n_tokens": len(row)}
+                for text, vec, (word_ids, spans), row in zip(texts, vectors, words, ids)
+            ]
+        return {"rows": rows, "batches": sizes, **self._stamp()}
+
+    def _words(self, texts: list[str], ids: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text: the word of each of its model tokens (T_i,), renumbered over the words that kept a
+        token (-1 for [CLS], [SEP] and tokens in no word), and those words' character spans (W_i, 2)."""
+        from pipelines.alignment import encode_texts
+
+        al = encode_texts(self.tokenizer, texts)  # the same backend tokens encode_for_model puts between [CLS] and [SEP]
+        out = []
+        for i, row in enumerate(ids):
+            _, _, inner = al.row(i)
+            word_ids = np.concatenate([[-1], inner[: len(row) - 2], [-1]])  # (T_i,) truncation cuts the tail
+            kept = np.unique(word_ids[word_ids >= 0])  # sorted: words in text order
+            renumber = np.full(int(al.n_words[i]) + 1, -1, dtype=np.int64)
+            renumber[kept] = np.arange(len(kept))
+            spans = al.word_spans[al.word_splits[i] : al.word_splits[i + 1]][kept]  # (W_i, 2)
+            out.append((renumber[word_ids], spans))  # renumber[-1] is the extra slot: stays -1
+        return out
 
     async def ready(self) -> dict[str, Any]:
         """A real forward pass, for /readyz."""
         await asyncio.to_thread(self._forward_check)
         return self._stamp()
+
+
+def word_means(vectors: np.ndarray, word_ids: np.ndarray, n_words: int) -> np.ndarray:
+    """Token vectors (T, W') -> float32 (n_words, W'): each word's mean over its tokens (``word_ids``
+    (T,), -1 for tokens in no word), with ``pipelines.alignment.pool_words``."""
+    from pipelines.alignment import pool_words
+
+    pooled, _ = pool_words(vectors[None], word_ids[None], max(n_words, 1), "mean")  # (1, n_words, W')
+    return pooled[0, :n_words].astype(np.float32)
 
 
 def _load_noting_untrained_heads(local_dir: Path):
@@ -535,6 +666,9 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)  # keep the first k components, then re-normalise
     pooling: Literal["mean", "cls", "last"] = "mean"  # last: the last real token, for causal families
+    # How token vectors are made from the layers before pooling (ctxmodels.features.FEATURE_STRATEGIES;
+    # the replica checks the name, and scalar-mix against the checkpoint): "last" is the top layer.
+    features: str = "last"
     normalize: bool = False
     truncate: bool = False  # false: a text longer than the model reads is a 400; true: cut it
     user: str | None = None  # accepted for OpenAI clients; unused
@@ -551,7 +685,9 @@ class TokenEmbeddingsRequest(BaseModel):
     model: str
     input: list[str]
     layers: Literal["last"] | list[int] = "last"  # or layer indexes in output order; 0 = embedding output
-    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, row-major (T, L*D)
+    features: str | None = None  # instead of layers: a strategy of ctxmodels.features (concat-last-four: 4 x D wide)
+    granularity: Literal["token", "word"] = "token"  # word: whitespace-separated words, the mean of their sub-tokens
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, row-major (T, width)
     truncate: bool = False
 
     @field_validator("input", mode="before")
@@ -567,6 +703,12 @@ class TokenEmbeddingsRequest(BaseModel):
         if v != "last" and not ints:
             raise ValueError(f'must be "last" or a non-empty list of layer indexes (0 = embedding output), got {v!r}')
         return v
+
+    @model_validator(mode="after")
+    def _layers_or_features(self) -> "TokenEmbeddingsRequest":
+        if self.features is not None and "layers" in self.model_fields_set:
+            raise ValueError("give layers or features, not both: features combines layers itself")
+        return self
 
 
 def _encode_vector(v: np.ndarray, encoding_format: str) -> list[float] | str:
@@ -600,6 +742,17 @@ class Metrics:
             "ctx_batch_size_tokens", "real tokens per batched forward pass", ["model"], registry=self.registry,
             buckets=(8, 32, 128, 512, 2048, 8192, 32768),
         )
+        self.batch_padded = Histogram(
+            "ctx_batch_size_padded_tokens", "rows x longest row per forward pass (what max_batch_tokens bounds)", ["model"],
+            registry=self.registry, buckets=(8, 32, 128, 512, 2048, 8192, 16384, 32768),
+        )
+
+    def observe_batches(self, model: str, batches: list[tuple[int, int, int]]) -> None:
+        """The (texts, real tokens, padded tokens) of each forward pass a request's texts started."""
+        for n_texts, n_tokens, n_padded in batches:
+            self.batch_texts.labels(model).observe(n_texts)
+            self.batch_tokens.labels(model).observe(n_tokens)
+            self.batch_padded.labels(model).observe(n_padded)
 
     def route(self, path: str) -> str:
         return path if path in self.ROUTES else "other"  # bounded label values whatever clients send
@@ -874,10 +1027,8 @@ class Gateway:
         self._handle(req.model)
         texts = [req.input] if isinstance(req.input, str) else req.input
         check_limits(texts, self.config.limits)
-        out = await self._call(req.model, "embed", texts, req.pooling, req.normalize, req.dimensions, req.truncate)
-        for n_texts, n_tokens in out["batches"]:
-            self.metrics.batch_texts.labels(req.model).observe(n_texts)
-            self.metrics.batch_tokens.labels(req.model).observe(n_tokens)
+        out = await self._call(req.model, "embed", texts, req.pooling, req.normalize, req.dimensions, req.truncate, req.features)
+        self.metrics.observe_batches(req.model, out["batches"])
         n_tokens = sum(out["n_tokens"])
         data = [
             {"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
@@ -899,12 +1050,14 @@ class Gateway:
     async def token_embeddings(self, req: TokenEmbeddingsRequest) -> Response:
         self._handle(req.model)
         check_limits(req.input, self.config.limits)
-        out = await self._call(req.model, "token_embeddings", req.input, req.layers, req.truncate)
+        out = await self._call(req.model, "token_embeddings", req.input, req.layers, req.truncate, req.features, req.granularity)
+        self.metrics.observe_batches(req.model, out["batches"])
         n_tokens = sum(r["n_tokens"] for r in out["rows"])
+        unit = "words" if req.granularity == "word" else "tokens"
         data = []
         for i, r in enumerate(out["rows"]):
-            vectors = np.asarray(r["embeddings"], dtype=np.float32)  # (T, L*D)
-            item = {"index": i, "tokens": r["tokens"], "offsets": [list(o) for o in r["offsets"]]}
+            vectors = np.asarray(r["embeddings"], dtype=np.float32)  # (T or words, width); (0, width) for no words
+            item = {"index": i, unit: r[unit], "offsets": [list(o) for o in r["offsets"]]}
             if req.encoding_format == "base64":
                 item["embeddings"], item["shape"] = _encode_vector(vectors, "base64"), list(vectors.shape)
             else:
@@ -916,7 +1069,9 @@ class Gateway:
                 "model": req.model,
                 "model_version": out["version"],
                 "tokenizer_hash": out["tokenizer_hash"],
-                "layers": req.layers,
+                "layers": None if req.features is not None else req.layers,
+                "features": req.features,
+                "granularity": req.granularity,
                 "data": data,
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
             },

@@ -13,7 +13,8 @@
           max_replicas: 4
           target_ongoing_requests: 8
     defaults:                                    # every model's settings unless it sets its own
-      max_batch_size: 32
+      max_batch_size: 32                         # texts in one forward pass
+      max_batch_tokens: 16384                    # and at most this many padded tokens (rows x longest)
       num_cpus: 1
       max_queued_requests: 64
     limits:
@@ -89,6 +90,10 @@ class ModelSettings(BaseModel):
     num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
     autoscaling: Autoscaling | None = None
     max_batch_size: int = Field(32, ge=1)  # texts in one forward pass
+    # Padded tokens (rows x longest row) in one forward pass. The texts a batch collects are sorted by
+    # length and split into forward passes under this budget, so short texts are not padded to a long
+    # one's length; a text longer than the budget runs alone (keep it >= the models' max_len).
+    max_batch_tokens: int = Field(16384, ge=1)
     batch_wait_timeout_s: float = Field(0.01, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)

@@ -1,5 +1,6 @@
 """The serving config, `ctx serve build`, versions and the pieces of the Gateway that need no Ray:
-limits, API keys, the generic 500. Fast: nothing here starts Ray."""
+limits, API keys, the generic 500, the grouping of a batch under the token budget. Fast: nothing here
+starts Ray."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_models_take_the_defaults_and_settings_go_where_they_belong():
         ({"models": "just-a-path"}, ["NAME=URI"]),
         ({"models": {"m": "/x"}, "limits": {"max_inputs": 0}}, ["limits.max_inputs", "greater than 0"]),
         ({"models": {"m": "/x"}, "limits": {"max_inputz": 3}}, ["limits.max_inputz", "extra"]),
+        ({"models": {"m": "/x"}, "defaults": {"max_batch_tokens": 0}}, ["models.m.max_batch_tokens", "greater than or equal to 1"]),
         ({"models": {"m": {"uri": "/x", "autoscaling": {"min_replicas": 3, "max_replicas": 2}}}}, ["autoscaling", "above max_replicas"]),
         ({"models": {"bad name!": "/x"}}, ["bad name!"]),
         ({"models": {"m": "/x"}, "auth": {"api_key_sha256": ["secret"]}}, ["api_key_sha256", "SHA-256"]),
@@ -187,3 +189,32 @@ def test_the_example_config_validates():
 
     cfg = sc.load_config(REPO / "configs" / "serve" / "minilm.yaml")
     assert cfg.models["minilm"].autoscaling.max_replicas == 4 and cfg.models["bert-tiny"].max_batch_size == 32
+    assert cfg.models["minilm"].max_batch_tokens == 16384 and cfg.models["bert-tiny"].max_batch_tokens == 8192
+
+
+def test_token_budget_groups_sort_by_length_and_respect_both_bounds():
+    import numpy as np
+
+    from jobs.serve import token_budget_groups
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(1, 130, size=int(rng.integers(0, 40))).tolist()
+        max_rows, max_tokens = int(rng.integers(1, 10)), int(rng.integers(130, 600))
+        groups = token_budget_groups(lengths, max_rows, max_tokens)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row once
+        for g in groups:
+            assert len(g) <= max_rows
+            assert len(g) * max(lengths[i] for i in g) <= max_tokens  # padded rows x longest row
+        flat = [lengths[i] for g in groups for i in g]
+        assert flat == sorted(flat)  # groups hold neighbouring lengths: padding stays small
+
+
+def test_token_budget_groups_edge_cases():
+    from jobs.serve import token_budget_groups
+
+    assert token_budget_groups([], 8, 100) == []
+    assert token_budget_groups([300, 5], 8, 100) == [[1], [0]]  # over the budget alone: a pass of its own
+    assert token_budget_groups([10, 10, 10], 8, 30) == [[0, 1, 2]]  # exactly the budget; ties keep their order
+    assert token_budget_groups([10, 10, 10], 2, 1000) == [[0, 1], [2]]  # max_rows
+    assert token_budget_groups([5, 100, 3, 50, 50, 7], 4, 120) == [[2, 0, 5], [3, 4], [1]]
