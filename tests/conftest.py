@@ -6,6 +6,7 @@ moto's threaded HTTP server, reached through the same clients users use (pyarrow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -26,6 +27,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(config: dict):
+    """``ctx serve`` of a ServeConfig dict (its "port" set here) on loopback, in the test session's
+    Ray; yields the base URL, then deletes the app and stops Serve (the next module starts its own)."""
+    from ray import serve
+
+    from jobs import serve as ctx_serve
+    from jobs.serve_config import ServeConfig
+
+    port = free_port()
+    ctx_serve.run(ServeConfig.model_validate({**config, "port": port}), blocking=False)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        ctx_serve.shutdown()  # this app only
+        serve.shutdown()
 
 
 @pytest.fixture(scope="session")

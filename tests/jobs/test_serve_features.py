@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import serving
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +62,7 @@ def models(tmp_path_factory, minilm_dir):
 
 @pytest.fixture(scope="module")
 def client(ray_session, models):
-    from ray import serve
-
-    from jobs import serve as ctx_serve
-    from jobs.serve_config import ServeConfig
-
-    port = free_port()
-    config = ServeConfig.model_validate({
-        "port": port,
+    with serving({
         "models": {
             "minilm": str(models["minilm"][0]),
             "tiny": {"uri": str(models["tiny"][0]), "max_batch_tokens": BUDGET, "batch_wait_timeout_s": 0.05},
@@ -77,14 +70,8 @@ def client(ray_session, models):
         },
         "defaults": {"num_cpus": 0.25, "max_batch_size": 8},
         "limits": {"max_token_embedding_values": VALUES_CAP},
-    })
-    ctx_serve.run(config, blocking=False)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            yield c
-    finally:
-        ctx_serve.shutdown()
-        serve.shutdown()
+    }) as url, httpx.Client(base_url=url, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import serving
 
 pytestmark = pytest.mark.slow
 
@@ -67,24 +67,12 @@ def checkpoints(tmp_path_factory, minilm_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(ray_session, checkpoints) -> str:
-    from ray import serve
-
-    from jobs import serve as ctx_serve
-    from jobs.serve_config import ServeConfig
-
-    port = free_port()
-    config = ServeConfig.model_validate({
-        "port": port,
+    with serving({
         "models": {name: str(checkpoints[name]) for name in MODELS},
         "defaults": {"num_cpus": 0.25, "max_batch_size": 8},
         "limits": LIMITS,
-    })
-    ctx_serve.run(config, blocking=False)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        ctx_serve.shutdown()
-        serve.shutdown()
+    }) as url:
+        yield url
 
 
 def map_body(context, body):

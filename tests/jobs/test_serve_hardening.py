@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import serving
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,10 @@ def tiny_models(tmp_path_factory, minilm_dir):
 
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_models):
-    from ray import serve
+    from jobs.serve_config import hash_api_key
 
-    from jobs import serve as ctx_serve
-    from jobs.serve_config import ServeConfig, hash_api_key
-
-    port = free_port()
     bert, gpt = str(tiny_models["bert"][0]), str(tiny_models["gpt"][0])
-    config = ServeConfig.model_validate({
-        "port": port,
+    with serving({
         "models": {
             "tiny": {"uri": bert, "max_ongoing_requests": 1, "max_queued_requests": 1},
             "gpt": gpt,
@@ -66,13 +61,8 @@ def server(ray_session, tiny_models):
         "limits": {"max_tokens_per_request": TOKENS_PER_REQUEST, "max_token_embedding_values": TOKEN_EMBEDDING_VALUES},
         "auth": {"api_key_sha256": [hash_api_key(KEY)]},
         "retry_after_s": 2,
-    })
-    ctx_serve.run(config, blocking=False)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        ctx_serve.shutdown()
-        serve.shutdown()
+    }) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

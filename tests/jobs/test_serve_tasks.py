@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, serving
 
 pytestmark = pytest.mark.slow
 
@@ -121,26 +121,13 @@ def built(tmp_path_factory, minilm_dir, tok):
 
 @pytest.fixture(scope="module")
 def client(ray_session, built):
-    from ray import serve
-
-    from jobs import serve as ctx_serve
-    from jobs.serve_config import ServeConfig
-
-    port = free_port()
     names = ("pair", "sts", "ner", "qa", "mlm", "gpt")
-    config = ServeConfig.model_validate({
-        "port": port,
+    with serving({
         "models": {n: str(built[n][0]) for n in names},
         "defaults": {"num_cpus": 0.25, "max_batch_size": 8},
         "limits": {"max_new_tokens": MAX_NEW_TOKENS},
-    })
-    ctx_serve.run(config, blocking=False)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            yield c
-    finally:
-        ctx_serve.shutdown()
-        serve.shutdown()
+    }) as url, httpx.Client(base_url=url, timeout=120) as c:
+        yield c
 
 
 def _ok(r: httpx.Response) -> dict | list:
