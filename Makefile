@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/masking.py
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/data_pipeline.py
+	$(BIN)/python benchmarks/serving.py
 
 clean:
 	rm -rf $(VENV) runs
