@@ -64,6 +64,7 @@ import asyncio
 import gzip
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -180,6 +181,7 @@ def serve_ours(port: int, model_dir: Path, threads: int) -> None:
                       num_cpus=threads, max_batch_size=BATCH, batch_wait_timeout_s=0.01, drain_timeout_s=5)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)  # the session's logs: a run leaves nothing behind
 
 
 # --- the sides, as this process starts and talks to them ---
@@ -480,6 +482,7 @@ def main() -> None:
                   + (f" {load.errors}" if load.errors else "")
                   + f" (ready in {started:.0f} s; client CPU {load.client_cpu_s:.1f} s of {load.seconds:.1f} s)", flush=True)
 
+    shutil.rmtree(log_dir, ignore_errors=True)  # the servers' output; kept when a server fails, for its tail
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     med: dict[str, dict[str, float]] = {}
     for name, runs in loads.items():
