@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/finetune_throughput.py
 	$(BIN)/python benchmarks/baselines.py
+	$(BIN)/python benchmarks/serving.py
 
 clean:
 	rm -rf $(VENV) runs
