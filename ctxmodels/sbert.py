@@ -44,7 +44,6 @@ def export_sentence_transformers_folder(
     max_seq_length: int,
     pooling: Pooling = "mean",
     normalize: bool = False,
-    lowercase: bool = False,
     pad_token_id: int | None = None,
 ) -> Path:
     """Write ``out_dir`` as a sentence-transformers model folder (module docstring). ``model`` is our
@@ -67,7 +66,7 @@ def export_sentence_transformers_folder(
     for leftover in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
         (out / leftover).unlink(missing_ok=True)  # an HF source folder's own, copied with its tokenizer
 
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": int(max_seq_length), "do_lower_case": bool(lowercase)}, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": int(max_seq_length), "do_lower_case": False}, indent=2))  # the tokenizer lowercases itself
     pool_dir = out / "1_Pooling"
     pool_dir.mkdir(exist_ok=True)
     modes = {mode: mode == POOLING_MODES[pooling] for mode in ALL_MODES}

@@ -543,10 +543,14 @@ class EmbeddingModel(TaskServing):
         from pipelines.alignment import encode_texts
 
         al = encode_texts(self.tokenizer, texts)  # the same backend tokens encode_for_model puts between [CLS] and [SEP]
+        wrapped = self.tokenizer.wraps_with_cls_sep  # a GPT-2 folder's rows are the tokens alone
         out = []
         for i, row in enumerate(ids):
             _, _, inner = al.row(i)
-            word_ids = np.concatenate([[-1], inner[: len(row) - 2], [-1]])  # (T_i,) truncation cuts the tail
+            if wrapped:
+                word_ids = np.concatenate([[-1], inner[: len(row) - 2], [-1]])  # (T_i,) truncation cuts the tail
+            else:
+                word_ids = np.asarray(inner[: len(row)], dtype=np.int64)  # (T_i,)
             kept = np.unique(word_ids[word_ids >= 0])  # sorted: words in text order
             renumber = np.full(int(al.n_words[i]) + 1, -1, dtype=np.int64)
             renumber[kept] = np.arange(len(kept))

@@ -289,7 +289,7 @@ class Tokenizer:
         transformers' GPT2Tokenizer does.
         """
         cls_id, sep_id = self.special_id("cls"), self.special_id("sep")
-        plain = cls_id is None or sep_id is None
+        plain = not self.wraps_with_cls_sep
         if max_len < (1 if plain else 2):
             raise ValueError(f"max_len={max_len}: need at least {1 if plain else 2} (special tokens included)")
         keep = max_len if plain else max_len - 2
@@ -305,6 +305,11 @@ class Tokenizer:
             all_offsets.append([(0, 0), *offsets[:keep], (0, 0)])
             all_tokens.append([cls, *tokens[:keep], sep])
         return all_ids, all_offsets, all_tokens
+
+    @property
+    def wraps_with_cls_sep(self) -> bool:
+        """Whether ``encode_for_model`` puts [CLS] and [SEP] around the tokens (False: GPT-2-style)."""
+        return self.special_id("cls") is not None and self.special_id("sep") is not None
 
     @property
     def padding_id(self) -> int:
