@@ -341,12 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jobs.config import RecipeError
+    from jobs.runlock import RunLockHeld
     from jobs.serve_config import ConfigError
     from pipelines.storage import StorageError
 
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, ConfigError, StorageError, ConnectionError) as e:
+    except (RecipeError, ConfigError, StorageError, ConnectionError, RunLockHeld) as e:
         print(f"ctx: error: {e}", file=sys.stderr)
         return 2
 

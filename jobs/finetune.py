@@ -122,6 +122,15 @@ def score_of(metric: str, values: dict[str, float]) -> float:
 
 
 def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = True, log=print) -> FinetuneResult:
+    """Fine-tune under the run folder's lock, as ``jobs.train.pretrain`` (one writer per run)."""
+    from jobs.runlock import RunLock
+
+    run = run_folder(recipe.output_dir, recipe.name)
+    with RunLock(run, recipe.data.endpoint_url, command=f"ctx finetune ({recipe.name})"):
+        return _finetune(recipe, verbose, progress, log)
+
+
+def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> FinetuneResult:
     import ray
     from ray.train import CheckpointConfig, DataConfig
 

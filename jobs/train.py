@@ -140,6 +140,16 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
 
 
 def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=print) -> PretrainResult:
+    """Pretrain under the run folder's lock (jobs/runlock.py), taken before anything is read from
+    the run, so a second driver on the same output fails at once instead of resuming from the same
+    checkpoint; released when the run ends, also when it fails."""
+    from jobs.runlock import RunLock
+
+    with RunLock(run_uri(recipe), recipe.data.endpoint_url, command=f"ctx pretrain ({recipe.name})"):
+        return _pretrain(recipe, verbose, progress, log)
+
+
+def _pretrain(recipe: Recipe, verbose: bool, progress: bool, log) -> PretrainResult:
     ep = recipe.data.endpoint_url
     shards = storage.list_files(recipe.data.input, ep)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")

@@ -1,0 +1,331 @@
+"""One writer per run folder: a lock object ``<run>/LOCK.json`` with a heartbeat.
+
+Two ``ctx pretrain`` (or ``ctx finetune``) drivers on the same output would both resume from the
+same checkpoint and then write interleaved checkpoints and data positions into one run. The
+driver therefore takes the run's lock before it reads anything from the run, and holds it until
+the run ends (also when it fails):
+
+* **Exclusive create.** Local paths: the lock is written to a private temporary file and
+  hard-linked to ``LOCK.json``; ``link`` fails with ``EEXIST`` when the name is taken, so the
+  lock appears whole or not at all (an ``O_EXCL`` create would let a reader see it empty).
+  S3: ``PutObject`` with ``If-None-Match: *`` (S3's conditional write; moto 5.2 implements it).
+* **Heartbeat.** A daemon thread rewrites the lock every ``heartbeat_s`` with the current time,
+  conditional on it still being the version this holder wrote (S3: ``If-Match`` its ETag; local:
+  an atomic rename aside, compare, link back), so a holder that lost the lock finds out instead of
+  overwriting its successor's.
+* **Stale takeover.** A lock whose heartbeat is older than ``stale_after_s`` (its driver died
+  without releasing it) may be taken over, with the same conditional replace against the version
+  read: of two runs taking over at once, one wins.
+* **Release** deletes the lock, conditional on it being this holder's version.
+
+Other remote filesystems (gs://, hdfs:// ...) offer no conditional write through pyarrow: the run
+goes on without a lock and says so. The clock is the machines' wall clock (``time.time``):
+heartbeats are compared across hosts, so their clocks must agree to well under ``stale_after_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+from pipelines import storage
+
+LOCK_FILE = "LOCK.json"
+
+
+class RunLockHeld(RuntimeError):
+    """Another live process holds the run's lock; the message names it and what to do."""
+
+
+class _Conflict(Exception):
+    """The object changed (or appeared) since it was read: a conditional write lost."""
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    owner: str  # a fresh id per holder: a restarted driver on the same host and pid is another owner
+    host: str
+    pid: int
+    command: str  # what holds it, for the person reading the error
+    started: float  # unix time the lock was taken
+    heartbeat: float  # unix time of the last heartbeat
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "LockInfo | None":
+        try:
+            raw = json.loads(data)
+            return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        except (ValueError, KeyError, TypeError):
+            return None  # not a lock we wrote: treated as held (the error says to delete it by hand)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: create-if-absent, read with a version, replace-if-version, delete-if-version
+
+
+class _LocalBackend:
+    """A lock file on a local (or NFS-like POSIX) filesystem; the version is the file's bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _link_new(self, body: bytes) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_bytes(body)
+        try:
+            os.link(tmp, self.path)  # atomic, and fails if the name exists: an exclusive create of whole contents
+        except FileExistsError:
+            raise _Conflict() from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def create(self, body: bytes) -> bytes:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._link_new(body)
+        return body
+
+    def read(self) -> tuple[bytes, bytes] | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, data
+
+    def _take_aside(self, version: bytes) -> Path:
+        """Rename the lock to a private name (only one renamer wins) and check it is ``version``;
+        a different version is put back and the caller lost."""
+        aside = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.aside")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            raise _Conflict() from None
+        if aside.read_bytes() != version:
+            try:
+                os.link(aside, self.path)  # restore what we must not have moved (unless a new lock took its place)
+            except FileExistsError:
+                pass
+            aside.unlink(missing_ok=True)
+            raise _Conflict()
+        return aside
+
+    def replace(self, body: bytes, version: bytes) -> bytes:
+        """A takeover: the lock is moved aside while it is replaced, so of two takers one wins."""
+        aside = self._take_aside(version)
+        try:
+            self._link_new(body)
+        finally:
+            aside.unlink(missing_ok=True)
+        return body
+
+    def refresh(self, body: bytes, version: bytes) -> bytes:
+        """The holder's heartbeat: an atomic ``os.replace``, so the name is never free for a new
+        run to take. Check-then-replace is not atomic; the gap matters only against a takeover,
+        which happens when this holder is already late by ``stale_after_s``."""
+        if self.read() != (version, version):
+            raise _Conflict()
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_bytes(body)
+        os.replace(tmp, self.path)
+        return body
+
+    def delete(self, version: bytes) -> None:
+        self._take_aside(version).unlink(missing_ok=True)
+
+
+class _S3Backend:
+    """A lock object on S3 (or an S3-compatible store with conditional writes); the version is its ETag."""
+
+    def __init__(self, uri: str, endpoint_url: str | None) -> None:
+        import boto3
+
+        bucket_key = uri[len("s3://"):]
+        self.bucket, _, self.key = bucket_key.partition("/")
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+        self.client = boto3.client("s3", endpoint_url=endpoint)
+
+    @staticmethod
+    def _lost(error: Exception) -> bool:
+        code = getattr(error, "response", {}).get("Error", {}).get("Code", "")
+        # 412: the condition failed; 409: a concurrent conditional write won; 404: it is gone
+        return code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404", "412", "409")
+
+    def _put(self, body: bytes, **condition: str) -> str:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition)["ETag"]
+        except ClientError as e:
+            if self._lost(e):
+                raise _Conflict() from None
+            raise
+
+    def create(self, body: bytes) -> str:
+        return self._put(body, IfNoneMatch="*")
+
+    def read(self) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return got["Body"].read(), got["ETag"]
+
+    def replace(self, body: bytes, version: str) -> str:
+        return self._put(body, IfMatch=version)
+
+    refresh = replace  # If-Match is atomic on S3: the heartbeat and a takeover are the same write
+
+    def delete(self, version: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version)
+        except ClientError as e:
+            if self._lost(e):
+                raise _Conflict() from None
+            raise
+
+
+def _backend(lock_uri: str, endpoint_url: str | None):
+    if lock_uri.startswith("s3://"):
+        return _S3Backend(lock_uri, endpoint_url)
+    if not storage.is_remote(lock_uri):
+        return _LocalBackend(Path(storage.filesystem(lock_uri)[1]))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The lock
+
+
+class RunLock:
+    """``with RunLock(run_uri, endpoint_url, command="ctx pretrain"):`` holds ``<run>/LOCK.json``.
+
+    Raises ``RunLockHeld`` at once when a live holder has it. ``clock`` is injectable so tests can
+    age a lock without waiting.
+    """
+
+    def __init__(self, run_uri: str, endpoint_url: str | None = None, *, command: str = "ctx", heartbeat_s: float = 10.0,
+                 stale_after_s: float = 60.0, clock: Callable[[], float] = time.time, err: TextIO | None = None) -> None:
+        if not 0 < heartbeat_s < stale_after_s:
+            raise ValueError(f"heartbeat_s ({heartbeat_s}) must be positive and below stale_after_s ({stale_after_s})")
+        self.uri = storage.join(run_uri, LOCK_FILE)
+        self.command = command
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self.err = err or sys.stderr
+        self.backend = _backend(self.uri, endpoint_url)
+        self.info: LockInfo | None = None
+        self.lost = False  # set when a heartbeat found the lock taken over
+        self._version = None
+        self._guard = threading.Lock()  # the heartbeat thread and release() both replace the version
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- taking it
+
+    def acquire(self) -> "RunLock":
+        if self.backend is None:
+            print(f"warning: no run lock for {self.uri}: this filesystem has no conditional write here; "
+                  "make sure no other run writes to the same output", file=self.err)
+            return self
+        now = self.clock()
+        info = LockInfo(uuid.uuid4().hex, socket.gethostname(), os.getpid(), self.command, now, now)
+        for _ in range(3):  # a release or a takeover between our read and write: look again
+            try:
+                self._version = self.backend.create(info.to_bytes())
+                break
+            except _Conflict:
+                pass
+            current = self.backend.read()
+            if current is None:
+                continue  # released in between
+            data, version = current
+            holder = LockInfo.from_bytes(data)
+            if holder is None or self.clock() - holder.heartbeat <= self.stale_after_s:
+                raise RunLockHeld(self._held_message(holder))
+            try:
+                self._version = self.backend.replace(info.to_bytes(), version)
+            except _Conflict:
+                continue
+            print(f"note: took over the stale run lock {self.uri} ({self._describe(holder)}, "
+                  f"no heartbeat for {self.clock() - holder.heartbeat:.0f} s)", file=self.err)
+            break
+        else:
+            raise RunLockHeld(f"could not take the run lock {self.uri}: other runs keep taking it; is another run starting?")
+        self.info = info
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="ctx-run-lock-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _describe(holder: LockInfo) -> str:
+        return f"{holder.command} on {holder.host}, pid {holder.pid}"
+
+    def _held_message(self, holder: LockInfo | None) -> str:
+        where = self.uri.rsplit("/", 1)[0] if "://" in self.uri else str(Path(self.uri).parent)
+        if holder is None:  # never taken over: we cannot tell whether its writer lives
+            return (f"the run folder {where} has a lock {self.uri} that is not a ctx run lock (or is damaged). "
+                    f"If no run is writing to this folder, delete that file and start again.")
+        age = self.clock() - holder.heartbeat
+        who = f"{self._describe(holder)} (owner {holder.owner[:8]}, heartbeat {age:.0f} s ago)"
+        return (f"the run folder {where} is in use by {who}. Two runs on one output would resume from "
+                f"the same checkpoint and overwrite each other. Wait for it to finish, stop it, or give "
+                f"this run another name or output_dir. If its driver died, the lock becomes stale after "
+                f"{self.stale_after_s:.0f} s without a heartbeat and the next run takes it over.")
+
+    # -- holding it
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with self._guard:
+                if self.info is None or self.lost:
+                    return
+                fresh = LockInfo(**{**asdict(self.info), "heartbeat": self.clock()})
+                try:
+                    self._version = self.backend.refresh(fresh.to_bytes(), self._version)
+                    self.info = fresh
+                except _Conflict:
+                    self.lost = True
+                    print(f"error: lost the run lock {self.uri}: another run took it over (this run's heartbeat "
+                          f"was late by more than {self.stale_after_s:.0f} s); stop this run", file=self.err)
+                    return
+                except Exception as e:  # a storage blip: the next beat tries again, well before the lock goes stale
+                    print(f"warning: run lock heartbeat for {self.uri} failed: {e}", file=self.err)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._guard:
+            if self.info is None or self.lost:
+                self.info = None
+                return
+            try:
+                self.backend.delete(self._version)
+            except _Conflict:
+                print(f"warning: the run lock {self.uri} was not this run's any more; left it in place", file=self.err)
+            self.info = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
