@@ -7,6 +7,7 @@
     ctx serve --config serve.yaml
     ctx serve build --config serve.yaml -o deploy.yaml   # for `serve deploy deploy.yaml`
     ctx submit --address http://127.0.0.1:8265 -- pretrain --config configs/bert-tiny.yaml
+    ctx jobs list | status ID | logs ID [--follow] | stop ID      (--address or RAY_ADDRESS)
     ctx demo
     ctx report runs/bert-tiny
     ctx export --model runs/minilm-pairs --format hf --output exported/minilm-pairs
@@ -30,6 +31,17 @@ def _quiet_env(verbose: bool) -> None:
         logging.getLogger("ray").setLevel(logging.ERROR)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (`ctx jobs stop`, a pod's shutdown) raises SystemExit, so `finally` blocks run and
+    the run lock is released; by default it would kill the process with the lock still held.
+    ray.init later installs its own handler that does the same."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from pipelines import storage
     from pipelines.sources import sample_text
@@ -51,6 +63,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.set)  # fails before Ray starts
     _quiet_env(args.verbose)
+    _exit_on_sigterm()
     result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
     m = result.metrics
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s")}
@@ -95,6 +108,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     recipe = load_finetune_recipe(args.config, args.set)  # fails before Ray starts
     _quiet_env(args.verbose)
+    _exit_on_sigterm()
     result = finetune(recipe, verbose=args.verbose, progress=not args.no_progress)
     m = result.metrics
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss") or k.startswith("val_")}
@@ -160,7 +174,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
         rest = rest[1:]
     if not rest:
         raise SystemExit("ctx submit: give the ctx command to run after --, e.g. -- pretrain --config configs/bert-tiny.yaml")
-    return submit(args.address, rest, working_dir=args.working_dir, follow=not args.no_follow, python=args.python)
+    return submit(args.address, rest, follow=not args.no_follow, python=args.python, new=args.new)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """`ctx jobs list|status|logs|stop`: one Jobs API client, one function of jobs/submit.py each."""
+    from jobs import submit as js
+
+    client = js.connect(args.address)
+    if args.subcommand == "list":
+        return js.list_jobs(client, sys.stdout)
+    if args.subcommand == "status":
+        return js.job_status(client, args.id, sys.stdout)
+    if args.subcommand == "logs":
+        return js.job_logs(client, args.id, sys.stdout, follow=args.follow)
+    return js.stop_job(client, args.id, sys.stdout)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -264,12 +292,29 @@ def _add_serve_build(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None, help="where to write Serve's config (default: stdout)")
 
 
+_ADDRESS_HELP = "Ray dashboard URL, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS; the two must agree when both are set)"
+
+
 def _add_submit(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265")
-    p.add_argument("--working-dir", default=".", help="uploaded as the job's working directory")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
     p.add_argument("--python", default="python", help="interpreter on the cluster")
-    p.add_argument("--no-follow", action="store_true", help="submit and return without following logs")
+    p.add_argument("--no-follow", action="store_true", help="submit (or find the same run) and return without following logs")
+    p.add_argument("--new", action="store_true", help="start another run even if this exact one was submitted before (id <id>-rN)")
     p.add_argument("ctx_args", nargs=argparse.REMAINDER, help="-- then the ctx command to run on the cluster")
+
+
+def _add_jobs_list(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+
+
+def _add_jobs_id(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", help="the submission id ctx submit printed (ctx jobs list shows them)")
+    p.add_argument("--address", default=None, help=_ADDRESS_HELP)
+
+
+def _add_jobs_logs(p: argparse.ArgumentParser) -> None:
+    _add_jobs_id(p)
+    p.add_argument("--follow", action="store_true", help="until the job ends; the exit code is then the job's (0 succeeded, 1 failed, 3 stopped)")
 
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
@@ -310,7 +355,11 @@ COMMANDS = {
     ("eval",): ("score a fine-tuned model on a split (JSON + HTML), or `eval wic` a model's contextual vectors", _add_eval, cmd_eval),
     ("serve",): ("serve models over HTTP with Ray Serve", _add_serve_run, cmd_serve),
     ("serve", "build"): ("write the Serve config that `serve deploy` accepts", _add_serve_build, cmd_serve_build),
-    ("submit",): ("run a ctx command as a job on a Ray cluster", _add_submit, cmd_submit),
+    ("submit",): ("run a ctx command as a job on a Ray cluster (the same run submitted again attaches to it)", _add_submit, cmd_submit),
+    ("jobs", "list"): ("list the jobs on a Ray cluster", _add_jobs_list, cmd_jobs),
+    ("jobs", "status"): ("a job's status, polled from the cluster", _add_jobs_id, cmd_jobs),
+    ("jobs", "logs"): ("a job's log; --follow until it ends", _add_jobs_logs, cmd_jobs),
+    ("jobs", "stop"): ("stop a job and wait until it has stopped", _add_jobs_id, cmd_jobs),
     ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
     ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
     ("export",): ("write a model as a Hugging Face or sentence-transformers folder", _add_export, cmd_export),
@@ -343,11 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.config import RecipeError
     from jobs.runlock import RunLockHeld
     from jobs.serve_config import ConfigError
+    from jobs.submit import SubmitError
     from pipelines.storage import StorageError
 
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, ConfigError, StorageError, ConnectionError, RunLockHeld) as e:
+    except (RecipeError, ConfigError, StorageError, ConnectionError, RunLockHeld, SubmitError) as e:
         print(f"ctx: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,49 +1,111 @@
-"""Run a `ctx` command on a Ray cluster through the Jobs API and follow its logs.
+"""Run any ``ctx`` command as a job on a Ray cluster through Ray's Jobs API, and manage those jobs.
 
-    python -c "from jobs.submit import submit; submit('http://HEAD:8265', ['train', 'configs/x.yaml'])"
+    ctx submit --address http://HEAD:8265 -- pretrain --config configs/bert-tiny.yaml
+    ctx jobs list | status ID | logs ID [--follow] | stop ID
 
-The job's entrypoint is `python -m jobs.cli <ctx_args...>`, run in a copy of `working_dir` that Ray
-uploads to the cluster (minus `excludes`). The entrypoint runs with the cluster's PATH, so `python`
-must name an interpreter there that has this project's dependencies installed.
+The job's entrypoint is ``python -m jobs.cli <ctx_args...>``, run in a copy of the project root
+(the folder holding this project's pyproject.toml, found from this file, not from the current
+folder) that Ray uploads to the cluster without secrets and build output (``EXCLUDES``). The
+entrypoint runs with the cluster's PATH, so ``python`` must name an interpreter there that has
+this project's dependencies installed.
 
-Token authentication (Ray 2.60): a head started while `~/.ray/auth_token` exists, or with
-`RAY_AUTH_MODE=token`, answers 401 to clients without the token. Ray's client sends the token
-only when `RAY_AUTH_MODE=token` is set in the submitting process; `submit` also sends it when it is
-given as `token=` or through `RAY_AUTH_TOKEN` / `RAY_AUTH_TOKEN_PATH`, whatever that mode says.
+Submission ids are deterministic (``submission_id``): the ctx arguments, the contents of the
+config files they name and the address. Submitting the same run again (a retry after a timeout, a
+second terminal) attaches to the job already running, or says how it ended, instead of starting a
+second copy; Ray refuses a second job with the same id, which makes this hold under races too.
+``new=True`` (``--new``) starts another run with the next free ``<id>-rN``.
+
+Following a job polls its status (``follow_job``): the log stream is for the eyes only, so a
+stream that drops neither loses the exit status nor the end of the log.
+
+Addresses and tokens: ``--address`` and ``RAY_ADDRESS`` / ``RAY_API_SERVER_ADDRESS`` must agree
+when both are given (Ray would silently prefer the variable); a token is sent only over https or to
+a loopback address. Token authentication (Ray 2.60): a head started with ``RAY_AUTH_MODE=token``
+answers 401 to clients without the token. Ray's client sends ``~/.ray/auth_token`` when
+``RAY_AUTH_MODE=token`` is set here; ``token=`` or ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` are
+sent whatever that mode says.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import ipaddress
+import json
 import os
+import re
 import shlex
 import sys
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
+from urllib.parse import urlsplit
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-# Never uploaded: environments, run outputs, VCS data and caches. Ray also honours .gitignore.
-DEFAULT_EXCLUDES = [
-    ".venv",
-    "venv",
-    "runs",
-    ".git",
-    "__pycache__",
-    "*.pyc",
-    "*.egg-info",
-    ".pytest_cache",
-    ".mypy_cache",
-    ".ruff_cache",
-]
+# Never uploaded (gitignore syntax, relative to the project root; Ray also honours .gitignore, but
+# these hold without one). Secrets: environment files, keys and certificates, cloud and cluster
+# credential folders. Build output: environments, run outputs, VCS data and caches.
+SECRET_EXCLUDES = [
+    ".env", ".env.*", "*.env", ".envrc",
+    "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.gpg", "*.asc",
+    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*",
+    ".ssh/", ".aws/", ".gcp/", ".gcloud/", ".azure/", ".kube/", ".docker/", ".ray/",
+    "credentials", "credentials.*", "*credentials*.json", "service-account*.json", "application_default_credentials.json",
+    "kubeconfig", "*.kubeconfig", ".netrc", ".pgpass", ".pypirc", ".npmrc", "auth_token",
+]  # fmt: skip
+BUILD_EXCLUDES = [
+    ".venv", ".venv-*", "venv", ".git", "runs/", "mlruns/", "/build/", "/dist/", ".whl/", ".gl/",
+    "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache", ".mypy_cache", ".ruff_cache",
+]  # fmt: skip
+EXCLUDES = SECRET_EXCLUDES + BUILD_EXCLUDES
+DEFAULT_EXCLUDES = EXCLUDES  # the older name
 
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+# The exit code of `ctx submit` / `ctx jobs logs --follow` for a job's end (2 is the CLI's own errors).
+EXIT_CODES = {JobStatus.SUCCEEDED: 0, JobStatus.FAILED: 1, JobStatus.STOPPED: 3}
+LOST_CONTACT = 4  # the head stopped answering while following: the job's end is unknown
 
 
-def build_entrypoint(ctx_args: list[str], python: str = "python") -> str:
-    """The shell command the cluster runs: every argument quoted, so spaces and `$` survive."""
-    return shlex.join([python, "-m", "jobs.cli", *ctx_args])
+class SubmitError(RuntimeError):
+    """A submission that must not go ahead (address, token, files); the message says what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Where: the project root, the address, the token
+
+
+def project_root() -> Path:
+    """The folder with this project's pyproject.toml: what a job runs in, wherever ctx runs from."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        raise SubmitError(f"no pyproject.toml in {root}: ctx submit uploads the project root, and this copy of "
+                          "jobs/ is not inside one (run ctx from a checkout of the project)")
+    return root
+
+
+def _normal(address: str) -> str:
+    parts = urlsplit(address.strip())
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}" if parts.scheme else address.strip().rstrip("/")
+
+
+def resolve_address(address: str | None, environ: os._Environ | dict | None = None) -> str:
+    """The dashboard URL to use: ``address`` or the environment's, and an error when they differ."""
+    environ = os.environ if environ is None else environ
+    env_name = next((k for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS") if environ.get(k)), None)
+    env_value = environ.get(env_name) if env_name else None
+    if address and env_value and _normal(address) != _normal(env_value):
+        raise SubmitError(f"--address {address} disagrees with {env_name}={env_value}: Ray would use {env_name}. "
+                          f"Unset {env_name} or pass the same address to --address.")
+    chosen = address or env_value
+    if not chosen:
+        raise SubmitError("no cluster address: pass --address http://HEAD:8265 (the Ray dashboard) or set RAY_ADDRESS")
+    if urlsplit(chosen).scheme not in ("http", "https"):
+        where = f"{env_name}={chosen}" if not address else f"--address {chosen}"
+        raise SubmitError(f"{where}: expected the dashboard's URL, http(s)://HOST:PORT (e.g. http://127.0.0.1:8265)")
+    return chosen
 
 
 def auth_headers(token: str | None = None) -> dict[str, str]:
@@ -60,80 +122,295 @@ def auth_headers(token: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def check_token_transport(address: str, headers: dict[str, str], environ: os._Environ | dict | None = None) -> None:
+    """Refuse to send a token in clear text over a network: https, or http to loopback only."""
+    environ = os.environ if environ is None else environ
+    sends_token = bool(headers) or environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    parts = urlsplit(address)
+    if sends_token and parts.scheme == "http" and not _is_loopback(parts.hostname or ""):
+        raise SubmitError(f"refusing to send the cluster token over plain HTTP to {parts.hostname}: anyone on the path "
+                          f"could read it. Use https://{parts.netloc} (a TLS proxy in front of the dashboard), or an "
+                          "SSH tunnel / port-forward to a loopback address (e.g. http://127.0.0.1:8265).")
+
+
+def connect(address: str | None, token: str | None = None) -> JobSubmissionClient:
+    """A Jobs API client for the resolved address, with the token, after the checks above."""
+    address = resolve_address(address)
+    headers = auth_headers(token)
+    check_token_transport(address, headers)
+    # --- Ray seam: the Jobs REST API on the head's dashboard ---
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except Exception as e:  # Ray raises ConnectionError, RuntimeError or AuthenticationError
+        hint = ""
+        if "401" in str(e) or "uthentication" in str(e):
+            hint = ("\nThe cluster uses token authentication: pass token=..., or set RAY_AUTH_TOKEN"
+                    " (or RAY_AUTH_MODE=token with the token in ~/.ray/auth_token).")
+        raise ConnectionError(f"cannot reach the Ray Jobs API at {address}: {e}{hint}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# What: the entrypoint, its id, its runtime environment
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+
+
+def build_entrypoint(ctx_args: list[str], python: str = "python") -> str:
+    """The shell command the cluster runs: every argument quoted, so spaces and `$` survive."""
+    return shlex.join([python, "-m", "jobs.cli", *ctx_args])
+
+
+def named_config_files(ctx_args: list[str], root: Path) -> list[Path]:
+    """The files under ``root`` the arguments name (``--config X``, ``--config=X`` or a bare path)
+    with a config suffix. A ``--config`` that is not there is an error: the job would not find it."""
+    found: list[Path] = []
+    after_config = False
+    for arg in ctx_args:
+        value = arg.split("=", 1)[1] if arg.startswith("--config=") else arg
+        is_config = after_config or arg.startswith("--config=")
+        after_config = arg == "--config"
+        if arg == "--config" or not value.endswith(CONFIG_SUFFIXES) or "://" in value:
+            continue
+        path = (root / value).resolve()
+        if path.is_file() and path.is_relative_to(root):
+            found.append(path)
+        elif is_config:
+            raise SubmitError(f"--config {value}: not a file in the project root {root}. The job runs in an uploaded copy "
+                              "of that folder: put the config there and name it relative to it.")
+    return found
+
+
+def submission_id(ctx_args: list[str], address: str, root: Path) -> str:
+    """``ctx-<command>-<16 hex>`` from the ctx arguments, the named config files' contents and the
+    address: the same run submitted twice has one id."""
+    h = hashlib.sha256(json.dumps({"args": list(ctx_args), "address": _normal(address)}).encode())
+    for path in named_config_files(ctx_args, root):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    words = [a for a in ctx_args[:2] if not a.startswith("-")][:2] or ["job"]
+    command = re.sub(r"[^a-z0-9]+", "-", "-".join(words).lower()).strip("-") or "job"
+    return f"ctx-{command}-{h.hexdigest()[:16]}"
+
+
+def job_runtime_env(working_dir: str | Path, env_vars: dict[str, str] | None = None, excludes: list[str] | None = None) -> dict:
+    env: dict = {"working_dir": str(working_dir), "excludes": EXCLUDES + list(excludes or [])}
+    if env_vars:
+        env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Submit
+
+
 def submit(
-    address: str,
+    address: str | None,
     ctx_args: list[str],
     *,
-    working_dir: str = ".",
+    working_dir: str | Path | None = None,
     follow: bool = True,
     python: str = "python",
     env_vars: dict[str, str] | None = None,
     excludes: list[str] | None = None,
     token: str | None = None,
+    new: bool = False,
     out: TextIO | None = None,
 ) -> int:
-    """Submit `python -m jobs.cli <ctx_args>` to the cluster at `address` (the dashboard URL).
+    """Submit ``python -m jobs.cli <ctx_args>`` to the cluster at ``address`` (the dashboard URL;
+    default RAY_ADDRESS), or attach to the same run already submitted.
 
-    Returns 0 when the job SUCCEEDED, 1 otherwise. With `follow=False` it returns 0 once the job is
-    accepted and prints how to follow it. `excludes` add to DEFAULT_EXCLUDES. Note that Ray lets
-    RAY_ADDRESS / RAY_API_SERVER_ADDRESS in the environment override `address`.
+    Returns the job's exit code (``EXIT_CODES``) when following; with ``follow=False`` 0 once the
+    job is accepted or running (and the code of its end when it had ended). ``working_dir`` defaults
+    to the project root; ``excludes`` add to ``EXCLUDES``.
     """
     out = out or sys.stdout
-    if not Path(working_dir).is_dir():
-        raise FileNotFoundError(f"working_dir {working_dir!r} is not a directory")
-    runtime_env: dict = {
-        "working_dir": str(working_dir),
-        "excludes": DEFAULT_EXCLUDES + list(excludes or []),
-    }
-    if env_vars:
-        runtime_env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
+    root = Path(working_dir).resolve() if working_dir is not None else project_root()
+    if not root.is_dir():
+        raise SubmitError(f"working_dir {str(root)!r} is not a directory")
+    client = connect(address, token)
+    address = resolve_address(address)
+    sid = submission_id(ctx_args, address, root)
+    if new:
+        sid = _next_free(client, sid)
     entrypoint = build_entrypoint(ctx_args, python)
 
-    # --- Ray seam: the Jobs REST API on the head's dashboard ---
-    try:
-        client = JobSubmissionClient(address, headers=auth_headers(token))
-    except Exception as e:  # Ray raises ConnectionError, RuntimeError or AuthenticationError
-        hint = ""
-        if "401" in str(e) or "uthentication" in str(e):
-            hint = (
-                "\nThe cluster uses token authentication: pass token=..., or set RAY_AUTH_TOKEN"
-                " (or RAY_AUTH_MODE=token with the token in ~/.ray/auth_token)."
-            )
-        raise ConnectionError(f"cannot reach the Ray Jobs API at {address}: {e}{hint}") from e
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
-    print(f"submitted {job_id}: {entrypoint}", file=out, flush=True)
+    info = _job_info(client, sid)
+    if info is None:
+        try:
+            client.submit_job(entrypoint=entrypoint, runtime_env=job_runtime_env(root, env_vars, excludes), submission_id=sid,
+                              metadata={"ctx": shlex.join(ctx_args)[:1000]})
+            print(f"submitted {sid}: {entrypoint}", file=out, flush=True)
+        except RuntimeError as e:
+            if "already exists" not in str(e):
+                raise
+            info = _job_info(client, sid)  # submitted by a racing twin between our look and our submit
+    if info is not None:
+        status = JobStatus(info.status)
+        if status in TERMINAL:
+            message = f": {info.message}" if info.message else ""
+            print(f"{sid} was submitted before and ended {status.value}{message}\n"
+                  f"not starting a second copy; `ctx jobs logs {sid}` shows its log, `ctx submit --new ...` runs it again"
+                  + (" (a pretraining or fine-tuning run resumes from its latest checkpoint)" if status != JobStatus.SUCCEEDED else ""),
+                  file=out, flush=True)
+            return EXIT_CODES[status]
+        print(f"{sid} is already {status.value}: attaching to it instead of starting a second copy", file=out, flush=True)
     if not follow:
-        print(f"follow with: ray job logs --address {address} --follow {job_id}", file=out, flush=True)
+        print(f"follow with: ctx jobs logs --follow {sid}   (stop: ctx jobs stop {sid})", file=out, flush=True)
         return 0
+    return follow_job(client, sid, out, stop_hint=f"ctx jobs stop {sid}")
 
+
+def _job_info(client: JobSubmissionClient, sid: str):
     try:
-        asyncio.run(_print_logs(client, job_id, out))
-        status = _wait_terminal(client, job_id)
+        return client.get_job_info(sid)
+    except RuntimeError as e:
+        if "does not exist" in str(e) or "404" in str(e):
+            return None
+        raise
+
+
+def _next_free(client: JobSubmissionClient, sid: str) -> str:
+    """``<sid>-r2``, ``-r3`` ...: the first run number no job on the cluster has."""
+    taken = {j.submission_id for j in client.list_jobs()}
+    n = 2
+    while f"{sid}-r{n}" in taken:
+        n += 1
+    return f"{sid}-r{n}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Follow: the log stream for the eyes, the status by polling
+
+
+def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: float = 1.0, patience_s: float = 120.0,
+               stop_hint: str | None = None) -> int:
+    """Print the job's log as it grows until the job ends; returns ``EXIT_CODES[status]``.
+
+    The status is polled (``get_job_status``), never inferred from the log stream. The stream
+    (``tail_job_logs``, a websocket) runs in a thread; if it ends early, the log is read by polling
+    (``get_job_logs``) from where the stream stopped; at the end whatever the stream missed is
+    printed from the full log. A head that does not answer for ``patience_s`` gives ``LOST_CONTACT``.
+    """
+    printed = [0]  # characters of the log written so far
+    guard = threading.Lock()
+    done = threading.Event()
+
+    def stream() -> None:
+        async def tail() -> None:
+            async for chunk in client.tail_job_logs(sid):
+                with guard:
+                    if done.is_set():
+                        return
+                    out.write(chunk)
+                    out.flush()
+                    printed[0] += len(chunk)
+
+        try:
+            asyncio.run(tail())
+        except Exception:  # a dropped websocket: polling takes over
+            pass
+
+    def catch_up() -> None:
+        text = client.get_job_logs(sid)
+        with guard:
+            if len(text) > printed[0]:
+                out.write(text[printed[0]:])
+                out.flush()
+                printed[0] = len(text)
+
+    streamer = threading.Thread(target=stream, name=f"logs-{sid}", daemon=True)
+    streamer.start()
+    last_answer = time.monotonic()
+    try:
+        while True:
+            try:
+                status = client.get_job_status(sid)
+                last_answer = time.monotonic()
+            except Exception as e:  # the head restarting, a network blip: keep asking for a while
+                if time.monotonic() - last_answer > patience_s:
+                    print(f"\nlost contact with the cluster for {patience_s:.0f} s ({e}); the job may still be running: "
+                          f"`ctx jobs status {sid}`", file=out, flush=True)
+                    return LOST_CONTACT
+                time.sleep(poll_s)
+                continue
+            if status in TERMINAL:
+                break
+            if not streamer.is_alive():
+                catch_up()
+            time.sleep(poll_s)
+        streamer.join(timeout=5)  # the stream ends when the job does; let it deliver its last chunk
+        with guard:
+            done.set()
+        catch_up()
     except KeyboardInterrupt:
-        print(
-            f"\nstopped following; the job keeps running. Stop it with: "
-            f"ray job stop --address {address} {job_id}",
-            file=out,
-            flush=True,
-        )
-        return 1
-    info = client.get_job_info(job_id)
+        done.set()
+        print(f"\nstopped following; the job keeps running." + (f" Stop it with: {stop_hint}" if stop_hint else ""), file=out, flush=True)
+        return 130
+    info = client.get_job_info(sid)
     message = f": {info.message}" if info.message else ""
-    print(f"job {job_id} {status.value}{message}", file=out, flush=True)
-    return 0 if status == JobStatus.SUCCEEDED else 1
+    print(f"job {sid} {status.value}{message}", file=out, flush=True)
+    return EXIT_CODES[status]
 
 
-async def _print_logs(client: JobSubmissionClient, job_id: str, out: TextIO) -> None:
-    async for chunk in client.tail_job_logs(job_id):
-        out.write(chunk)
-        out.flush()
+# ---------------------------------------------------------------------------------------------
+# ctx jobs list / status / logs / stop
 
 
-def _wait_terminal(client: JobSubmissionClient, job_id: str, timeout_s: float = 60.0) -> JobStatus:
-    """The log stream can close a moment before the status turns terminal: poll briefly."""
-    deadline = time.monotonic() + timeout_s
-    status = client.get_job_status(job_id)
+def list_jobs(client: JobSubmissionClient, out: TextIO) -> int:
+    jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
+    rows = [("SUBMISSION ID", "STATUS", "STARTED (UTC)", "DURATION", "COMMAND")]
+    for j in jobs:
+        started = datetime.fromtimestamp(j.start_time / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if j.start_time else "-"
+        end = j.end_time or (time.time() * 1000 if j.start_time else None)
+        duration = f"{(end - j.start_time) / 1000:.0f} s" if j.start_time and end else "-"
+        command = (j.metadata or {}).get("ctx") or j.entrypoint
+        rows.append((j.submission_id or j.job_id or "-", str(j.status.value if hasattr(j.status, "value") else j.status), started, duration, command))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4], file=out)
+    return 0
+
+
+def job_status(client: JobSubmissionClient, sid: str, out: TextIO) -> int:
+    """Prints ``ID STATUS: message``; returns 0 (the status was read)."""
+    info = _job_info(client, sid)
+    if info is None:
+        raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
+    message = f": {info.message}" if info.message else ""
+    print(f"{sid} {JobStatus(info.status).value}{message}", file=out)
+    return 0
+
+
+def job_logs(client: JobSubmissionClient, sid: str, out: TextIO, follow: bool = False) -> int:
+    if _job_info(client, sid) is None:
+        raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
+    if follow:
+        return follow_job(client, sid, out, stop_hint=f"ctx jobs stop {sid}")
+    out.write(client.get_job_logs(sid))
+    out.flush()
+    return 0
+
+
+def stop_job(client: JobSubmissionClient, sid: str, out: TextIO, wait_s: float = 60.0) -> int:
+    """Ask the job to stop and wait until it has; 0 when it ended (now or before), 1 if it did not in time."""
+    if _job_info(client, sid) is None:
+        raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
+    was_running = client.stop_job(sid)
+    deadline = time.monotonic() + wait_s
+    status = client.get_job_status(sid)
     while status not in TERMINAL and time.monotonic() < deadline:
         time.sleep(0.5)
-        status = client.get_job_status(job_id)
-    return status
+        status = client.get_job_status(sid)
+    if status not in TERMINAL:
+        print(f"{sid} is still {status.value} after {wait_s:.0f} s; `ctx jobs status {sid}` tells when it ends", file=out)
+        return 1
+    print(f"{sid} {status.value}" + ("" if was_running else " (it had already ended)"), file=out)
+    return 0
