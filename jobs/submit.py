@@ -201,10 +201,13 @@ def submission_id(ctx_args: list[str], address: str, root: Path) -> str:
 
 
 def job_runtime_env(working_dir: str | Path, env_vars: dict[str, str] | None = None, excludes: list[str] | None = None) -> dict:
-    env: dict = {"working_dir": str(working_dir), "excludes": EXCLUDES + list(excludes or [])}
-    if env_vars:
-        env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
-    return env
+    """Ray's runtime_env of a ctx job. PYTHONUNBUFFERED: a job's stdout is a file, which Python
+    would otherwise flush only every few KB, so `ctx jobs logs` would lag the run by minutes."""
+    return {
+        "working_dir": str(working_dir),
+        "excludes": EXCLUDES + list(excludes or []),
+        "env_vars": {"PYTHONUNBUFFERED": "1", **{str(k): str(v) for k, v in (env_vars or {}).items()}},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
