@@ -142,22 +142,27 @@ def test_an_unreadable_lock_is_never_taken_over(tmp_path):
         RunLock(str(run), clock=Clock(10**12)).acquire()
 
 
-def test_ctx_pretrain_on_a_held_run_fails_before_starting_ray(tmp_path):
-    """A real second `ctx pretrain` process on an output another driver holds: exit 2 within
-    seconds (no Ray start), the message naming the holder; the lock is left to its holder."""
+@pytest.mark.parametrize("command, config, name", [
+    ("pretrain", "configs/bert-tiny.yaml", "bert-tiny"),
+    ("finetune", "configs/finetune/tiny-pairs.yaml", "tiny-pairs"),
+])
+def test_ctx_training_on_a_held_run_fails_before_starting_ray(tmp_path, command, config, name):
+    """A real second `ctx pretrain` / `ctx finetune` process on an output another driver holds:
+    exit 2 within seconds (no Ray start, no model read), the message naming the holder; the lock
+    is left to its holder. (A job holding the run is tested in test_submit.py.)"""
     out = tmp_path / "out"
-    holder = RunLock(str(out / "bert-tiny"), command="ctx pretrain (bert-tiny)").acquire()
+    holder = RunLock(str(out / name), command=f"ctx {command} ({name})").acquire()
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         t0 = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "jobs.cli", "pretrain", "--config", "configs/bert-tiny.yaml", "--set", f"output_dir={out}", "--no-progress"],
+            [sys.executable, "-m", "jobs.cli", command, "--config", config, "--set", f"output_dir={out}", "--no-progress"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
         )
         took = time.monotonic() - t0
         assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert "in use by ctx pretrain (bert-tiny)" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
+        assert f"in use by ctx {command} ({name})" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
         assert took < 60, took  # an import-and-refuse, not a training run
-        assert read_lock(str(out / "bert-tiny"))["owner"] == holder.info.owner
+        assert read_lock(str(out / name))["owner"] == holder.info.owner
     finally:
         holder.release()

@@ -147,19 +147,29 @@ def test_ctx_submit_runs_a_real_job_and_streams_its_logs(ray_head, client_env, m
     assert (out_dir / "vocab.txt").exists()
 
 
-def test_help_job_returns_0(ray_head, client_env):
+def test_help_job_returns_0_and_runs_once_unless_new(ray_head, client_env):
     address, token = ray_head
     out = io.StringIO()
     rc = submit(address, ["--help"], token=token, out=out)
     assert rc == 0 and "usage:" in out.getvalue().lower(), out.getvalue()
+    sid = re.search(r"submitted (ctx-job-[0-9a-f]{16})", out.getvalue()).group(1)
+    again = io.StringIO()
+    assert submit(address, ["--help"], token=token, out=again) == 0
+    assert f"{sid} was submitted before and ended SUCCEEDED" in again.getvalue() and "usage:" not in again.getvalue()
+    new = io.StringIO()
+    assert submit(address, ["--help"], token=token, new=True, out=new) == 0
+    assert f"submitted {sid}-r2" in new.getvalue() and f"job {sid}-r2 SUCCEEDED" in new.getvalue(), new.getvalue()
 
 
-def test_failing_ctx_command_returns_1(ray_head, client_env):
+def test_failing_ctx_command_returns_1_and_a_retry_says_so(ray_head, client_env):
     address, token = ray_head
     out = io.StringIO()
     rc = submit(address, ["no-such-ctx-command"], token=token, out=out)
     assert rc == 1, out.getvalue()
     assert "FAILED" in out.getvalue()
+    again = io.StringIO()
+    assert submit(address, ["no-such-ctx-command"], token=token, out=again) == 1
+    assert "ended FAILED" in again.getvalue() and "--new" in again.getvalue()
 
 
 def test_missing_token_is_a_readable_error(ray_head, client_env):
