@@ -41,9 +41,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from ray.job_submission import JobStatus, JobSubmissionClient
+if TYPE_CHECKING:  # imported where used: `ctx` commands that never submit do not import Ray's client
+    from ray.job_submission import JobSubmissionClient
 
 # Never uploaded (gitignore syntax, relative to the project root; Ray also honours .gitignore, but
 # these hold without one). Secrets: environment files, keys and certificates, cloud and cluster
@@ -63,9 +65,10 @@ BUILD_EXCLUDES = [
 EXCLUDES = SECRET_EXCLUDES + BUILD_EXCLUDES
 DEFAULT_EXCLUDES = EXCLUDES  # the older name
 
-TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
-# The exit code of `ctx submit` / `ctx jobs logs --follow` for a job's end (2 is the CLI's own errors).
-EXIT_CODES = {JobStatus.SUCCEEDED: 0, JobStatus.FAILED: 1, JobStatus.STOPPED: 3}
+# The exit code of `ctx submit` / `ctx jobs logs --follow` for a job's end (2 is the CLI's own
+# errors). Keyed by Ray's JobStatus values (a str Enum: JobStatus.FAILED == "FAILED").
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+TERMINAL = set(EXIT_CODES)
 LOST_CONTACT = 4  # the head stopped answering while following: the job's end is unknown
 
 
@@ -148,6 +151,8 @@ def connect(address: str | None, token: str | None = None) -> JobSubmissionClien
     headers = auth_headers(token)
     check_token_transport(address, headers)
     # --- Ray seam: the Jobs REST API on the head's dashboard ---
+    from ray.job_submission import JobSubmissionClient
+
     try:
         return JobSubmissionClient(address, headers=headers)
     except Exception as e:  # Ray raises ConnectionError, RuntimeError or AuthenticationError
@@ -256,19 +261,24 @@ def submit(
                 raise
             info = _job_info(client, sid)  # submitted by a racing twin between our look and our submit
     if info is not None:
-        status = JobStatus(info.status)
+        status = _status(info.status)
         if status in TERMINAL:
             message = f": {info.message}" if info.message else ""
-            print(f"{sid} was submitted before and ended {status.value}{message}\n"
+            print(f"{sid} was submitted before and ended {status}{message}\n"
                   f"not starting a second copy; `ctx jobs logs {sid}` shows its log, `ctx submit --new ...` runs it again"
-                  + (" (a pretraining or fine-tuning run resumes from its latest checkpoint)" if status != JobStatus.SUCCEEDED else ""),
+                  + (" (a pretraining or fine-tuning run resumes from its latest checkpoint)" if status != "SUCCEEDED" else ""),
                   file=out, flush=True)
             return EXIT_CODES[status]
-        print(f"{sid} is already {status.value}: attaching to it instead of starting a second copy", file=out, flush=True)
+        print(f"{sid} is already {status}: attaching to it instead of starting a second copy", file=out, flush=True)
     if not follow:
         print(f"follow with: ctx jobs logs --follow {sid}   (stop: ctx jobs stop {sid})", file=out, flush=True)
         return 0
     return follow_job(client, sid, out, stop_hint=f"ctx jobs stop {sid}")
+
+
+def _status(status) -> str:
+    """A job status as its name: Ray's JobStatus is a str Enum, some answers carry plain strings."""
+    return str(getattr(status, "value", status))
 
 
 def _job_info(client: JobSubmissionClient, sid: str):
@@ -295,7 +305,7 @@ def _next_free(client: JobSubmissionClient, sid: str) -> str:
 
 def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: float = 1.0, patience_s: float = 120.0,
                stop_hint: str | None = None) -> int:
-    """Print the job's log as it grows until the job ends; returns ``EXIT_CODES[status]``.
+    """Print the job's log as it grows until the job ends; returns the exit code of its end (``EXIT_CODES``).
 
     The status is polled (``get_job_status``), never inferred from the log stream. The stream
     (``tail_job_logs``, a websocket) runs in a thread; if it ends early, the log is read by polling
@@ -344,7 +354,7 @@ def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: fl
                     return LOST_CONTACT
                 time.sleep(poll_s)
                 continue
-            if status in TERMINAL:
+            if _status(status) in TERMINAL:
                 break
             if not streamer.is_alive():
                 catch_up()
@@ -359,8 +369,8 @@ def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: fl
         return 130
     info = client.get_job_info(sid)
     message = f": {info.message}" if info.message else ""
-    print(f"job {sid} {status.value}{message}", file=out, flush=True)
-    return EXIT_CODES[status]
+    print(f"job {sid} {_status(status)}{message}", file=out, flush=True)
+    return EXIT_CODES[_status(status)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +385,7 @@ def list_jobs(client: JobSubmissionClient, out: TextIO) -> int:
         end = j.end_time or (time.time() * 1000 if j.start_time else None)
         duration = f"{(end - j.start_time) / 1000:.0f} s" if j.start_time and end else "-"
         command = (j.metadata or {}).get("ctx") or j.entrypoint
-        rows.append((j.submission_id or j.job_id or "-", str(j.status.value if hasattr(j.status, "value") else j.status), started, duration, command))
+        rows.append((j.submission_id or j.job_id or "-", _status(j.status), started, duration, command))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4], file=out)
@@ -388,7 +398,7 @@ def job_status(client: JobSubmissionClient, sid: str, out: TextIO) -> int:
     if info is None:
         raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
     message = f": {info.message}" if info.message else ""
-    print(f"{sid} {JobStatus(info.status).value}{message}", file=out)
+    print(f"{sid} {_status(info.status)}{message}", file=out)
     return 0
 
 
@@ -409,11 +419,11 @@ def stop_job(client: JobSubmissionClient, sid: str, out: TextIO, wait_s: float =
     was_running = client.stop_job(sid)
     deadline = time.monotonic() + wait_s
     status = client.get_job_status(sid)
-    while status not in TERMINAL and time.monotonic() < deadline:
+    while _status(status) not in TERMINAL and time.monotonic() < deadline:
         time.sleep(0.5)
         status = client.get_job_status(sid)
-    if status not in TERMINAL:
-        print(f"{sid} is still {status.value} after {wait_s:.0f} s; `ctx jobs status {sid}` tells when it ends", file=out)
+    if _status(status) not in TERMINAL:
+        print(f"{sid} is still {_status(status)} after {wait_s:.0f} s; `ctx jobs status {sid}` tells when it ends", file=out)
         return 1
-    print(f"{sid} {status.value}" + ("" if was_running else " (it had already ended)"), file=out)
+    print(f"{sid} {_status(status)}" + ("" if was_running else " (it had already ended)"), file=out)
     return 0

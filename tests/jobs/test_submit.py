@@ -270,7 +270,7 @@ def test_pretraining_job_retried_submit_attaches_and_one_writer_per_run(ray_head
     # While the job's driver holds the run, a second `ctx pretrain` on the same output is refused at once.
     run = out / "bert-tiny"
     client = _client(address, token)
-    _wait_for(lambda: (run / LOCK_FILE).exists() or client.get_job_status(sid) in EXIT_CODES, "the job to take its run lock")
+    _wait_for(lambda: (run / LOCK_FILE).exists() or client.get_job_status(sid).value in EXIT_CODES, "the job to take its run lock")
     assert client.get_job_status(sid) == JobStatus.RUNNING, client.get_job_logs(sid)
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
     local = subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -308,11 +308,11 @@ def test_stop_a_long_running_job(ray_head, client_env, monkeypatch, tmp_path, ca
     client = _client(address, token)
     # Stopped once training runs (the tokenizer is trained in C++, where a signal waits for it).
     _wait_for(lambda: "tokenizer: " in client.get_job_logs(sid) and " tokens in " in client.get_job_logs(sid)
-              or client.get_job_status(sid) in EXIT_CODES, "the job to start training")
+              or client.get_job_status(sid).value in EXIT_CODES, "the job to start training")
     assert (run / LOCK_FILE).exists(), client.get_job_logs(sid)
     assert main(["jobs", "stop", sid, "--address", address]) == 0
     assert f"{sid} STOPPED" in capsys.readouterr().out
-    assert main(["jobs", "logs", sid, "--follow", "--address", address]) == EXIT_CODES[JobStatus.STOPPED] == 3
+    assert main(["jobs", "logs", sid, "--follow", "--address", address]) == EXIT_CODES["STOPPED"] == 3
     assert f"job {sid} STOPPED" in capsys.readouterr().out
     assert main(["jobs", "status", sid, "--address", address]) == 0
     assert f"{sid} STOPPED" in capsys.readouterr().out
