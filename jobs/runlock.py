@@ -149,6 +149,7 @@ class _S3Backend:
     def __init__(self, uri: str, endpoint_url: str | None) -> None:
         import boto3
 
+        self.uri = uri
         bucket_key = uri[len("s3://"):]
         self.bucket, _, self.key = bucket_key.partition("/")
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
@@ -160,6 +161,10 @@ class _S3Backend:
         # 412: the condition failed; 409: a concurrent conditional write won; 404: it is gone
         return code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "404", "412", "409")
 
+    def _failed(self, what: str, error: Exception) -> storage.StorageError:
+        """Anything else (no bucket, no permission, an outage past botocore's own retries)."""
+        return storage.StorageError(f"run lock: cannot {what} {self.uri}: {error}")
+
     def _put(self, body: bytes, **condition: str) -> str:
         from botocore.exceptions import ClientError
 
@@ -168,7 +173,7 @@ class _S3Backend:
         except ClientError as e:
             if self._lost(e):
                 raise _Conflict() from None
-            raise
+            raise self._failed("write", e) from e
 
     def create(self, body: bytes) -> str:
         return self._put(body, IfNoneMatch="*")
@@ -181,7 +186,7 @@ class _S3Backend:
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
-            raise
+            raise self._failed("read", e) from e
         return got["Body"].read(), got["ETag"]
 
     def replace(self, body: bytes, version: str) -> str:
@@ -197,7 +202,7 @@ class _S3Backend:
         except ClientError as e:
             if self._lost(e):
                 raise _Conflict() from None
-            raise
+            raise self._failed("delete", e) from e
 
 
 def _backend(lock_uri: str, endpoint_url: str | None):

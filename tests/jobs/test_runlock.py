@@ -134,6 +134,13 @@ def test_of_racing_takers_exactly_one_wins(tmp_path):
     won[0].release()
 
 
+def test_a_missing_bucket_is_a_storage_error_naming_the_lock(s3_server):
+    from pipelines.storage import StorageError
+
+    with pytest.raises(StorageError, match="run lock: cannot write s3://no-such-bucket-x/runs/r/LOCK.json"):
+        RunLock("s3://no-such-bucket-x/runs/r").acquire()
+
+
 def test_an_unreadable_lock_is_never_taken_over(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
