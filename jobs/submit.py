@@ -153,14 +153,22 @@ def connect(address: str | None, token: str | None = None) -> JobSubmissionClien
     # --- Ray seam: the Jobs REST API on the head's dashboard ---
     from ray.job_submission import JobSubmissionClient
 
-    try:
-        return JobSubmissionClient(address, headers=headers)
-    except Exception as e:  # Ray raises ConnectionError, RuntimeError or AuthenticationError
-        hint = ""
-        if "401" in str(e) or "uthentication" in str(e):
-            hint = ("\nThe cluster uses token authentication: pass token=..., or set RAY_AUTH_TOKEN"
-                    " (or RAY_AUTH_MODE=token with the token in ~/.ray/auth_token).")
-        raise ConnectionError(f"cannot reach the Ray Jobs API at {address}: {e}{hint}") from e
+    error: Exception | None = None
+    for attempt in range(3):
+        try:
+            return JobSubmissionClient(address, headers=headers)
+        except ConnectionError as e:  # a busy head can drop a request; a wrong address fails three times in seconds
+            error = e
+            if attempt < 2:
+                time.sleep(1.0 + attempt)
+        except Exception as e:  # RuntimeError, AuthenticationError: no use repeating
+            error = e
+            break
+    hint = ""
+    if "401" in str(error) or "uthentication" in str(error):
+        hint = ("\nThe cluster uses token authentication: pass token=..., or set RAY_AUTH_TOKEN"
+                " (or RAY_AUTH_MODE=token with the token in ~/.ray/auth_token).")
+    raise ConnectionError(f"cannot reach the Ray Jobs API at {address}: {error}{hint}") from error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +261,7 @@ def submit(
     info = _job_info(client, sid)
     if info is None:
         try:
-            client.submit_job(entrypoint=entrypoint, runtime_env=job_runtime_env(root, env_vars, excludes), submission_id=sid,
+            submit_when_ready(client, entrypoint=entrypoint, runtime_env=job_runtime_env(root, env_vars, excludes), submission_id=sid,
                               metadata={"ctx": shlex.join(ctx_args)[:1000]})
             print(f"submitted {sid}: {entrypoint}", file=out, flush=True)
         except RuntimeError as e:
@@ -263,7 +271,7 @@ def submit(
     if info is not None:
         status = _status(info.status)
         if status in TERMINAL:
-            message = f": {info.message}" if info.message else ""
+            message = _summary(info.message)
             print(f"{sid} was submitted before and ended {status}{message}\n"
                   f"not starting a second copy; `ctx jobs logs {sid}` shows its log, `ctx submit --new ...` runs it again"
                   + (" (a pretraining or fine-tuning run resumes from its latest checkpoint)" if status != "SUCCEEDED" else ""),
@@ -276,6 +284,48 @@ def submit(
     return follow_job(client, sid, out, stop_hint=f"ctx jobs stop {sid}")
 
 
+def _dropped(error: Exception) -> bool:
+    """A request the dashboard dropped without answering (a busy or restarting head)."""
+    import requests
+
+    return isinstance(error, (requests.ConnectionError, requests.Timeout))
+
+
+def _call(fn, *args, wait_s: float = 30.0):
+    """``fn(*args)``, a request that may be repeated, retried for ``wait_s`` while it is dropped."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not _dropped(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def submit_when_ready(client: JobSubmissionClient, wait_s: float = 60.0, **job) -> str:
+    """``client.submit_job(**job)``, retried while the head answers "No available agent to submit
+    job, please try again later" (a head that has just started: its Jobs API answers before the
+    agent that runs jobs is up) or drops the request. With a ``submission_id`` a repeat is safe:
+    a first attempt that did go through makes the next one fail with "already exists"."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except Exception as e:
+            busy = isinstance(e, RuntimeError) and "try again later" in str(e)
+            if not (busy or (_dropped(e) and job.get("submission_id"))) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _summary(message: str | None) -> str:
+    """": <first line>" of a job's message. A failed job's message goes on with the last lines of
+    its log, which `ctx jobs logs` shows in full and a follower has just printed."""
+    line = (message or "").strip().split("\n", 1)[0].split(", last available logs", 1)[0].rstrip(":, ")
+    return f": {line}" if line else ""
+
+
 def _status(status) -> str:
     """A job status as its name: Ray's JobStatus is a str Enum, some answers carry plain strings."""
     return str(getattr(status, "value", status))
@@ -283,7 +333,7 @@ def _status(status) -> str:
 
 def _job_info(client: JobSubmissionClient, sid: str):
     try:
-        return client.get_job_info(sid)
+        return _call(client.get_job_info, sid)
     except RuntimeError as e:
         if "does not exist" in str(e) or "404" in str(e):
             return None
@@ -292,7 +342,7 @@ def _job_info(client: JobSubmissionClient, sid: str):
 
 def _next_free(client: JobSubmissionClient, sid: str) -> str:
     """``<sid>-r2``, ``-r3`` ...: the first run number no job on the cluster has."""
-    taken = {j.submission_id for j in client.list_jobs()}
+    taken = {j.submission_id for j in _call(client.list_jobs)}
     n = 2
     while f"{sid}-r{n}" in taken:
         n += 1
@@ -304,27 +354,35 @@ def _next_free(client: JobSubmissionClient, sid: str) -> str:
 
 
 def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: float = 1.0, patience_s: float = 120.0,
-               stop_hint: str | None = None) -> int:
+               restream_s: float = 10.0, stop_hint: str | None = None) -> int:
     """Print the job's log as it grows until the job ends; returns the exit code of its end (``EXIT_CODES``).
 
     The status is polled (``get_job_status``), never inferred from the log stream. The stream
-    (``tail_job_logs``, a websocket) runs in a thread; if it ends early, the log is read by polling
-    (``get_job_logs``) from where the stream stopped; at the end whatever the stream missed is
-    printed from the full log. A head that does not answer for ``patience_s`` gives ``LOST_CONTACT``.
+    (``tail_job_logs``, a websocket) runs in a thread and is only for display: when it drops, the
+    log is read by polling (``get_job_logs``) and a new stream is tried every ``restream_s``
+    (it starts from the log's beginning, so it skips what is already printed); at the end,
+    whatever no stream delivered is printed from the full log. A head that does not answer for
+    ``patience_s`` gives ``LOST_CONTACT``.
     """
-    printed = [0]  # characters of the log written so far
+    printed = [0]  # characters of the log written so far, by any stream or poll
     guard = threading.Lock()
     done = threading.Event()
 
     def stream() -> None:
+        seen = 0  # characters this stream has delivered, from the log's beginning
+
         async def tail() -> None:
+            nonlocal seen
             async for chunk in client.tail_job_logs(sid):
                 with guard:
                     if done.is_set():
                         return
-                    out.write(chunk)
-                    out.flush()
-                    printed[0] += len(chunk)
+                    new = chunk[max(0, printed[0] - seen):]
+                    seen += len(chunk)
+                    if new:
+                        out.write(new)
+                        out.flush()
+                        printed[0] = max(printed[0], seen)
 
         try:
             asyncio.run(tail())
@@ -332,43 +390,50 @@ def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: fl
             pass
 
     def catch_up() -> None:
-        text = client.get_job_logs(sid)
+        text = _call(client.get_job_logs, sid)
         with guard:
             if len(text) > printed[0]:
                 out.write(text[printed[0]:])
                 out.flush()
                 printed[0] = len(text)
 
-    streamer = threading.Thread(target=stream, name=f"logs-{sid}", daemon=True)
-    streamer.start()
+    def start_stream() -> threading.Thread:
+        thread = threading.Thread(target=stream, name=f"logs-{sid}", daemon=True)
+        thread.start()
+        return thread
+
+    streamer, streamed_at = start_stream(), time.monotonic()
     last_answer = time.monotonic()
     try:
         while True:
             try:
                 status = client.get_job_status(sid)
                 last_answer = time.monotonic()
+                if _status(status) in TERMINAL:
+                    break
+                if not streamer.is_alive():
+                    catch_up()
+                    if time.monotonic() - streamed_at > restream_s:
+                        streamer, streamed_at = start_stream(), time.monotonic()
             except Exception as e:  # the head restarting, a network blip: keep asking for a while
                 if time.monotonic() - last_answer > patience_s:
                     print(f"\nlost contact with the cluster for {patience_s:.0f} s ({e}); the job may still be running: "
                           f"`ctx jobs status {sid}`", file=out, flush=True)
                     return LOST_CONTACT
-                time.sleep(poll_s)
-                continue
-            if _status(status) in TERMINAL:
-                break
-            if not streamer.is_alive():
-                catch_up()
             time.sleep(poll_s)
         streamer.join(timeout=5)  # the stream ends when the job does; let it deliver its last chunk
         with guard:
             done.set()
-        catch_up()
+        try:
+            catch_up()
+        except Exception as e:  # the end is known; only the log's tail is missing
+            print(f"\n(could not read the rest of the log: {e}; `ctx jobs logs {sid}`)", file=out, flush=True)
     except KeyboardInterrupt:
         done.set()
-        print(f"\nstopped following; the job keeps running." + (f" Stop it with: {stop_hint}" if stop_hint else ""), file=out, flush=True)
+        print("\nstopped following; the job keeps running." + (f" Stop it with: {stop_hint}" if stop_hint else ""), file=out, flush=True)
         return 130
-    info = client.get_job_info(sid)
-    message = f": {info.message}" if info.message else ""
+    info = _call(client.get_job_info, sid)
+    message = _summary(info.message)
     print(f"job {sid} {_status(status)}{message}", file=out, flush=True)
     return EXIT_CODES[_status(status)]
 
@@ -378,7 +443,7 @@ def follow_job(client: JobSubmissionClient, sid: str, out: TextIO, *, poll_s: fl
 
 
 def list_jobs(client: JobSubmissionClient, out: TextIO) -> int:
-    jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
+    jobs = sorted(_call(client.list_jobs), key=lambda j: j.start_time or 0)
     rows = [("SUBMISSION ID", "STATUS", "STARTED (UTC)", "DURATION", "COMMAND")]
     for j in jobs:
         started = datetime.fromtimestamp(j.start_time / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if j.start_time else "-"
@@ -397,7 +462,7 @@ def job_status(client: JobSubmissionClient, sid: str, out: TextIO) -> int:
     info = _job_info(client, sid)
     if info is None:
         raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
-    message = f": {info.message}" if info.message else ""
+    message = _summary(info.message)
     print(f"{sid} {_status(info.status)}{message}", file=out)
     return 0
 
@@ -407,7 +472,7 @@ def job_logs(client: JobSubmissionClient, sid: str, out: TextIO, follow: bool = 
         raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
     if follow:
         return follow_job(client, sid, out, stop_hint=f"ctx jobs stop {sid}")
-    out.write(client.get_job_logs(sid))
+    out.write(_call(client.get_job_logs, sid))
     out.flush()
     return 0
 
@@ -416,12 +481,12 @@ def stop_job(client: JobSubmissionClient, sid: str, out: TextIO, wait_s: float =
     """Ask the job to stop and wait until it has; 0 when it ended (now or before), 1 if it did not in time."""
     if _job_info(client, sid) is None:
         raise SubmitError(f"no job {sid} on this cluster (`ctx jobs list` shows them)")
-    was_running = client.stop_job(sid)
+    was_running = _call(client.stop_job, sid)
     deadline = time.monotonic() + wait_s
-    status = client.get_job_status(sid)
+    status = _call(client.get_job_status, sid)
     while _status(status) not in TERMINAL and time.monotonic() < deadline:
         time.sleep(0.5)
-        status = client.get_job_status(sid)
+        status = _call(client.get_job_status, sid)
     if _status(status) not in TERMINAL:
         print(f"{sid} is still {_status(status)} after {wait_s:.0f} s; `ctx jobs status {sid}` tells when it ends", file=out)
         return 1

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,7 @@ import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from jobs.runlock import LOCK_FILE
-from jobs.submit import EXIT_CODES, build_entrypoint, follow_job, job_runtime_env, submit
+from jobs.submit import EXIT_CODES, build_entrypoint, follow_job, job_runtime_env, submit, submit_when_ready
 from pipelines import storage
 from tests.conftest import REPO, free_port
 
@@ -199,15 +200,44 @@ class DroppingClient(JobSubmissionClient):
         yield
 
 
+class DropsOnceClient(JobSubmissionClient):
+    """The real client, except that its first log websocket breaks after the first chunk."""
+
+    streams = 0
+
+    async def tail_job_logs(self, job_id):
+        self.streams += 1
+        async for chunk in super().tail_job_logs(job_id):
+            yield chunk
+            if self.streams == 1:
+                raise ConnectionResetError("websocket closed by a proxy")
+
+
 def test_a_dropped_log_stream_loses_neither_the_log_nor_the_exit_code(ray_head, client_env):
     address, token = ray_head
     client = _client(address, token)
     sid = f"dropped-{secrets.token_hex(4)}"
-    client.submit_job(entrypoint=build_entrypoint(["--help"], sys.executable), runtime_env=job_runtime_env(REPO), submission_id=sid)
+    submit_when_ready(client, entrypoint=build_entrypoint(["--help"], sys.executable), runtime_env=job_runtime_env(REPO), submission_id=sid)
     out = io.StringIO()
     rc = follow_job(_client(address, token, DroppingClient), sid, out, poll_s=0.5)
     assert rc == 0, out.getvalue()
     assert "usage: ctx" in out.getvalue() and f"job {sid} SUCCEEDED" in out.getvalue()
+
+
+def test_a_stream_that_breaks_midway_is_replaced_without_repeating_lines(ray_head, client_env):
+    """A job printing a line a second, then failing: polling and a new stream fill in after the
+    first stream breaks, each line once, and the exit code is the job's failure."""
+    address, token = ray_head
+    client = _client(address, token)
+    script = "import time\nfor i in range(6):\n    print(f'line {i}', flush=True)\n    time.sleep(1)\nraise SystemExit(1)"
+    sid = submit_when_ready(client, entrypoint=shlex.join([sys.executable, "-c", script]), runtime_env=job_runtime_env(REPO))
+    follower = _client(address, token, DropsOnceClient)
+    out = io.StringIO()
+    rc = follow_job(follower, sid, out, poll_s=0.3, restream_s=1.0)
+    text = out.getvalue()
+    assert rc == 1 and f"job {sid} FAILED" in text, text
+    assert [text.count(f"line {i}\n") for i in range(6)] == [1] * 6, text
+    assert follower.streams >= 2  # the broken stream was replaced
 
 
 def test_the_upload_leaves_out_secrets_and_build_output(ray_head, client_env, tmp_path):
@@ -226,7 +256,7 @@ def test_the_upload_leaves_out_secrets_and_build_output(ray_head, client_env, tm
         (project / rel).write_text(text)
     client = _client(address, token)
     listing = "import os, json; print(json.dumps(sorted(os.path.relpath(os.path.join(r, f)) for r, _, fs in os.walk('.') for f in fs)))"
-    sid = client.submit_job(entrypoint=f"{sys.executable} -c \"{listing}\"", runtime_env=job_runtime_env(project))
+    sid = submit_when_ready(client, entrypoint=f"{sys.executable} -c \"{listing}\"", runtime_env=job_runtime_env(project))
     assert _wait_status(client, sid, lambda s: s in (JobStatus.SUCCEEDED, JobStatus.FAILED)) == JobStatus.SUCCEEDED, client.get_job_logs(sid)
     uploaded = set(json.loads(client.get_job_logs(sid).strip().splitlines()[-1]))
     assert uploaded == {"pyproject.toml", "jobs/cli.py", "configs/a.yaml"}, uploaded
