@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
@@ -53,7 +54,7 @@ class Embedder:
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True)
         vectors = out["embeddings"]
         dim = len(vectors[0]) if vectors else self.model.dim
-        flat = pa.array(_concat(vectors), type=pa.float32())
+        flat = pa.array(np.concatenate(vectors).astype(np.float32) if vectors else np.zeros(0, np.float32))
         n = len(texts)
         return pa.table({
             "id": ids,
@@ -61,12 +62,6 @@ class Embedder:
             "model_version": pa.array([out["version"]] * n, pa.string()),
             "tokenizer_hash": pa.array([out["tokenizer_hash"]] * n, pa.string()),
         })
-
-
-def _concat(vectors: list) -> Any:
-    import numpy as np
-
-    return np.concatenate(vectors).astype(np.float32) if vectors else np.zeros(0, np.float32)
 
 
 def refuse_existing(output: str, endpoint_url: str | None = None) -> bool:

@@ -97,7 +97,9 @@ def crd_schema(kind: str, api_version: str) -> dict:
         pytest.skip(f"the KubeRay CRDs are not at {CRD_DIR} (the shared folder beside the repository)")
     key = (kind, api_version)
     if key not in _CRD_SCHEMAS:
-        crd = yaml.safe_load((CRD_DIR / f"ray.io_{KUBERAY_KINDS[kind]}.yaml").read_text())
+        # 0.8-1.4 MB each: libyaml's loader reads them ~5x faster than the pure-Python one.
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        crd = yaml.load((CRD_DIR / f"ray.io_{KUBERAY_KINDS[kind]}.yaml").read_text(), Loader=loader)
         group, version = api_version.split("/")
         assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind, crd["metadata"]["name"]
         versions = {v["name"]: v for v in crd["spec"]["versions"]}

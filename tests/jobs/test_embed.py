@@ -68,6 +68,9 @@ def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrite
         reembed(str(minilm_dir), str(src), str(out))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old vectors are untouched
 
+    with pytest.raises(ValueError, match="no column 'body'.*--text-column"):
+        reembed(str(minilm_dir), str(src), str(tmp_path / "other"), text_column="body")
+
 
 @pytest.mark.slow
 def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, minilm_dir, s3_bucket):
@@ -88,9 +91,14 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
 
 
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir):
+    from jobs.cli import main
+
     out = tmp_path / "old-vectors"
     out.mkdir()
     (out / "part-0.parquet").write_bytes(b"old")
     with pytest.raises(FileExistsError, match="old-vectors"):
         reembed(str(minilm_dir), str(tmp_path / "nothing.parquet"), str(out))
+    with pytest.raises(SystemExit, match="ctx embed: .*never over them"):  # the command says why, no traceback
+        main(["embed", "--model", str(minilm_dir), "--input", str(tmp_path / "nothing.parquet"), "--output", str(out),
+              "--id-column", "doc", "--text-column", "body", "--pooling", "cls", "--normalize", "--batch-size", "8"])
     assert (out / "part-0.parquet").read_bytes() == b"old"
