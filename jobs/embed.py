@@ -69,16 +69,11 @@ def refuse_existing(output: str, endpoint_url: str | None = None) -> bool:
     an empty folder already (the write then adds to it), False when it does not exist."""
     fs, path = storage.filesystem(output, endpoint_url)
     info = storage.with_retries(lambda: fs.get_file_info(path), f"stat {output}")
-    if info.type == pafs.FileType.NotFound:
-        # S3 has no folders: a prefix with objects under it reads as NotFound on some stores.
+    if info.type != pafs.FileType.File:
+        # A prefix with objects under it can read as NotFound on some S3 stores (no folder markers): list it.
         listed = storage.with_retries(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
         if not listed:
-            return False
-        info = listed[0]
-    elif info.type == pafs.FileType.Directory:
-        listed = storage.with_retries(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
-        if not listed:
-            return True
+            return info.type == pafs.FileType.Directory
     raise FileExistsError(
         f"--output {output} already holds embeddings or other files: re-embedding writes a new folder "
         f"beside the old ones and never over them; give a new folder (e.g. one named after the model version)"
