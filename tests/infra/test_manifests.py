@@ -215,7 +215,7 @@ def test_every_ray_cluster_uses_token_auth_keeps_its_head_inside_and_is_under_th
     for where, doc in DOCS:
         if doc["kind"] == "Service":
             assert doc["spec"].get("type", "ClusterIP") == "ClusterIP", f"{where} is reachable from outside the cluster"
-        assert "Ingress" != doc["kind"], f"{where}: nothing is exposed through an Ingress"
+        assert doc["kind"] != "Ingress", f"{where}: nothing is exposed through an Ingress"
 
 
 def test_the_standing_cluster_autoscales_gpu_workers():
@@ -329,7 +329,7 @@ def check_ctx(argv: list[str], where: str) -> None:
         pytest.fail(f"{where}: `ctx {shlex.join(argv)}` is not a ctx command (exit {e.code}): {err.getvalue().strip()}")
     command = argv[0]
     if command == "submit":
-        rest = [a for a in args.ctx_args]
+        rest = list(args.ctx_args)
         rest = rest[1:] if rest[:1] == ["--"] else rest
         assert rest, f"{where}: `ctx submit` without a command after --"
         check_ctx(rest, f"{where} (submitted)")
@@ -401,6 +401,16 @@ def test_the_command_check_rejects_a_bad_mlflow_flag():
 def test_shell_lines_split_into_commands():
     line = "cd /app && FOO=1 nohup ctx embed --model m --input i --output o > /tmp/log 2>&1 & echo 'a b'"
     assert _shell_commands(line) == [["cd", "/app"], ["ctx", "embed", "--model", "m", "--input", "i", "--output", "o"], ["echo", "a b"]]
+
+
+def test_the_image_puts_the_project_where_the_manifests_look():
+    """Manifests name /app/configs/...: the Dockerfile's WORKDIR, and every folder it copies exists here."""
+    lines = [line.split() for line in (INFRA / "Dockerfile").read_text().splitlines() if line and not line.startswith("#")]
+    assert [w[1] for w in lines if w[0] == "WORKDIR"] == [IMAGE_ROOT]
+    copied = [src for w in lines if w[0] == "COPY" for src in [a for a in w[1:] if not a.startswith("--")][:-1]]
+    for source in copied:
+        assert (REPO / source).exists(), f"infra/Dockerfile copies {source}, which is not in the repository"
+    assert {"jobs", "configs", "data"} <= set(copied)
 
 
 # ----------------------------------------------------------------------------- the cluster launcher
