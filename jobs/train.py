@@ -272,10 +272,13 @@ class SampleLog:
         self.lines: list[str] = []  # the lines an object-store file must hold
         self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
 
-    def step(self, step: int, batches: list[dict[str, Any]]) -> None:
+    def step(self, step: int, batches: list[dict[str, Any]], skipped: bool = False) -> None:
+        """The samples of optimizer step ``step``; ``skipped``: of an attempt at it that was skipped
+        (consumed, committed with the next checkpoint, not trained on)."""
         self.write([
             json.dumps({
                 "step": step,
+                **({"skipped": True} if skipped else {}),
                 "epoch": np.asarray(b["epoch"].cpu()).reshape(-1).tolist(),
                 "ids": np.asarray(b["sample_id"].cpu()).reshape(-1).tolist(),
                 "digests": row_digests(b),
@@ -372,7 +375,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     seed_worker_rng(t.seed, rank)  # dropout
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
-    resumed = resume(run, ep, model)
+    resumed = resume(run, ep, model, rank)
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, {state.samples_seen} samples, data position {resumed.position.summary()}")
@@ -390,7 +393,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
     load_optimizer(wrapped, optimizer, resumed)
     schedule = partial(lr_factor, warmup_samples=t.warmup_steps * t.batch_size, total_samples=t.max_steps * t.batch_size)
-    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip)
+    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip,
+                      max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
     meter = StepMeter(obj.is_token_metric)
 
     tok_dir = tokenizer_dir_from_files(config["tokenizer_files"])
@@ -418,6 +422,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         m.update(
             step=state.step, max_steps=t.max_steps, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
             tokens_seen=state.tokens_seen, workers=world, eta_s=(t.max_steps - state.step) / rate if rate > 0 else None,
+            bad_steps=state.bad_steps,
         )
         if flops_per_sample and peak:
             m["mfu"] = m["samples_per_s"] * flops_per_sample / (peak * world)
@@ -434,10 +439,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         taken = stepper.step(batches, state, meter)
         if taken is None:  # the stream ended (inside a step: its partial gradient is dropped, its samples not committed)
             break
-        checkpointer.record(taken)
-        epoch = max(int(b["epoch"].max()) for b in taken)
+        # A skipped step's samples count as consumed, not trained on (docs/FAULTS.md): committed
+        # with the next checkpoint, so the batch that broke the step is not fed again on resume.
+        checkpointer.record(taken.batches)
+        epoch = max(int(b["epoch"].max()) for b in taken.batches)
         if log is not None:
-            log.step(state.step, taken)
+            log.step(state.step + taken.skipped, taken.batches, skipped=taken.skipped)
+        if taken.skipped:
+            continue  # no new step: nothing to log, evaluate or commit
         last = state.step >= t.max_steps
         eval_now = bool(held_out) and (last or state.step % t.eval_every == 0)
         if state.step % t.log_every == 0 or last or eval_now:
