@@ -356,15 +356,23 @@ def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None) -> list[t
     """The run's ``checkpoint_*`` folders as (name, step), oldest first.
 
     Newer means a higher step in trainer_state.json: folder names carry a local-time stamp, which
-    goes backwards when the clock or the time zone does. Folders without a step sort before every
-    folder with one, by name among themselves, and so do equal steps. One read per folder.
+    goes backwards when the clock or the time zone does. A folder without a step (a copy cut off
+    before its trainer_state.json landed) falls back to name order: it sorts as if it had the step
+    of the folder its name follows, just after it; equal steps are in name order too. One read
+    per folder.
     """
     fs, path = filesystem(run_uri, endpoint_url)
     selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
     infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}")
-    names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
-    steps = {name: checkpoint_step(join(run_uri, name), endpoint_url) for name in names}
-    return sorted(steps.items(), key=lambda item: (item[1] is not None, item[1] or 0, checkpoint_order(item[0])))
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")),
+                   key=checkpoint_order)
+    out, keys, carried = [], {}, -1
+    for name in names:
+        step = checkpoint_step(join(run_uri, name), endpoint_url)
+        carried = step if step is not None else carried
+        keys[name] = (carried, checkpoint_order(name))
+        out.append((name, step))
+    return sorted(out, key=lambda item: keys[item[0]])
 
 
 def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None) -> str | None:
@@ -386,19 +394,19 @@ def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None)
     """Delete the run's incomplete checkpoint folders that are older than its newest complete one;
     returns (uri, problem) of each deleted folder.
 
-    Older: a lower step, or, for a folder whose trainer_state.json is missing or cut off, a name
-    that orders before the newest complete one's (``checkpoint_order``). Incomplete folders newer
-    than it are left alone (a copy may still be under way), and so are folders that Ray Train's
-    snapshot of the run lists (a rerun fails when one it lists is gone). Meant for rank 0 when an
-    attempt starts, before it writes anything.
+    Older: before it in ``checkpoints_by_step`` (a lower step; a folder whose trainer_state.json is
+    missing or cut off is placed by its name). Incomplete folders newer than it are left alone (a
+    copy may still be under way), and so are folders that Ray Train's snapshot of the run lists (a
+    rerun fails when one it lists is gone). Meant for rank 0 when an attempt starts, before it
+    writes anything.
     """
     ordered = checkpoints_by_step(run_uri, endpoint_url)
     problems: dict[str, str | None] = {}
     newest = None
-    for name, step in reversed(ordered):
+    for name, _ in reversed(ordered):
         problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url)
         if problems[name] is None:
-            newest = (name, step)
+            newest = name
             break
     if newest is None:
         return []
@@ -408,11 +416,10 @@ def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None)
     except FileNotFoundError:
         snapshot = ""
     removed = []
-    for name, step in ordered:
-        if name == newest[0]:
-            break
-        older = step < newest[1] if step is not None and newest[1] is not None else checkpoint_order(name) < checkpoint_order(newest[0])
-        if not older or name in snapshot:
+    for name, _ in ordered:
+        if name == newest:
+            break  # everything from here on is newer
+        if name in snapshot:
             continue
         uri = join(run_uri, name)
         problem = problems.get(name) or checkpoint_problem(uri, endpoint_url)
