@@ -6,13 +6,14 @@ Worker side (inside each Ray Train worker):
 * ``TrainState``: the counters a checkpoint keeps (``trainer_state.json``);
 * ``StepMeter``: one logging interval's sums on one worker, reduced over workers into means;
 * ``Stepper``: one optimizer step over micro-batches (gradient accumulation with ``no_sync``,
-  clipping, the learning rate as a function of samples consumed);
+  clipping, the learning rate as a function of samples consumed), skipped on every rank when a
+  loss or the gradient norm is not finite (``docs/FAULTS.md``);
 * ``Checkpointer``: the checkpoint commit. Each worker records the samples of its finished
   optimizer steps; at a checkpoint they are gathered and merged into the committed data position,
   which rank 0 writes with the weights, optimizer state and ``TrainState`` (MANIFEST last). The
   protocol is ``docs/EXACTLY_ONCE.md``; its other half, dropping committed samples when a stream
   starts, is ``pipelines.dataset.TokenizePack`` / ``pipelines.finetune_stream.RecordChunks``;
-* ``resume``: the run's latest complete checkpoint, loaded into the model;
+* ``resume``: the run's latest complete checkpoint (by step), loaded into the model;
 * ``evaluate_batches``: a forward pass over held-out batches shared out between the workers.
 
 Driver side: ``init_ray``, ``ingest_options`` and ``fit`` (``TorchTrainer`` + the progress
@@ -313,8 +314,10 @@ class Stepper:
         self._forget_memory = True
 
     def step(self, batches: Iterator[dict[str, Any]], state: TrainState, meter: StepMeter) -> Taken | None:
-        """Train one step on the next micro-batches; returns them, or None when the stream ended
-        inside the step (its partial gradient is dropped, its samples not recorded)."""
+        """Train one step on the next micro-batches; returns them (``Taken.skipped`` when the step
+        was skipped: the caller records their samples as consumed and starts the next attempt), or
+        None when the stream ended inside the step (its partial gradient is dropped, its samples
+        not recorded)."""
         import torch
 
         from jobs import parallel
