@@ -134,15 +134,15 @@ def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = Tru
 
     ep = recipe.data.endpoint_url
     run = run_folder(recipe.output_dir, recipe.name)
-    workdir = Path(tempfile.mkdtemp(prefix="ctx-finetune-"))
     init_uri = resolve_checkpoint(recipe.model.init, ep)
     log(f"model: {recipe.model.init} -> {init_uri}")
-    init = load_checkpoint(local_copy(init_uri, workdir, ep))
-    if init.tokenizer_dir is None:
-        raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
-    family, files = init.family, tokenizer_files(init.tokenizer_dir)
-    model_fields = dataclasses.asdict(init.config)
-    del init
+    with tempfile.TemporaryDirectory(prefix="ctx-finetune-") as workdir:  # a remote init's copy: only its config and tokenizer bytes are kept
+        init = load_checkpoint(local_copy(init_uri, Path(workdir), ep))
+        if init.tokenizer_dir is None:
+            raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
+        family, files = init.family, tokenizer_files(init.tokenizer_dir)
+        model_fields = dataclasses.asdict(init.config)
+        del init
 
     init_ray(verbose)
     train_table = fs.read_split(recipe.data.train, recipe.data.format, ep)

@@ -140,12 +140,18 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
 
 
 def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=print) -> PretrainResult:
+    # The tokenizer's local copy lives in a temporary folder, removed whatever happens: the
+    # workers and the data stage get its files as bytes.
+    with tempfile.TemporaryDirectory(prefix="ctx-pretrain-") as workdir:
+        return _pretrain(recipe, Path(workdir), verbose, progress, log)
+
+
+def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
     ep = recipe.data.endpoint_url
     shards = storage.list_files(recipe.data.input, ep)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
     eval_shards = storage.list_files(recipe.data.eval_input, ep) if recipe.data.eval_input else []
     run = run_uri(recipe)
-    workdir = Path(tempfile.mkdtemp(prefix="ctx-pretrain-"))
     tok_dir = ensure_tokenizer(recipe, shards, run, workdir, log)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit

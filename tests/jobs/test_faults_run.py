@@ -33,7 +33,12 @@ def recipe(corpus: Path, out: Path, *extra: str):
     ])
 
 
-def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run_keeping_the_newest_good_checkpoint(ray_session, tmp_path):
+def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run_keeping_the_newest_good_checkpoint(ray_session, tmp_path, monkeypatch):
+    import tempfile
+
+    scratch = tmp_path / "tmp"  # the driver's temporary folders (the tokenizer's copy) go here
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     lines = [x.strip() for x in gzip.open(REPO / "data/sample/wordnet-0000-of-0008.txt.gz", "rt") if x.strip()]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -58,9 +63,11 @@ def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run_keeping_the_newes
     metrics = [json.loads(x) for x in (run / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["bad_steps"]) for m in metrics] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     assert all(m["loss"] == m["loss"] for m in metrics)  # no NaN reached the logged losses
+    assert list(scratch.iterdir()) == []  # removed, although the run failed
 
     # A rerun resumes from that checkpoint (attempt 6 onwards: none poisoned now) and finishes.
     result = pretrain(recipe(corpus, tmp_path, "train.max_steps=6", "train.debug_nan_steps=[3]"), progress=False, log=lambda *_: None)
     final = json.loads(Path(storage.latest_complete_checkpoint(str(run)), "trainer_state.json").read_text())
     assert result.metrics["step"] == 6 and (final["step"], final["bad_steps"]) == (6, 1)
     assert all(torch.isfinite(p).all() for p in load_checkpoint(result.checkpoint_uri).model.parameters())
+    assert list(scratch.iterdir()) == []
