@@ -143,15 +143,15 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
 
     ep = recipe.data.endpoint_url
     run = run_folder(recipe.output_dir, recipe.name)
-    workdir = Path(tempfile.mkdtemp(prefix="ctx-finetune-"))
     init_uri = resolve_checkpoint(recipe.model.init, ep)
     log(f"model: {recipe.model.init} -> {init_uri}")
-    init = load_checkpoint(local_copy(init_uri, workdir, ep))
-    if init.tokenizer_dir is None:
-        raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
-    family, files = init.family, tokenizer_files(init.tokenizer_dir)
-    model_fields = dataclasses.asdict(init.config)
-    del init
+    with tempfile.TemporaryDirectory(prefix="ctx-finetune-") as workdir:  # a remote init's copy: only its config and tokenizer bytes are kept
+        init = load_checkpoint(local_copy(init_uri, Path(workdir), ep))
+        if init.tokenizer_dir is None:
+            raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
+        family, files = init.family, tokenizer_files(init.tokenizer_dir)
+        model_fields = dataclasses.asdict(init.config)
+        del init
 
     init_ray(verbose)
     train_table = fs.read_split(recipe.data.train, recipe.data.format, ep)
@@ -378,13 +378,14 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
     # The task model: a fresh head on the pretrained backbone, then whatever the run committed last.
     model = build_task_model(family, model_cfg, task, generator=torch.Generator().manual_seed(t.seed))
     seed_worker_rng(t.seed, rank)  # dropout
-    pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tempfile.mkdtemp(prefix="ctx-init-")), ep))
+    with tempfile.TemporaryDirectory(prefix="ctx-init-") as tmp:  # every worker, every restart: never left behind
+        pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), ep))
     load_backbone(model, pretrained.model)
     del pretrained
     tok_dir = _tokenizer_dir(config["tokenizer_files"])
     if family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
         model.set_char_table(elmo_char_table(tok_dir, model_cfg.max_chars))
-    resumed = resume(run, ep, model)
+    resumed = resume(run, ep, model, rank)
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, data position {resumed.position.summary()}")
@@ -407,7 +408,8 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
     load_optimizer(wrapped, optimizer, resumed)
     schedule = partial(lr_factor, warmup_samples=config["warmup_steps"] * t.batch_size, total_samples=total * t.batch_size)
-    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip, inputs=task_inputs)
+    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip, inputs=task_inputs,
+                      max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
     meter = StepMeter()
     checkpointer = Checkpointer(
         run, ep, list(range(config["n_units"])), rank, world, resumed.position,
@@ -428,7 +430,8 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
         state.tokens_seen += int(m.pop("tokens"))
         rate = (state.step - start_step) / max(time.perf_counter() - t_start, 1e-9)
         m.update(step=state.step, max_steps=total, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
-                 tokens_seen=state.tokens_seen, workers=world, eta_s=(total - state.step) / rate if rate > 0 else None)
+                 tokens_seen=state.tokens_seen, workers=world, eta_s=(total - state.step) / rate if rate > 0 else None,
+                 bad_steps=state.bad_steps)
         return m
 
     def evaluated(m: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -454,10 +457,12 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
         taken = stepper.step(batches, state, meter)
         if taken is None:
             break
-        checkpointer.record(taken)
-        epoch = max(int(b["epoch"].max()) for b in taken)
+        checkpointer.record(taken.batches)  # a skipped step's rows: consumed, not trained on (docs/FAULTS.md)
+        epoch = max(int(b["epoch"].max()) for b in taken.batches)
         if sample_log is not None:
-            sample_log.step(state.step, taken)
+            sample_log.step(state.step + taken.skipped, taken.batches, skipped=taken.skipped)
+        if taken.skipped:
+            continue
         last = state.step >= total
         eval_now = data is not None and (last or state.step % per_epoch == 0 or (t.eval_every is not None and state.step % t.eval_every == 0))
         ckpt_now = eval_now or last or (t.checkpoint_every is not None and state.step % t.checkpoint_every == 0) or (data is None and state.step % per_epoch == 0)

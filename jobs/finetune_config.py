@@ -131,11 +131,23 @@ class FtTrainSection(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
     sample_log: bool = False  # every consumed sample id to <run>/sample_log/ (audits, exactly-once tests)
+    # A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.
+    max_bad_steps: int = Field(10, ge=1)
+    # Fault injection, for tests and drills: the optimizer-step attempts (1-based, skipped ones
+    # counted) whose loss is made NaN on rank 0. Never set it in a real run.
+    debug_nan_steps: tuple[int, ...] = ()
 
-    @field_validator("betas", mode="before")
+    @field_validator("betas", "debug_nan_steps", mode="before")
     @classmethod
     def _list_to_tuple(cls, v: Any) -> Any:
         return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("debug_nan_steps")
+    @classmethod
+    def _attempts_from_one(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(n < 1 for n in v):
+            raise ValueError(f"debug_nan_steps: step attempts count from 1, got {list(v)}")
+        return v
 
 
 class FinetuneRecipe(_Section):

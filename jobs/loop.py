@@ -6,13 +6,14 @@ Worker side (inside each Ray Train worker):
 * ``TrainState``: the counters a checkpoint keeps (``trainer_state.json``);
 * ``StepMeter``: one logging interval's sums on one worker, reduced over workers into means;
 * ``Stepper``: one optimizer step over micro-batches (gradient accumulation with ``no_sync``,
-  clipping, the learning rate as a function of samples consumed);
+  clipping, the learning rate as a function of samples consumed), skipped on every rank when a
+  loss or the gradient norm is not finite (``docs/FAULTS.md``);
 * ``Checkpointer``: the checkpoint commit. Each worker records the samples of its finished
   optimizer steps; at a checkpoint they are gathered and merged into the committed data position,
   which rank 0 writes with the weights, optimizer state and ``TrainState`` (MANIFEST last). The
   protocol is ``docs/EXACTLY_ONCE.md``; its other half, dropping committed samples when a stream
   starts, is ``pipelines.dataset.TokenizePack`` / ``pipelines.finetune_stream.RecordChunks``;
-* ``resume``: the run's latest complete checkpoint, loaded into the model;
+* ``resume``: the run's latest complete checkpoint (by step), loaded into the model;
 * ``evaluate_batches``: a forward pass over held-out batches shared out between the workers.
 
 Driver side: ``init_ray``, ``ingest_options`` and ``fit`` (``TorchTrainer`` + the progress
@@ -30,7 +31,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -61,6 +62,12 @@ class TrainState:
     best_step: int | None = None  # the step it was measured at
     best_checkpoint: str | None = None  # the checkpoint folder written at that step
     evals_since_best: int = 0  # evaluations without improvement (early stopping counts these)
+    bad_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm (not in ``step``)
+
+    @property
+    def attempts(self) -> int:
+        """Optimizer steps attempted so far, skipped ones included (what ``train.debug_nan_steps`` counts)."""
+        return self.step + self.bad_steps
 
     def to_json(self, **extra: Any) -> dict[str, Any]:
         return {**dataclasses.asdict(self), **extra}
@@ -203,10 +210,15 @@ class StepMeter:
 
     def micro_batch(self, out, batch: dict[str, Any]) -> None:
         """One forward's loss and metrics, and its batch's rows and real tokens."""
-        n_pred = float(out.metrics.get("n_pred", 0.0))
-        self.counts["loss"] += float(out.loss.detach())
+        self.add_micro_batch(float(out.loss.detach()), out.metrics, batch)
+
+    def add_micro_batch(self, loss: float, metrics: dict[str, Any], batch: dict[str, Any]) -> None:
+        """``micro_batch`` from the loss and metrics as numbers (the ``Stepper`` keeps those, not the
+        outputs, until it knows whether the step is trained or skipped)."""
+        n_pred = float(metrics.get("n_pred", 0.0))
+        self.counts["loss"] += loss
         self.counts["micro"] += 1.0
-        for k, v in out.metrics.items():
+        for k, v in metrics.items():
             if k != "n_pred":
                 self.add(k, float(v), n_pred if self.token_metric(k) else 1.0)
         self.counts["rows"] += len(batch["sample_id"])
@@ -258,11 +270,29 @@ def perplexity(loss: float) -> float:
 # The optimizer step
 
 
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss, gradient norm or weight and cannot go on."""
+
+
+@dataclass
+class Taken:
+    """What one call of ``Stepper.step`` consumed: its micro-batches, and whether the optimizer step
+    was skipped (a non-finite loss or gradient norm on some rank: no update, the samples consumed)."""
+
+    batches: list[dict[str, Any]]
+    skipped: bool = False
+
+
 @dataclass
 class Stepper:
     """One optimizer step over ``accumulation`` micro-batches of this worker (docs/EXACTLY_ONCE.md
     "Worker counts, batch size and the schedule"): the gradient all-reduce only on the last
-    (``no_sync``), clipping, then the learning rate of the samples consumed so far."""
+    (``no_sync``), clipping, then the learning rate of the samples consumed so far.
+
+    A step whose loss (on any rank, any micro-batch) or gradient norm is not finite is skipped on
+    every rank alike (docs/FAULTS.md): no optimizer update, ``step`` and ``samples_seen`` stay, the
+    gradients are dropped and ``TrainState.bad_steps`` counts it; ``max_bad_steps`` skips in a row
+    raise ``NonFiniteError``."""
 
     wrapped: Any  # the model as wrapped by jobs.parallel.wrap_model
     optimizer: Any
@@ -274,18 +304,26 @@ class Stepper:
     schedule: Callable[[int], float]  # samples consumed -> factor of lr
     grad_clip: float = 0.0  # 0: no clipping
     inputs: Callable[[dict[str, Any]], dict[str, Any]] = model_inputs
+    max_bad_steps: int = 10  # skipped steps in a row before the run stops
+    debug_nan_steps: tuple[int, ...] = ()  # fault injection: attempts (1-based, skips counted) whose loss is made NaN on rank 0
     _forget_memory: bool = field(default=False, repr=False)
+    _bad_in_a_row: int = field(default=0, repr=False)
 
     def forget_memory(self) -> None:
         """The next micro-batch starts without recurrent memory (after an evaluation changed it)."""
         self._forget_memory = True
 
-    def step(self, batches: Iterator[dict[str, Any]], state: TrainState, meter: StepMeter) -> list[dict[str, Any]] | None:
-        """Train one step on the next micro-batches; returns them, or None when the stream ended
-        inside the step (its partial gradient is dropped, its samples not recorded)."""
+    def step(self, batches: Iterator[dict[str, Any]], state: TrainState, meter: StepMeter) -> Taken | None:
+        """Train one step on the next micro-batches; returns them (``Taken.skipped`` when the step
+        was skipped: the caller records their samples as consumed and starts the next attempt), or
+        None when the stream ended inside the step (its partial gradient is dropped, its samples
+        not recorded)."""
+        import torch
+
         from jobs import parallel
 
-        taken = []
+        poisoned = (state.attempts + 1) in self.debug_nan_steps and parallel._rank() == 0
+        taken, measured = [], []
         for i in range(self.accumulation):
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -298,11 +336,36 @@ class Stepper:
                 self._forget_memory = False
             with parallel.no_sync(self.wrapped, active=i < self.accumulation - 1), parallel.autocast(self.plan, self.device):
                 out = self.wrapped(**self.inputs(batch))
-            (out.loss / self.accumulation).backward()
-            meter.micro_batch(out, batch)
+            loss = out.loss * float("nan") if poisoned else out.loss  # NaN gradients too, as a real fault gives
+            (loss / self.accumulation).backward()
+            # Numbers only: keeping ``out`` until the decision would hold every micro-batch's logits.
+            measured.append((float(loss.detach()), {k: float(v) for k, v in out.metrics.items()}))
             taken.append(batch)
-        if self.grad_clip > 0:
-            parallel.clip_grad_norm(self.wrapped, self.grad_clip)
+        norm = parallel.clip_grad_norm(self.wrapped, self.grad_clip) if self.grad_clip > 0 else parallel.grad_norm(self.wrapped)
+        # One decision for every rank, before any rank updates: DDP's averaged gradients are NaN
+        # everywhere if they are NaN anywhere, but a rank's loss is its own (and a rank whose
+        # gradients are finite must not step while another skips: the weights would part).
+        local_bad = not all(math.isfinite(loss) for loss, _ in measured)
+        bad = torch.tensor([float(local_bad)], device=norm.device) + (~torch.isfinite(norm)).float().reshape(1)
+        if parallel.world_size() > 1:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item() > 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            state.bad_steps += 1
+            self._bad_in_a_row += 1
+            if self._bad_in_a_row >= self.max_bad_steps:
+                losses = ", ".join(f"{loss:g}" for loss, _ in measured)
+                raise NonFiniteError(
+                    f"train.max_bad_steps={self.max_bad_steps}: the last {self._bad_in_a_row} optimizer steps all had a "
+                    f"non-finite loss or gradient norm (this rank's losses {losses}, gradient norm {float(norm):g}) and were "
+                    f"skipped; the weights are those of step {state.step} (finite, {state.bad_steps} steps skipped in all). "
+                    "Training stops here: the run's newest checkpoint was written before these steps and is kept. "
+                    "Lower train.lr or raise train.warmup_steps, look for bad records in the data, or raise train.max_bad_steps."
+                )
+            return Taken(taken, skipped=True)
+        self._bad_in_a_row = 0
+        for (loss, metrics), batch in zip(measured, taken):
+            meter.add_micro_batch(loss, metrics, batch)
         for g in self.optimizer.param_groups:
             g["lr"] = self.lr * self.schedule(state.samples_seen)
         self.optimizer.step()
@@ -310,7 +373,7 @@ class Stepper:
         state.step += 1
         state.samples_seen += self.batch_size
         meter.step()
-        return taken
+        return Taken(taken)
 
     @property
     def current_lr(self) -> float:
@@ -377,25 +440,36 @@ class Resumed:
     raw_state: dict[str, Any] = field(default_factory=dict)  # trainer_state.json as written
     optimizer_tensors: dict[str, Any] | None = None
     position: DataPosition = field(default_factory=DataPosition)
-    local_dir: Path | None = None
 
 
-def resume(run: str, endpoint_url: str | None, model) -> Resumed:
+def resume(run: str, endpoint_url: str | None, model, rank: int = 0) -> Resumed:
     """The run's latest complete checkpoint (the same one the data stage reads the position of),
     its weights loaded into ``model``. Ray's ``get_checkpoint()`` is not used: it could name a
-    checkpoint whose upload was cut off."""
+    checkpoint whose upload was cut off.
+
+    A remote checkpoint is downloaded into a temporary folder that is removed once its files are
+    in memory, whatever happens (every worker does this at every restart). Rank 0 first deletes
+    the run's incomplete checkpoint folders older than the newest complete one
+    (``storage.remove_incomplete_checkpoints``): leftovers of copies cut off by earlier failures.
+    """
     from safetensors.torch import load_file
 
     from ctxmodels.checkpoint import load_checkpoint
 
+    if rank == 0:
+        for uri, problem in storage.remove_incomplete_checkpoints(run, endpoint_url):
+            print(f"removed incomplete checkpoint {uri} ({problem}): older than the newest complete one")
     uri = storage.latest_complete_checkpoint(run, endpoint_url)
     if uri is None:
         return Resumed()
-    local = storage.download_dir(uri, Path(tempfile.mkdtemp(prefix="ctx-resume-")), endpoint_url)
-    model.load_state_dict(load_checkpoint(local).model.state_dict())
-    raw = json.loads((local / "trainer_state.json").read_text())
-    opt = load_file(str(local / "optimizer.safetensors"))
-    return Resumed(uri, TrainState.from_json(raw), raw, opt, load_position(str(local)), local)  # the downloaded copy: no second read
+    with tempfile.TemporaryDirectory(prefix="ctx-resume-") as tmp:
+        local = storage.download_dir(uri, Path(tmp) / "checkpoint", endpoint_url)  # a local run folder is read in place
+        model.load_state_dict(load_checkpoint(local).model.state_dict())
+        raw = json.loads((local / "trainer_state.json").read_text())
+        # load_file copies the tensors into memory (no mapping of a file about to be deleted)
+        opt = load_file(str(local / "optimizer.safetensors"))
+        position = load_position(str(local))
+    return Resumed(uri, TrainState.from_json(raw), raw, opt, position)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,8 +477,39 @@ def resume(run: str, endpoint_url: str | None, model) -> Resumed:
 
 
 def checkpoint_name() -> str:
-    """A new checkpoint folder name, in Ray Train V2's form (time order = name order)."""
-    return "checkpoint_" + datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
+    """A new checkpoint folder name, in Ray Train V2's form but in UTC (a change of the machine's
+    time zone does not reorder names). Resume orders checkpoints by their step, not by name
+    (``storage.latest_complete_checkpoint``): the name is for people."""
+    return "checkpoint_" + datetime.now(timezone.utc).strftime("%Y-%m-%d_%H-%M-%S.%f")
+
+
+def ensure_free_space(need: dict[str, int]) -> None:
+    """Raise ``OSError`` (ENOSPC) before writing when a local folder's filesystem has less free space
+    than ``need`` (folder -> bytes about to be written under it). Folders on one filesystem add up;
+    a folder that does not exist yet is measured at its nearest existing parent."""
+    import errno
+    import shutil
+
+    by_device: dict[int, tuple[list[str], int, int]] = {}
+    for folder, size in need.items():
+        path = Path(folder).resolve()
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        dev = os.stat(path).st_dev
+        names, total, _ = by_device.get(dev, ([], 0, 0))
+        by_device[dev] = (names + [folder], total + size, shutil.disk_usage(path).free)
+    for names, total, free in by_device.values():
+        if free < total:
+            raise OSError(
+                errno.ENOSPC,
+                f"not enough free disk space for a checkpoint: {total / 2**20:,.0f} MiB to write under "
+                f"{' and '.join(names)}, {free / 2**20:,.0f} MiB free there; free some space (old runs, "
+                "temporary files) or point TMPDIR (the checkpoint's staging folder) at a larger disk",
+            )
+
+
+def _tensor_bytes(tensors: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @dataclass
@@ -476,20 +581,33 @@ class Checkpointer:
                 model.load_state_dict(full)
         else:
             model = parallel.unwrap(wrapped)
+        # The Stepper never applies a non-finite step, but an update can still overflow: such
+        # weights are never written (every rank raises alike), so Ray's rotation cannot push the
+        # last good checkpoint out for them. A collective under FSDP (each rank checks its shards).
+        if not parallel.all_finite(wrapped):
+            raise NonFiniteError(
+                f"the weights at step {state.step} are not all finite: no checkpoint written, training stops; "
+                "the run's newest checkpoint is intact: rerun to resume from it, with a lower train.lr"
+            )
         if self.rank != 0:
             ray.train.report(metrics, checkpoint=None)
             return None
         name = name or checkpoint_name()
+        tensors, meta = optimizer_state_to_tensors(opt_state, name=type(optimizer).__name__)
+        position = {k: torch.from_numpy(v) for k, v in self.position.to_arrays().items()}
+        # The staging folder, and a local run folder Ray copies it into, must hold the weights,
+        # the optimizer state and the position (tokenizer and JSON files are small: 10% slack).
+        size = int(1.1 * (_tensor_bytes(model.state_dict()) + _tensor_bytes(tensors) + _tensor_bytes(position))) + (1 << 20)
+        need = {tempfile.gettempdir(): size}
+        if not storage.is_remote(self.run):
+            need[storage.filesystem(self.run)[1]] = size
+        ensure_free_space(need)
         with tempfile.TemporaryDirectory(prefix="ctx-ckpt-") as d:
-            tensors, meta = optimizer_state_to_tensors(opt_state, name=type(optimizer).__name__)
             self.save(
                 d,
                 model,
                 {"trainer_state.json": state.to_json(**(extra_state or {}), optimizer=meta)},
-                {
-                    "optimizer.safetensors": tensors,
-                    POSITION_FILE: {k: torch.from_numpy(v) for k, v in self.position.to_arrays().items()},
-                },
+                {"optimizer.safetensors": tensors, POSITION_FILE: position},
             )
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d), checkpoint_dir_name=name)
         return name

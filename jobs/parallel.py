@@ -242,14 +242,37 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> Tensor:
     (DTensor) of every gradient: the per-rank sums of squares are combined across ranks before the
     square root, so the norm is that of the full gradient, not of one shard.
     """
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
-    total = nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # the pending cross-rank reduction of the shards' norms
+    total = grad_norm(model)
     nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+@torch.no_grad()
+def grad_norm(model: nn.Module) -> Tensor:
+    """The global L2 norm of the gradients (a plain tensor, the same on every rank; a collective
+    under FSDP), without clipping: what the step's finiteness check reads when nothing clips."""
+    from torch.distributed.tensor import DTensor
+
+    total = nn.utils.get_total_norm([p.grad for p in unwrap(model).parameters() if p.grad is not None], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the pending cross-rank reduction of the shards' norms
+    return total
+
+
+@torch.no_grad()
+def all_finite(model: nn.Module) -> bool:
+    """Whether every weight of the model is finite, on every rank (a collective when a process group
+    is up: under FSDP each rank checks its own shards, and all must agree before a checkpoint)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in unwrap(model).parameters()]
+    bad = torch.zeros(1, device=params[0].device if params else "cpu")
+    for p in params:
+        bad += (~torch.isfinite(p)).any()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
 
 
 # ---------------------------------------------------------------------------------------------

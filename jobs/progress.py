@@ -65,6 +65,8 @@ def describe(m: dict[str, Any]) -> str:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if m.get("data_wait") is not None:
         parts.append(f"data wait {100 * m['data_wait']:.0f}%")
+    if m.get("bad_steps"):  # steps skipped for a non-finite loss or gradient norm: rare, so shown only then
+        parts.append(f"skipped {m['bad_steps']} non-finite step{'s' if m['bad_steps'] != 1 else ''}")
     if m.get("eta_s") is not None:
         parts.append(f"ETA {_fmt_eta(m['eta_s'])}")
     return " | ".join(parts)

@@ -142,20 +142,22 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
 def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=print) -> PretrainResult:
     """Pretrain under the run folder's lock (jobs/runlock.py), taken before anything is read from
     the run, so a second driver on the same output fails at once instead of resuming from the same
-    checkpoint; released when the run ends, also when it fails."""
+    checkpoint; released when the run ends, also when it fails. The tokenizer's local copy lives in
+    a temporary folder, removed whatever happens: the workers and the data stage get its files as
+    bytes."""
     from jobs.runlock import RunLock
 
-    with RunLock(run_uri(recipe), recipe.data.endpoint_url, command=f"ctx pretrain ({recipe.name})"):
-        return _pretrain(recipe, verbose, progress, log)
+    with RunLock(run_uri(recipe), recipe.data.endpoint_url, command=f"ctx pretrain ({recipe.name})"), \
+            tempfile.TemporaryDirectory(prefix="ctx-pretrain-") as workdir:
+        return _pretrain(recipe, Path(workdir), verbose, progress, log)
 
 
-def _pretrain(recipe: Recipe, verbose: bool, progress: bool, log) -> PretrainResult:
+def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
     ep = recipe.data.endpoint_url
     shards = storage.list_files(recipe.data.input, ep)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
     eval_shards = storage.list_files(recipe.data.eval_input, ep) if recipe.data.eval_input else []
     run = run_uri(recipe)
-    workdir = Path(tempfile.mkdtemp(prefix="ctx-pretrain-"))
     tok_dir = ensure_tokenizer(recipe, shards, run, workdir, log)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
@@ -282,10 +284,13 @@ class SampleLog:
         self.lines: list[str] = []  # the lines an object-store file must hold
         self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
 
-    def step(self, step: int, batches: list[dict[str, Any]]) -> None:
+    def step(self, step: int, batches: list[dict[str, Any]], skipped: bool = False) -> None:
+        """The samples of optimizer step ``step``; ``skipped``: of an attempt at it that was skipped
+        (consumed, committed with the next checkpoint, not trained on)."""
         self.write([
             json.dumps({
                 "step": step,
+                **({"skipped": True} if skipped else {}),
                 "epoch": np.asarray(b["epoch"].cpu()).reshape(-1).tolist(),
                 "ids": np.asarray(b["sample_id"].cpu()).reshape(-1).tolist(),
                 "digests": row_digests(b),
@@ -382,7 +387,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     seed_worker_rng(t.seed, rank)  # dropout
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
-    resumed = resume(run, ep, model)
+    resumed = resume(run, ep, model, rank)
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, {state.samples_seen} samples, data position {resumed.position.summary()}")
@@ -400,7 +405,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
     load_optimizer(wrapped, optimizer, resumed)
     schedule = partial(lr_factor, warmup_samples=t.warmup_steps * t.batch_size, total_samples=t.max_steps * t.batch_size)
-    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip)
+    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip,
+                      max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
     meter = StepMeter(obj.is_token_metric)
 
     tok_dir = tokenizer_dir_from_files(config["tokenizer_files"])
@@ -428,6 +434,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         m.update(
             step=state.step, max_steps=t.max_steps, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
             tokens_seen=state.tokens_seen, workers=world, eta_s=(t.max_steps - state.step) / rate if rate > 0 else None,
+            bad_steps=state.bad_steps,
         )
         if flops_per_sample and peak:
             m["mfu"] = m["samples_per_s"] * flops_per_sample / (peak * world)
@@ -444,10 +451,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         taken = stepper.step(batches, state, meter)
         if taken is None:  # the stream ended (inside a step: its partial gradient is dropped, its samples not committed)
             break
-        checkpointer.record(taken)
-        epoch = max(int(b["epoch"].max()) for b in taken)
+        # A skipped step's samples count as consumed, not trained on (docs/FAULTS.md): committed
+        # with the next checkpoint, so the batch that broke the step is not fed again on resume.
+        checkpointer.record(taken.batches)
+        epoch = max(int(b["epoch"].max()) for b in taken.batches)
         if log is not None:
-            log.step(state.step, taken)
+            log.step(state.step + taken.skipped, taken.batches, skipped=taken.skipped)
+        if taken.skipped:
+            continue  # no new step: nothing to log, evaluate or commit
         last = state.step >= t.max_steps
         eval_now = bool(held_out) and (last or state.step % t.eval_every == 0)
         if state.step % t.log_every == 0 or last or eval_now:

@@ -328,26 +328,103 @@ def checkpoint_order(name: str) -> list:
     """Sort key for checkpoint folder names: digit runs compare as numbers.
 
     Ray Train V2 names checkpoints ``checkpoint_%Y-%m-%d_%H-%M-%S.%f`` (local time, fixed width),
-    for which this is plain time order; it also orders Ray V1's ``checkpoint_000012`` and names
-    with unpadded numbers (``checkpoint_step_9`` before ``checkpoint_step_10``).
+    for which this is time order as long as the clock and the time zone stay put; it also orders
+    Ray V1's ``checkpoint_000012`` and names with unpadded numbers (``checkpoint_step_9`` before
+    ``checkpoint_step_10``). Checkpoints are ordered by step first (``checkpoints_by_step``).
     """
     # re.split with a group alternates text and digit runs, so equal positions hold equal types.
     return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
 
 
-def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None) -> str | None:
-    """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``).
+TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoint of a ctx run
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
 
-    Newer folders that are not complete are skipped, each with a line on stderr saying why.
+
+def checkpoint_step(uri: str, endpoint_url: str | None = None) -> int | None:
+    """The ``step`` in the checkpoint's trainer_state.json, or None when it has none (missing, cut
+    off, not JSON, no integer step)."""
+    fs, path = filesystem(uri, endpoint_url)
+    try:
+        data = json.loads(with_retries(lambda: _read_bytes(fs, f"{path}/{TRAINER_STATE}"), f"read {join(uri, TRAINER_STATE)}"))
+    except (FileNotFoundError, ValueError):
+        return None
+    step = data.get("step") if isinstance(data, dict) else None
+    return step if type(step) is int else None
+
+
+def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None) -> list[tuple[str, int | None]]:
+    """The run's ``checkpoint_*`` folders as (name, step), oldest first.
+
+    Newer means a higher step in trainer_state.json: folder names carry a local-time stamp, which
+    goes backwards when the clock or the time zone does. A folder without a step (a copy cut off
+    before its trainer_state.json landed) falls back to name order: it sorts as if it had the step
+    of the folder its name follows, just after it; equal steps are in name order too. One read
+    per folder.
     """
     fs, path = filesystem(run_uri, endpoint_url)
     selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
     infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}")
-    names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
-    for name in sorted(names, key=checkpoint_order, reverse=True):
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")),
+                   key=checkpoint_order)
+    out, keys, carried = [], {}, -1
+    for name in names:
+        step = checkpoint_step(join(run_uri, name), endpoint_url)
+        carried = step if step is not None else carried
+        keys[name] = (carried, checkpoint_order(name))
+        out.append((name, step))
+    return sorted(out, key=lambda item: keys[item[0]])
+
+
+def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None) -> str | None:
+    """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``),
+    newest by step (``checkpoints_by_step``).
+
+    Newer folders that are not complete are skipped, each with a line on stderr saying why.
+    """
+    for name, _ in reversed(checkpoints_by_step(run_uri, endpoint_url)):
         uri = join(run_uri, name)
         problem = checkpoint_problem(uri, endpoint_url)
         if problem is None:
             return uri
         print(f"warning: skipping incomplete checkpoint {uri}: {problem}", file=sys.stderr)
     return None
+
+
+def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None) -> list[tuple[str, str]]:
+    """Delete the run's incomplete checkpoint folders that are older than its newest complete one;
+    returns (uri, problem) of each deleted folder.
+
+    Older: before it in ``checkpoints_by_step`` (a lower step; a folder whose trainer_state.json is
+    missing or cut off is placed by its name). Incomplete folders newer than it are left alone (a
+    copy may still be under way), and so are folders that Ray Train's snapshot of the run lists (a
+    rerun fails when one it lists is gone). Meant for rank 0 when an attempt starts, before it
+    writes anything.
+    """
+    ordered = checkpoints_by_step(run_uri, endpoint_url)
+    problems: dict[str, str | None] = {}
+    newest = None
+    for name, _ in reversed(ordered):
+        problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url)
+        if problems[name] is None:
+            newest = name
+            break
+    if newest is None:
+        return []
+    fs, path = filesystem(run_uri, endpoint_url)
+    try:
+        snapshot = with_retries(lambda: _read_bytes(fs, f"{path}/{RAY_SNAPSHOT}"), f"read {join(run_uri, RAY_SNAPSHOT)}").decode("utf-8", "replace")
+    except FileNotFoundError:
+        snapshot = ""
+    removed = []
+    for name, _ in ordered:
+        if name == newest:
+            break  # everything from here on is newer
+        if name in snapshot:
+            continue
+        uri = join(run_uri, name)
+        problem = problems.get(name) or checkpoint_problem(uri, endpoint_url)
+        if problem is None:
+            continue
+        with_retries(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}")
+        removed.append((uri, problem))
+    return removed

@@ -45,6 +45,8 @@ def test_overrides_reach_every_section_with_types():
         ("model.preset=huge", "preset"),
         ("scaling.num_workers=3", "train.batch_size"),
         ("data.objective=guess", "data.objective"),
+        ("train.max_bad_steps=0", "train.max_bad_steps"),
+        ("train.debug_nan_steps=[0, 3]", "train.debug_nan_steps"),
         ("nonsense=1", "nonsense"),
     ],
 )

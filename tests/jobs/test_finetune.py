@@ -71,6 +71,8 @@ def test_pkg_init_resolves_to_the_installed_minilm_folder(minilm_dir):
     ("data.format=xml", "data.format:"),
     ("scaling.num_workers=[3, 1]", "scaling.num_workers:"),
     ("model.features=middle", "model.features:"),
+    ("train.max_bad_steps=0", "train.max_bad_steps:"),
+    ("train.debug_nan_steps=[0]", "train.debug_nan_steps:"),
 ])
 def test_bad_keys_and_values_are_named(override, key):
     with pytest.raises(RecipeError) as e:

@@ -214,3 +214,9 @@ def test_progress_line_shows_mfu_and_data_wait():
     assert "1,050 tok/s" in line and "MFU 25.0%" in line and "data wait 5%" in line and "ETA 00:50" in line
     bare = describe({"step": 1, "max_steps": 2, "loss": 1.0, "tokens_per_s": 10.0})
     assert "MFU" not in bare and "data wait" not in bare
+
+
+def test_progress_line_counts_skipped_steps_only_when_there_are_some():
+    assert "skipped 2 non-finite steps" in describe({**step_metrics(50), "bad_steps": 2})
+    assert "skipped 1 non-finite step |" in describe({**step_metrics(50), "bad_steps": 1})
+    assert "skipped" not in describe({**step_metrics(50), "bad_steps": 0})

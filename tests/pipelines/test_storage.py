@@ -197,7 +197,8 @@ def test_transient_errors_are_retried_until_the_call_succeeds(tmp_path, saved, f
     run = local_run(tmp_path, saved)
     fs = flaky(TRANSIENT[kind], failures=2)
     assert storage.latest_complete_checkpoint(str(run)) == str(run / NEWER)
-    assert fs.calls == 2 + 3  # two failures, then: list the run, list the checkpoint, read its manifest
+    # two failures, then: list the run, read both trainer states, list the newest checkpoint, read its manifest
+    assert fs.calls == 2 + 5
     assert len(sleeps) == 2 and 0.1 <= sleeps[0] <= 0.2 <= sleeps[1] <= 0.4  # 0.2 s, 0.4 s, jittered
 
 
@@ -312,3 +313,86 @@ def test_copy_dir_without_a_manifest_copies_a_plain_folder(tmp_path):
     assert tree(tmp_path / "out" / "tokenizer") == tree(src)
     storage.copy_dir(src, str(tmp_path / "out" / "tokenizer"))  # again: overwrites in place
     assert tree(tmp_path / "out" / "tokenizer") == tree(src)
+
+
+# ---- newest by step, not by name; stale incomplete folders ----------------------------------------
+
+# The clocks went back an hour (summer time ended, or the machine moved to another time zone):
+# Ray Train's local-time names of later checkpoints sort before earlier ones.
+BEFORE_CHANGE, AFTER_CHANGE = "checkpoint_2026-10-25_02-50-00.000000", "checkpoint_2026-10-25_02-10-00.000000"
+
+
+@pytest.fixture(scope="module")
+def by_step(tmp_path_factory):
+    """by_step(step): a complete checkpoint whose trainer_state.json says ``step`` (written once)."""
+    root = tmp_path_factory.mktemp("by-step")
+    made: dict[int, Path] = {}
+
+    def make(step: int) -> Path:
+        if step not in made:
+            made[step] = write_small_checkpoint(root / f"step-{step}" / "checkpoint", seed=step)
+        return made[step]
+
+    return make
+
+
+def run_of(tmp_path: Path, by_step, folders: dict[str, int]) -> Path:
+    run = tmp_path / "run"
+    for name, step in folders.items():
+        shutil.copytree(by_step(step), run / name)
+    return run
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_newest_checkpoint_is_the_highest_step_when_names_go_backwards(tmp_path, by_step, where, request):
+    run = publish(run_of(tmp_path, by_step, {BEFORE_CHANGE: 100, AFTER_CHANGE: 200}), where, request)
+    assert sorted([BEFORE_CHANGE, AFTER_CHANGE], key=storage.checkpoint_order)[-1] == BEFORE_CHANGE  # the names mislead
+    assert storage.checkpoints_by_step(run) == [(BEFORE_CHANGE, 100), (AFTER_CHANGE, 200)]
+    assert storage.latest_complete_checkpoint(run) == storage.join(run, AFTER_CHANGE)
+
+
+def test_equal_steps_and_folders_without_a_step_fall_back_to_name_order(tmp_path, by_step):
+    run = run_of(tmp_path, by_step, {"checkpoint_b": 5, "checkpoint_a": 5, "checkpoint_c": 3, "checkpoint_d": 3})
+    (run / "checkpoint_d" / "trainer_state.json").unlink()  # its name follows checkpoint_c's: just after it
+    (run / "checkpoint_0" / "sub").mkdir(parents=True)  # no step and first by name: the oldest
+    assert storage.checkpoints_by_step(str(run)) == [
+        ("checkpoint_0", None), ("checkpoint_c", 3), ("checkpoint_d", None), ("checkpoint_a", 5), ("checkpoint_b", 5),
+    ]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_incomplete_folders_older_than_the_newest_complete_one_are_removed(tmp_path, by_step, where, request, capsys):
+    local = run_of(tmp_path, by_step, {
+        "checkpoint_2026-10-25_02-50-00.000000": 10,  # complete, older: kept (Ray's rotation decides about it)
+        "checkpoint_2026-10-25_02-55-00.000000": 20,  # cut off, older: removed
+        "checkpoint_2026-10-25_02-52-00.000000": 15,  # cut off, older, but Ray's snapshot lists it: kept
+        "checkpoint_2026-10-25_02-10-00.000000": 30,  # complete, the newest (a name from after the change)
+        "checkpoint_2026-10-25_02-20-00.000000": 40,  # cut off, newer: kept (a copy may be under way)
+        "checkpoint_2026-10-25_02-05-00.000000": 5,   # cut off before its trainer_state.json: placed by name, removed
+    })
+    for name in ("02-55", "02-52", "02-20"):
+        CUTS["weights-truncated"](local / f"checkpoint_2026-10-25_{name}-00.000000")
+    stepless = local / "checkpoint_2026-10-25_02-05-00.000000"
+    (stepless / "trainer_state.json").unlink()
+    (stepless / "MANIFEST.json").unlink()
+    (local / storage.RAY_SNAPSHOT).write_text(json.dumps({"checkpoint_results": [{"dir": "checkpoint_2026-10-25_02-52-00.000000"}]}))
+    run = publish(local, where, request)
+
+    removed = storage.remove_incomplete_checkpoints(run)
+    assert sorted(uri for uri, _ in removed) == [storage.join(run, "checkpoint_2026-10-25_02-05-00.000000"),
+                                                  storage.join(run, "checkpoint_2026-10-25_02-55-00.000000")]
+    assert dict(removed)[storage.join(run, "checkpoint_2026-10-25_02-05-00.000000")] == "MANIFEST.json missing"
+    left = [name for name, _ in storage.checkpoints_by_step(run)]
+    assert left == ["checkpoint_2026-10-25_02-50-00.000000", "checkpoint_2026-10-25_02-52-00.000000",
+                    "checkpoint_2026-10-25_02-10-00.000000", "checkpoint_2026-10-25_02-20-00.000000"]
+    assert storage.latest_complete_checkpoint(run) == storage.join(run, "checkpoint_2026-10-25_02-10-00.000000")
+    assert storage.remove_incomplete_checkpoints(run) == []  # nothing more to do
+    capsys.readouterr()
+
+
+def test_nothing_is_removed_without_a_complete_checkpoint(tmp_path, by_step):
+    run = run_of(tmp_path, by_step, {"checkpoint_a": 1, "checkpoint_b": 2})
+    for name in ("checkpoint_a", "checkpoint_b"):
+        CUTS["manifest-missing"](run / name)
+    assert storage.remove_incomplete_checkpoints(str(run)) == []
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_a", "checkpoint_b"]
