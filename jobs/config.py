@@ -183,21 +183,21 @@ class RegistrySection(_Section):
     @field_validator("model_name")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
-        from jobs.registry import NAME_RE
+        from jobs.registry import name_problem
 
-        if v is not None and not NAME_RE.match(v):
-            raise ValueError(f"model_name: {v!r} is not a registry name; use letters, digits, '.', '_' and '-'")
+        if v is not None and name_problem(v):
+            raise ValueError(f"model_name: {name_problem(v)}")
         return v
 
 
 def check_registry_name(name: str, registry: RegistrySection) -> None:
     """The name a run registers under must be one MLflow and ``ctx models`` accept (checked on load,
     not after hours of training)."""
-    from jobs.registry import NAME_RE
+    from jobs.registry import name_problem
 
-    if registry.enabled and registry.model_name is None and not NAME_RE.match(name):
-        raise ValueError(f"name: {name!r} is the registered model name too and cannot be one (use letters, digits, "
-                         f"'.', '_', '-'); set registry.model_name or registry.enabled: false")
+    if registry.enabled and registry.model_name is None and name_problem(name):
+        raise ValueError(f"name: it is the registered model name too: {name_problem(name)}; "
+                         f"set registry.model_name or registry.enabled: false")
 
 
 class Recipe(_Section):
