@@ -249,7 +249,12 @@ def _version_line(v) -> str:
     shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:4])
     aliases = f" [{', '.join(v.aliases)}]" if v.aliases else ""
     parent = f" parent {t['ctx.parent']}" if t.get("ctx.parent") else ""
-    return f"{v.ref}{aliases} {what or '-'} tokenizer {t.get('ctx.tokenizer_hash', '-')}{parent} {shown}\n    {v.source}"
+    data = ""
+    if t.get("ctx.shards", "")[:1] in ("[", "{"):
+        shards = json.loads(t["ctx.shards"])  # a list, or {count, bytes, ...} when there were many
+        count, size = (len(shards), sum(s.get("size") or 0 for s in shards)) if isinstance(shards, list) else (shards["count"], shards["bytes"])
+        data = f", {count} shard(s) {size:,} bytes"
+    return f"{v.ref}{aliases} {what or '-'} tokenizer {t.get('ctx.tokenizer_hash', '-')}{parent} {shown}{data}\n    {v.source}"
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ recipe's ``registry.enabled`` is true (the default):
   ``ctx.tokenizer_hash`` (what serving answers as ``X-Tokenizer-Hash``, computed by the same
   function from the checkpoint's own tokenizer files), ``ctx.shards`` (JSON list of
   ``{uri, size, etag}`` for object storage, ``{uri, size, mtime}`` for local files: hashing a
-  corpus would cost a full read), ``ctx.metrics`` (JSON: evaluation metrics), ``ctx.parent``
+  corpus would cost a full read; past MLflow's 100k-character tag limit a summary, the list then
+  in ``<run>/shards.json``), ``ctx.metrics`` (JSON: evaluation metrics), ``ctx.parent``
   (``NAME/N`` of the registered version it started from, when ``model.init`` was ``models:/``),
   ``ctx.run_uri``.
 
@@ -34,9 +35,9 @@ from typing import Any
 from jobs.registry import ModelVersion, Registry, RegistryError
 from pipelines import storage
 
-# The registry tag values have room (100k characters), but a person reading `ctx models show`
-# and MLflow's UI does not: past this many shards the tag keeps a summary and the run keeps the list.
-MAX_SHARDS_IN_TAG = 200
+# MLflow's limit on a model version tag's value (MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH): a longer
+# shard list (some thousand shards) goes to <run>/shards.json and the tag keeps a summary.
+MAX_TAG_CHARS = 100_000
 
 
 class RegistrationError(RuntimeError):
@@ -89,6 +90,21 @@ def shard_list(uris: list[str], endpoint_url: str | None = None) -> list[dict[st
     return [out.get(u, {"uri": u, "size": None}) for u in uris]
 
 
+def _shards_tag(listed: list[dict[str, Any]], run_uri: str, endpoint_url: str | None) -> str:
+    text = json.dumps(listed)
+    if len(text) <= MAX_TAG_CHARS:
+        return text
+    where = storage.join(run_uri, "shards.json")
+    fs, path = storage.filesystem(where, endpoint_url)
+
+    def put() -> None:
+        with fs.open_output_stream(path) as out:
+            out.write(json.dumps(listed, indent=1).encode("utf-8"))
+
+    storage.with_retries(put, f"write {where}")
+    return json.dumps({"count": len(listed), "bytes": sum(s["size"] or 0 for s in listed), "first": listed[:5], "full_list": where})
+
+
 def checkpoint_tokenizer_hash(checkpoint: str, endpoint_url: str | None = None) -> str | None:
     """What serving sends as X-Tokenizer-Hash for this checkpoint (``jobs.serve.tokenizer_hash`` of its
     ``tokenizer/``), reading only the tokenizer files; None when it has none."""
@@ -120,12 +136,7 @@ def record_run(*, kind: str, recipe, checkpoint: str | None, metrics: dict[str, 
         tok = checkpoint_tokenizer_hash(checkpoint, endpoint_url)
         if tok:
             tags["ctx.tokenizer_hash"] = tok
-        listed = shard_list(shards, endpoint_url)
-        tags["ctx.shards"] = json.dumps(listed if len(listed) <= MAX_SHARDS_IN_TAG else
-                                        {"count": len(listed), "bytes": sum(s["size"] or 0 for s in listed),
-                                         "first": listed[:5], "full_list": f"MLflow run {run_id}, artifact shards.json"})
-        if len(listed) > MAX_SHARDS_IN_TAG:
-            reg.client.log_text(run_id, json.dumps(listed, indent=1), "shards.json")
+        tags["ctx.shards"] = _shards_tag(shard_list(shards, endpoint_url), run_uri, endpoint_url)
         tags["ctx.metrics"] = json.dumps(_numbers(eval_metrics), sort_keys=True)
         version = reg.register(name, checkpoint, tags=tags, run_id=run_id, parent=parent)
     except (RegistryError, OSError) as e:

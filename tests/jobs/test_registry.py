@@ -175,7 +175,9 @@ def test_ctx_models_cli(mlflow_server, capsys):
     reg = Registry(mlflow_server)
     name = _name("cli")
     reg.register(name, f"s3://ckpts/{name}/checkpoint_a", tags={"ctx.family": "bert", "ctx.kind": "pretrain", "ctx.tokenizer_hash": "0123abcd",
-                                                               "ctx.metrics": json.dumps({"eval_loss": 2.5})})
+                                                               "ctx.metrics": json.dumps({"eval_loss": 2.5}),
+                                                               "ctx.shards": json.dumps([{"uri": "s3://c/a", "size": 1000, "etag": "e1"},
+                                                                                         {"uri": "s3://c/b", "size": 234, "etag": "e2"}])})
     reg.register(name, f"s3://ckpts/{name}/checkpoint_b", tags={"ctx.family": "bert", "ctx.task": "classification"}, parent=reg.get(f"{name}/1"))
     uri = ["--tracking-uri", mlflow_server]
 
@@ -185,7 +187,7 @@ def test_ctx_models_cli(mlflow_server, capsys):
 
     assert main(["models", "show", name, *uri]) == 0
     out = capsys.readouterr().out
-    assert f"{name}/1 bert pretrain tokenizer 0123abcd eval_loss=2.5" in out
+    assert f"{name}/1 bert pretrain tokenizer 0123abcd eval_loss=2.5, 2 shard(s) 1,234 bytes" in out
     assert f"{name}/2 [production] bert classification tokenizer - parent {name}/1" in out
     assert f"production: promote {name}/1" in out and f"production: promote {name}/2" in out
 

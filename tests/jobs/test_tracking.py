@@ -128,3 +128,14 @@ def test_pretrain_register_promote_finetune_and_serve_from_the_registry(ray_sess
         assert r.headers["X-Tokenizer-Hash"] == fv.tags["ctx.tokenizer_hash"]
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         assert [m["registry_version"] for m in models] == [f"{ft_name}/1"]
+
+
+def test_a_shard_list_over_mlflows_tag_limit_goes_next_to_the_run(tmp_path, monkeypatch):
+    from jobs import tracking
+
+    monkeypatch.setattr(tracking, "MAX_TAG_CHARS", 100)  # three shards instead of some thousand
+    listed = [{"uri": f"s3://c/corpus/{i:05d}.txt", "size": 100 + i, "etag": f"e{i}"} for i in range(3)]
+    tag = json.loads(tracking._shards_tag(listed, str(tmp_path), None))
+    assert (tag["count"], tag["bytes"], tag["full_list"]) == (3, 303, str(tmp_path / "shards.json"))
+    assert json.loads((tmp_path / "shards.json").read_text()) == listed
+    assert json.loads(tracking._shards_tag(listed[:1], str(tmp_path), None)) == listed[:1]
