@@ -204,3 +204,27 @@ def test_ctx_models_cli(mlflow_server, capsys):
     assert "no earlier version to go back to" in capsys.readouterr().err
     assert main(["models", "show", f"{name}@candidate", *uri]) == 2
     assert f"promote one: ctx models promote {name} VERSION --alias candidate" in capsys.readouterr().err
+
+
+def test_ctx_models_register_an_s3_checkpoint_by_hand(mlflow_server, s3_server, s3_bucket, tmp_path, capsys):
+    """What a failed registration tells people to run: the checkpoint registered as it is, with the
+    tokenizer hash serving will answer and the parent given."""
+    import boto3
+
+    from jobs.cli import main
+    from jobs.serve import tokenizer_hash
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    (tok / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nbank\n")
+    boto3.client("s3", endpoint_url=s3_server).upload_file(str(tok / "vocab.txt"), s3_bucket, "runs/r/checkpoint_9/tokenizer/vocab.txt")
+    name = _name("byhand")
+    reg = Registry(mlflow_server)
+    reg.register(name, f"s3://{s3_bucket}/runs/r/checkpoint_1")
+    source = f"s3://{s3_bucket}/runs/r/checkpoint_9"
+    assert main(["models", "register", name, source, "--parent", f"{name}/1", "--tag", "ctx.note=after an outage",
+                 "--tracking-uri", mlflow_server]) == 0
+    assert capsys.readouterr().out.strip() == f"{name}/2 <- {source}"
+    v = reg.get(f"{name}/2")
+    assert v.source == source and v.tags["ctx.parent"] == f"{name}/1" and v.tags["ctx.note"] == "after an outage"
+    assert v.tags["ctx.tokenizer_hash"] == tokenizer_hash(tok)
