@@ -22,6 +22,7 @@ import numpy as np
 
 from ctxmodels.registry import FAMILIES
 from jobs.config import Recipe, model_overrides_with_vocab
+from jobs.tracking import record_run
 from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, StepSamples, model_inputs: re-exported)
     BOOKKEEPING,
     Checkpointer,
@@ -66,6 +67,7 @@ class PretrainResult:
     checkpoint_uri: str | None
     metrics: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)  # every logged metrics dict of rank 0
+    registered: Any = None  # the jobs.registry.ModelVersion the checkpoint became (registry.enabled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +195,13 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     )
     log(f"checkpoint: {result.checkpoint_uri}")
     _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards))
-    return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history)
+    registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
+        kind="pretrain", recipe=recipe, checkpoint=result.checkpoint_uri, metrics=result.metrics, history=result.history,
+        run_uri=run, shards=shards, eval_metrics={k: v for k, v in result.metrics.items() if k.startswith("eval_")},
+        family=recipe.model.family, endpoint_url=ep, log=log,
+    )
+    return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history,
+                          registered=registered)
 
 
 def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int) -> None:
