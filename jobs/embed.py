@@ -97,13 +97,15 @@ def reembed(
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
     ``model``: a checkpoint, a training run folder (its best or newest complete checkpoint), a Hugging
-    Face folder or ``pkg:PACKAGE/PATH``, local or ``s3://`` (a model on S3 is read with
+    Face folder or ``pkg:PACKAGE/PATH``, local or ``s3://``, or a registry version ``models:/NAME@alias``
+    / ``models:/NAME/N`` (looked up once, in $MLFLOW_TRACKING_URI's registry) (a model on S3 is read with
     AWS_ENDPOINT_URL, as ``ctx serve`` reads it). ``endpoint_url`` is the S3 endpoint of ``input`` and
     ``output``. Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input",
-    "output"}, read back from what was written.
+    "output", "registry_version"}, read back from what was written.
     """
     import ray
 
+    from jobs.registry import resolve
     from jobs.serve import checkpoint_version, resolve_checkpoint
 
     if pooling not in POOLINGS:
@@ -113,7 +115,8 @@ def reembed(
     existed_empty = refuse_existing(output, endpoint_url)  # before any work: old vectors stay as they are
     in_fs, in_path = storage.filesystem(input, endpoint_url)
     out_fs, out_path = storage.filesystem(output, endpoint_url)
-    checkpoint = resolve_checkpoint(model)
+    source, registered = resolve(model)  # models:/NAME@alias -> the version's checkpoint, once
+    checkpoint = resolve_checkpoint(source)
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
 
     # --- Ray seam: Ray Data read -> actor pool -> write ---
@@ -137,7 +140,8 @@ def reembed(
     mode = ray.data.SaveMode.APPEND if existed_empty else ray.data.SaveMode.ERROR
     vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
 
-    return _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
+    summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
+    return {**summary, "registry_version": registered.ref if registered else None}
 
 
 def _summary(fs: pafs.FileSystem, path: str, rows_in: int, **where: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.embed import reembed
+from jobs.registry import Registry
 from jobs.serve import EmbeddingModel, checkpoint_version
 from jobs.serve_config import Limits, ModelConfig
 from pipelines import storage
@@ -58,9 +59,14 @@ def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrite
     src = tmp_path / "texts.parquet"
     pq.write_table(_input_table(), src)
     out = tmp_path / "vectors" / "minilm"
-    summary = reembed(str(minilm_dir), str(src), str(out), batch_size=3)  # 3 batches, the last one short
+    # the model named as a registry version (the session's SQLite registry), as a scheduled round does
+    registry = Registry()
+    registered = registry.register("embed-minilm", str(minilm_dir))
+    registry.promote("embed-minilm", registered.version)
+    summary = reembed("models:/embed-minilm@production", str(src), str(out), batch_size=3)  # 3 batches, the last one short
     version = checkpoint_version(str(minilm_dir))
     assert summary["rows"] == len(IDS) and summary["dim"] == 384 and summary["model_version"] == version
+    assert summary["checkpoint"] == str(minilm_dir) and summary["registry_version"] == registered.ref
     _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), version)
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
