@@ -156,7 +156,7 @@ class DataPosition:
 POSITION_FILE = "data_position.safetensors"
 
 
-def load_position(ckpt_uri: str | None, endpoint_url: str | None = None) -> DataPosition:
+def load_position(ckpt_uri: str | None, endpoint_url: str | None = None, deadline_s: float | None = None) -> DataPosition:
     """The position committed with a checkpoint (an empty one for None or an older checkpoint)."""
     if ckpt_uri is None:
         return DataPosition()
@@ -165,9 +165,10 @@ def load_position(ckpt_uri: str | None, endpoint_url: str | None = None) -> Data
 
     from pipelines import storage
 
+    deadline = storage.DEFAULT_RETRY_DEADLINE_S if deadline_s is None else deadline_s
     fs, path = storage.filesystem(ckpt_uri, endpoint_url)
     target = f"{path.rstrip('/')}/{POSITION_FILE}"
-    info = storage.with_retries(lambda: fs.get_file_info(target), f"stat {ckpt_uri}/{POSITION_FILE}")
+    info = storage.with_retries(lambda: fs.get_file_info(target), f"stat {ckpt_uri}/{POSITION_FILE}", deadline, endpoint_url=endpoint_url)
     if info.type == pafs.FileType.NotFound:
         return DataPosition()
 
@@ -175,4 +176,4 @@ def load_position(ckpt_uri: str | None, endpoint_url: str | None = None) -> Data
         with fs.open_input_stream(target) as f:
             return f.read()
 
-    return DataPosition.from_arrays(load(storage.with_retries(read, f"read {ckpt_uri}/{POSITION_FILE}")))
+    return DataPosition.from_arrays(load(storage.with_retries(read, f"read {ckpt_uri}/{POSITION_FILE}", deadline, endpoint_url=endpoint_url)))
