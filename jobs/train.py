@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         strict=d.strict,
         max_record_chars=d.max_record_chars,
         run_uri=run_uri,
+        retry_deadline_s=d.retry_deadline_s,
     )
 
 
@@ -178,6 +180,7 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
         },
         name=recipe.name, output_dir=recipe.output_dir, endpoint_url=ep, scaling=recipe.scaling,
         datasets={"train": dataset}, max_steps=recipe.train.max_steps, progress=progress, label="pretrain",
+        retry_deadline_s=recipe.data.retry_deadline_s,
     )
     log(f"checkpoint: {result.checkpoint_uri}")
     _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards))
@@ -258,17 +261,18 @@ class SampleLog:
     """``train.sample_log``: every consumed sample id, per worker and attempt, as JSON lines under
     ``<run>/sample_log/``, for audits and the exactly-once tests. A line is written when its
     optimizer step is done; the first line of a file says which step the attempt resumed from.
-    A local file is appended to; an object-store file (no appends there) is rewritten whole."""
+    A local file is appended to; an object-store file (no appends there) is rewritten whole.
+    Best-effort (telemetry): a failed write is a warning; an object-store file catches up at the
+    next write, which sends every line again."""
 
-    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None) -> None:
+    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None,
+                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
         import uuid
 
         self.uri = storage.join(run, "sample_log", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}-rank{rank}.jsonl")
-        self.endpoint_url = endpoint_url
+        self.endpoint_url, self.deadline_s = endpoint_url, deadline_s
         self.fs, self.path = storage.filesystem(self.uri, endpoint_url)
         self.remote = storage.is_remote(self.uri)
-        if not self.remote:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self.lines: list[str] = []  # the lines an object-store file must hold
         self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
 
@@ -285,8 +289,13 @@ class SampleLog:
 
     def write(self, new: list[str]) -> None:
         if not self.remote:
-            with open(self.path, "a") as f:
-                f.write("".join(line + "\n" for line in new))
+
+            def append() -> None:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write("".join(line + "\n" for line in new))
+
+            storage.best_effort(append, f"write {self.uri}", self.deadline_s)
             return
         self.lines.extend(new)
         data = "".join(line + "\n" for line in self.lines).encode()
@@ -295,7 +304,7 @@ class SampleLog:
             with self.fs.open_output_stream(self.path) as f:
                 f.write(data)
 
-        storage.with_retries(put, f"write {self.uri}")
+        storage.best_effort(put, f"write {self.uri}", self.deadline_s, self.endpoint_url)
 
 
 def train_batches(config: dict[str, Any], micro: int, device):
@@ -360,6 +369,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
     t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
+    deadline = recipe.data.retry_deadline_s
     micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
     if micro * accum * world != t.batch_size:
         raise RuntimeError(f"{world} workers x {accum} micro-batches x {micro} rows != train.batch_size {t.batch_size}")
@@ -372,7 +382,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     seed_worker_rng(t.seed, rank)  # dropout
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
-    resumed = resume(run, ep, model)
+    resumed = resume(run, ep, model, deadline)
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, {state.samples_seen} samples, data position {resumed.position.summary()}")
@@ -399,12 +409,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         save=partial(_save, family=recipe.model.family, model_cfg=model_cfg, tok_dir=tok_dir),
         fresh_model=lambda: build_model(recipe.model.family, recipe.model.preset, dataclasses.asdict(model_cfg))[1],
         strategy=recipe.scaling.strategy,
-        sampleless=partial(_sampleless, run, ep), on_epoch_closed=partial(_epoch_closed, run, ep),
-        committed_step=state.step,
+        sampleless=partial(_sampleless, run, ep, deadline), on_epoch_closed=partial(_epoch_closed, run, ep, deadline),
+        committed_step=state.step, retry_deadline_s=deadline,
     )
     held_out = eval_batches(recipe, config["eval_shards"], tok_dir, micro, device) if config.get("eval_shards") else []
-    log = SampleLog(run, ep, rank, world, state.step, resumed.uri) if t.sample_log else None
-    metrics_log = _metrics_log(run, ep) if rank == 0 else None
+    log = SampleLog(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
+    metrics_log = _metrics_log(run, ep, deadline) if rank == 0 else None
     flops_per_sample, peak = _flops_and_peak(recipe, model_cfg, config.get("predicted_per_row"), device, rank, torch)
     t_start, start_step, epoch = time.perf_counter(), state.step, 0
 
@@ -468,25 +478,35 @@ def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[st
     save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors)
 
 
-def _sampleless(run: str, endpoint_url: str | None, epoch: int) -> set[int]:
+def _sampleless(run: str, endpoint_url: str | None, deadline_s: float, epoch: int) -> set[int]:
     from pipelines import datareport
 
-    return datareport.sampleless_shards(run, epoch, endpoint_url)
+    return datareport.sampleless_shards(run, epoch, endpoint_url, deadline_s)
 
 
-def _epoch_closed(run: str, endpoint_url: str | None, epoch: int) -> None:
+def _epoch_closed(run: str, endpoint_url: str | None, deadline_s: float, epoch: int) -> None:
     """An epoch every shard of which is committed: its data report (read = used + rejected per
-    shard) is written and printed."""
+    shard) is written and printed; telemetry, so a store that cannot be read is a warning."""
     from pipelines import datareport
 
-    report = datareport.write_epoch_report(run, epoch, endpoint_url)
+    try:
+        report = datareport.write_epoch_report(run, epoch, endpoint_url, deadline_s)
+    except (OSError, storage.StorageError) as e:
+        print(f"warning: data report of epoch {epoch} not written: {e}")
+        return
     print("data: " + datareport.format_report(report).replace("\n", "\ndata: "))
 
 
-def _metrics_log(run: str, endpoint_url: str | None):
+def _metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
+    """Rank 0's ``MetricsLog``, or None (with a warning) when its folder cannot be set up: metrics
+    are telemetry, a run trains without them."""
     from jobs.metrics import MetricsLog
 
-    return MetricsLog(run, endpoint_url)
+    try:
+        return MetricsLog(run, endpoint_url, deadline_s=deadline_s)
+    except (OSError, storage.StorageError) as e:
+        print(f"warning: metrics of {run} will not be written: {e}", file=sys.stderr)
+        return None
 
 
 def _flops_and_peak(recipe: Recipe, model_cfg, predicted_per_row: int | None, device, rank: int, torch) -> tuple[float, float]:
