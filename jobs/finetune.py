@@ -178,7 +178,7 @@ def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = Tru
     if t.max_steps is not None:
         total_steps = min(total_steps, t.max_steps)
 
-    resumed = resume_state(run, ep)
+    resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
     first_epoch = 0
     if resumed:
         state, position = resumed
@@ -192,7 +192,7 @@ def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = Tru
             f"{position.committed(first_epoch)} of its rows already trained on)")
     dataset = fs.build_train_dataset(
         train_table, train_check.usable, files, cfg, seed=t.seed, first_epoch=first_epoch, epochs=t.epochs,
-        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep,
+        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep, retry_deadline_s=recipe.data.retry_deadline_s,
     )
     scored = val is not None
     result = fit(

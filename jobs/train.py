@@ -98,15 +98,20 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     return local
 
 
-def resume_state(run: str, endpoint_url: str | None) -> tuple[dict[str, Any], DataPosition] | None:
+def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
+                 ) -> tuple[dict[str, Any], DataPosition] | None:
     """trainer_state.json and the data position of the run's latest committed checkpoint, if any."""
-    latest = storage.latest_complete_checkpoint(run, endpoint_url)
+    latest = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
     if latest is None:
         return None
     fs, path = storage.filesystem(latest, endpoint_url)
-    with fs.open_input_stream(f"{path}/trainer_state.json") as f:
-        state = json.loads(f.read())
-    return state, load_position(latest, endpoint_url)
+
+    def read() -> bytes:
+        with fs.open_input_stream(f"{path}/trainer_state.json") as f:
+            return f.read()
+
+    state = json.loads(storage.with_retries(read, f"read {latest}/trainer_state.json", deadline_s, endpoint_url=endpoint_url))
+    return state, load_position(latest, endpoint_url, deadline_s)
 
 
 def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri: str | None = None) -> StreamSpec:
@@ -152,7 +157,7 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
 
-    resumed = resume_state(run, ep)
+    resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
     first_epoch = 0
     if resumed:
         state, position = resumed

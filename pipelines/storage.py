@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -51,15 +51,16 @@ def filesystem(uri: str, endpoint_url: str | None = None, retry_deadline_s: floa
     if uri.startswith("s3://"):
         url = endpoint(endpoint_url)
         kwargs = {}
-        if retry_deadline_s is not None:
-            kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=s3_retry_attempts(retry_deadline_s))
         if url:
             kwargs["endpoint_override"] = url
             kwargs["scheme"] = "https" if url.startswith("https") else "http"
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             kwargs["region"] = region
-        return pafs.S3FileSystem(**kwargs), uri[len("s3://"):].rstrip("/")
+        path = uri[len("s3://"):].rstrip("/")
+        if retry_deadline_s is not None:
+            return RetryingS3FileSystem(s3_retry_attempts(retry_deadline_s), **kwargs), path
+        return pafs.S3FileSystem(**kwargs), path
     if uri.startswith("file://"):
         return pafs.LocalFileSystem(), uri[len("file://"):]
     if "://" in uri:
@@ -182,6 +183,24 @@ def best_effort(fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETR
     except (OSError, StorageError) as e:
         print(f"warning: {what} failed, training goes on without it: {e}", file=sys.stderr)
         return None
+
+
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """pyarrow's S3 filesystem with ``AwsStandardS3RetryStrategy(max_attempts)``, and a pickle that
+    keeps it: pyarrow's own ``S3FileSystem.__reduce__`` drops the retry strategy (pyarrow 2x), so a
+    filesystem shipped to Ray Train's controller would retry 3 times, about 1 s, whatever it was
+    built with. Nothing secret is pickled: credentials come from the environment."""
+
+    def __init__(self, max_attempts: int, **kwargs: Any):
+        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts), **kwargs)
+        self.max_attempts, self.kwargs = max_attempts, kwargs
+
+    def __reduce__(self):
+        return _retrying_s3, (self.max_attempts, self.kwargs)
+
+
+def _retrying_s3(max_attempts: int, kwargs: dict[str, Any]) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(max_attempts, **kwargs)
 
 
 def s3_retry_attempts(deadline_s: float) -> int:

@@ -264,8 +264,18 @@ def test_s3_retry_attempts_cover_the_deadline():
     # the AWS SDK's waits: ~15 s over the first 6 attempts, ~18 s per attempt after (see the docstring)
     assert storage.s3_retry_attempts(1) == 3  # pyarrow's default
     assert storage.s3_retry_attempts(60) == 9 and storage.s3_retry_attempts(300) == 22
-    fs, _ = storage.filesystem("s3://b/run", "http://127.0.0.1:9", retry_deadline_s=60)
-    assert "S3FileSystem" in type(fs).__name__
+
+
+
+def test_the_retrying_s3_filesystem_keeps_its_retries_through_a_pickle():
+    """Ray Train ships the run's filesystem to its controller by pickle; pyarrow's own pickle of
+    an S3FileSystem drops the retry strategy (back to 3 attempts, about 1 s)."""
+    import pickle
+
+    fs, path = storage.filesystem("s3://b/run", "http://127.0.0.1:9", retry_deadline_s=60)
+    copy = pickle.loads(pickle.dumps(fs))
+    assert isinstance(copy, storage.RetryingS3FileSystem) and copy.max_attempts == 9 and path == "b/run"
+    assert copy.kwargs["endpoint_override"] == "http://127.0.0.1:9"
 
 
 @pytest.mark.parametrize("error", [*TRANSIENT.values(), OSError("flaky network")], ids=[*TRANSIENT, "errno-less"])
