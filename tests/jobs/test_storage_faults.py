@@ -145,3 +145,35 @@ def test_metrics_log_warns_on_a_full_disk_and_writes_again_when_there_is_room(tm
     assert "cannot write step 3" not in err  # one warning per streak
     assert "again from step 4 (2 logged steps lost)" in err
     assert [m["step"] for m in read_metrics(str(run))] == [1, 4]
+
+
+def checkpointer(run: str, endpoint_url: str, deadline_s: float):
+    from jobs.loop import Checkpointer
+    from pipelines.position import DataPosition
+
+    return Checkpointer(run, endpoint_url, [0], 0, 1, DataPosition(), save=None, fresh_model=None, retry_deadline_s=deadline_s)
+
+
+def test_a_checkpoint_upload_rides_out_an_outage_then_gives_up_at_the_deadline_naming_object_and_endpoint(s3_server, s3_bucket, tmp_path):
+    """``Checkpointer.upload`` (Ray's checkpoint_upload_fn) through the cutting proxy: a 3 s outage
+    within a 30 s deadline is waited out and the checkpoint lands complete; an endpoint that stays
+    down past a 2 s deadline fails with the object's URI and the endpoint in the message."""
+    from ray.train import Checkpoint
+
+    from tests.ctxmodels.test_checkpoint import write_small_checkpoint
+
+    local = write_small_checkpoint(tmp_path / "ckpt")
+    run = f"s3://{s3_bucket}/runs/up"
+    with CutProxy(int(s3_server.rsplit(":", 1)[1])) as proxy:
+        proxy.cut(3)
+        t0 = time.monotonic()
+        done = checkpointer(run, proxy.url, 30).upload(Checkpoint.from_directory(str(local)), "checkpoint_a")
+        assert time.monotonic() - t0 > 2.5 and proxy.refused > 0  # it did wait for the endpoint
+        assert done.path == f"{s3_bucket}/runs/up/checkpoint_a"
+        assert storage.checkpoint_problem(f"{run}/checkpoint_a", s3_server) is None
+
+        proxy.cut(3600)
+        with pytest.raises(storage.StorageError) as e:
+            checkpointer(run, proxy.url, 2).upload(Checkpoint.from_directory(str(local)), "checkpoint_b")
+    message = str(e.value)
+    assert f"{run}/checkpoint_b/" in message and f"(endpoint {proxy.url})" in message and "data.retry_deadline_s=2" in message, message
