@@ -500,7 +500,7 @@ class Checkpointer:
         """Ray seam (``report``'s ``checkpoint_upload_fn``): copy the checkpoint folder to
         ``<run>/<name>`` with ``storage.copy_dir``, MANIFEST last, each file retried through an
         outage for up to ``retry_deadline_s``; past it the worker fails with a ``StorageError``
-        naming the object and the endpoint. (Ray's own upload retries 3 times in about a second.)"""
+        naming the object and the endpoint."""
         from ray.train import Checkpoint
 
         dest = storage.join(self.run, name)
@@ -558,8 +558,8 @@ def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, 
 
     ``scaling``: a recipe's scaling section (num_workers int or (min, max), use_gpu,
     cpus_per_worker, max_failures). Ray seam: ``TorchTrainer.fit`` in a thread while the driver
-    renders rank 0's metrics (``jobs.progress``). ``retry_deadline_s``: how long the S3 client
-    Ray Train's controller writes the run's state with retries each request (about).
+    renders rank 0's metrics (``jobs.progress``). ``retry_deadline_s``: about how long the S3
+    client through which Ray Train's controller writes the run's state retries each request.
     """
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig

@@ -30,7 +30,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 
 from pipelines import storage
 
@@ -53,16 +52,8 @@ def _plain(value: Any) -> Any:
 
 def _read_text(uri: str, endpoint_url: str | None) -> str | None:
     """The file's text, or None when it does not exist."""
-    fs, path = storage.filesystem(uri, endpoint_url)
-    info = storage.with_retries(lambda: fs.get_file_info(path), f"stat {uri}")
-    if info.type == pafs.FileType.NotFound:
-        return None
-
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-
-    return storage.with_retries(read, f"read {uri}").decode("utf-8")
+    data = storage.read_bytes(uri, endpoint_url, missing_ok=True)
+    return None if data is None else data.decode("utf-8")
 
 
 class MetricsLog:

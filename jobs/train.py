@@ -104,13 +104,7 @@ def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage
     latest = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
     if latest is None:
         return None
-    fs, path = storage.filesystem(latest, endpoint_url)
-
-    def read() -> bytes:
-        with fs.open_input_stream(f"{path}/trainer_state.json") as f:
-            return f.read()
-
-    state = json.loads(storage.with_retries(read, f"read {latest}/trainer_state.json", deadline_s, endpoint_url=endpoint_url))
+    state = json.loads(storage.read_bytes(storage.join(latest, "trainer_state.json"), endpoint_url, deadline_s))
     return state, load_position(latest, endpoint_url, deadline_s)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipelines.sources import ReadStats
-from pipelines.storage import DEFAULT_RETRY_DEADLINE_S, StorageError, best_effort, filesystem, join, with_retries
+from pipelines.storage import DEFAULT_RETRY_DEADLINE_S, StorageError, best_effort, filesystem, join, read_bytes, with_retries
 
 REPORTS_DIR = "data_reports"
 _EPOCH_DIR = re.compile(r"epoch-(\d+)")
@@ -106,7 +106,7 @@ def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, dead
     sel = pafs.FileSelector(path, recursive=False, allow_not_found=True)
     infos = with_retries(lambda: fs.get_file_info(sel), f"list {folder}", deadline_s, endpoint_url=endpoint_url)
     names = sorted(i.base_name for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(".json") and not i.base_name.startswith("."))
-    shards = [_read_shard_report(fs, f"{path}/{name}", join(folder, name), deadline_s, endpoint_url) for name in names]
+    shards = [_read_shard_report(join(folder, name), deadline_s, endpoint_url) for name in names]
     shards.sort(key=lambda s: s["shard"])
 
     reasons: dict[str, int] = {}
@@ -135,13 +135,9 @@ def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, dead
     }
 
 
-def _read_shard_report(fs: pafs.FileSystem, path: str, uri: str, deadline_s: float, endpoint_url: str | None) -> dict[str, Any]:
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-
+def _read_shard_report(uri: str, deadline_s: float, endpoint_url: str | None) -> dict[str, Any]:
     try:
-        raw = json.loads(with_retries(read, f"read {uri}", deadline_s, endpoint_url=endpoint_url).decode("utf-8"))
+        raw = json.loads(read_bytes(uri, endpoint_url, deadline_s).decode("utf-8"))
         stats = ReadStats.from_dict(raw)
         shard, key = str(raw["shard"]), int(raw["shard_key"])
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -322,6 +322,16 @@ def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
         pass
 
 
+def read_bytes(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+               missing_ok: bool = False) -> bytes | None:
+    """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code
+    base. A missing file raises ``FileNotFoundError``, or gives None with ``missing_ok``."""
+    fs, path = filesystem(uri, endpoint_url)
+    if missing_ok and with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url).type != pafs.FileType.File:
+        return None
+    return with_retries(lambda: _read_bytes(fs, path), f"read {uri}", deadline_s, endpoint_url=endpoint_url)
+
+
 def exists(uri: str, endpoint_url: str | None = None) -> bool:
     fs, path = filesystem(uri, endpoint_url)
     return with_retries(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.NotFound
