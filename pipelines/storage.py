@@ -187,7 +187,7 @@ def best_effort(fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETR
 
 class RetryingS3FileSystem(pafs.S3FileSystem):
     """pyarrow's S3 filesystem with ``AwsStandardS3RetryStrategy(max_attempts)``, and a pickle that
-    keeps it: pyarrow's own ``S3FileSystem.__reduce__`` drops the retry strategy (pyarrow 2x), so a
+    keeps it: pyarrow's own ``S3FileSystem.__reduce__`` drops the retry strategy (pyarrow 25), so a
     filesystem shipped to Ray Train's controller would retry 3 times, about 1 s, whatever it was
     built with. Nothing secret is pickled: credentials come from the environment."""
 
@@ -205,7 +205,7 @@ def _retrying_s3(max_attempts: int, kwargs: dict[str, Any]) -> RetryingS3FileSys
 
 def s3_retry_attempts(deadline_s: float) -> int:
     """``max_attempts`` for pyarrow's ``AwsStandardS3RetryStrategy`` that retries for about
-    ``deadline_s``: the AWS SDK waits a random share of 1 s x 2**retry (at most 20 s) between
+    ``deadline_s``: the AWS SDK waits a random, doubling time (at most 20 s) between
     attempts, about 15 s over the first 6 attempts and 18 s per attempt after that (measured on
     a refused connection: 3 attempts 1.3 s, 6 attempts 15 s, 10 attempts 80 s)."""
     if deadline_s <= 15:
