@@ -182,11 +182,15 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
         retry_deadline_s=recipe.data.retry_deadline_s,
     )
     log(f"checkpoint: {result.checkpoint_uri}")
-    _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards))
+    try:
+        _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards), recipe.data.retry_deadline_s)
+    except (OSError, storage.StorageError) as e:  # telemetry: the run itself is done and committed
+        log(f"warning: data report of {run} not read: {e}")
     return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history)
 
 
-def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int) -> None:
+def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int,
+                     deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
     """The data report (records read, used, rejected per shard and reason) of the epoch training
     ended in (the data stage reads ahead, so later epochs may have reports too)."""
     from pipelines import datareport
@@ -195,7 +199,7 @@ def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None,
     if not epochs:
         return
     epoch = epoch if epoch in epochs else epochs[-1]
-    report = datareport.epoch_report(run, epoch, endpoint_url)
+    report = datareport.epoch_report(run, epoch, endpoint_url, deadline_s)
     lines = datareport.format_report(report).splitlines()
     if report["n_shards"] < n_shards:
         lines[0] += f" (so far: {report['n_shards']} of {n_shards} shards read)"
