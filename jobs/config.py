@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ctxmodels.registry import FAMILIES
 from pipelines.objectives import family_objectives
+from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 TokenizerKind = Literal["wordpiece", "sentencepiece-unigram", "sentencepiece-bpe", "byte-level-bpe"]  # pipelines.tokenizers.TrainKind
 
@@ -111,6 +112,9 @@ class DataSection(_Section):
     strict: bool = False  # fail at the first bad record (shard:line: reason) instead of counting it
     max_record_chars: int = Field(1_000_000, ge=1)  # longer lines/records are rejected as bad data
     endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
+    # How long one storage operation of training (a shard read, a checkpoint upload, a metrics
+    # write) retries through transient errors before it gives up: rides out an endpoint restart.
+    retry_deadline_s: float = Field(DEFAULT_RETRY_DEADLINE_S, ge=1)
 
 
 # Which objectives each family trains with, and the model fields an objective implies (applied

@@ -193,7 +193,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     if t.max_steps is not None:
         total_steps = min(total_steps, t.max_steps)
 
-    resumed = resume_state(run, ep)
+    resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
     first_epoch = 0
     if resumed:
         state, position = resumed
@@ -207,7 +207,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             f"{position.committed(first_epoch)} of its rows already trained on)")
     dataset = fs.build_train_dataset(
         train_table, train_check.usable, files, cfg, seed=t.seed, first_epoch=first_epoch, epochs=t.epochs,
-        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep,
+        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep, retry_deadline_s=recipe.data.retry_deadline_s,
     )
     scored = val is not None
     result = fit(
@@ -233,6 +233,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="checkpoint_score", checkpoint_score_order="max")
         if scored else CheckpointConfig(num_to_keep=2),
         dataset_config=DataConfig(datasets_to_split=["train"], execution_options=ingest_options()),
+        retry_deadline_s=recipe.data.retry_deadline_s,
     )
     best = best_checkpoint(run, ep) if scored else None
     log(f"checkpoint: newest {result.checkpoint_uri}" + (f", best {best} ({read_best(run, ep)})" if best else ""))
@@ -391,6 +392,7 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
     t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
+    deadline = recipe.data.retry_deadline_s
     micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
     total, per_epoch = config["total_steps"], config["steps_per_epoch"]
     family, task = config["family"], TaskConfig(**config["task"])
@@ -406,7 +408,7 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
     tok_dir = _tokenizer_dir(config["tokenizer_files"])
     if family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
         model.set_char_table(elmo_char_table(tok_dir, model_cfg.max_chars))
-    resumed = resume(run, ep, model, rank)
+    resumed = resume(run, ep, model, rank, deadline)
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, data position {resumed.position.summary()}")
@@ -436,12 +438,12 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
         run, ep, list(range(config["n_units"])), rank, world, resumed.position,
         save=partial(_save, family=family, model_cfg=model_cfg, task=task, tok_dir=tok_dir),
         fresh_model=lambda: build_task_model(family, model_cfg, task), strategy=recipe.scaling.strategy,
-        committed_step=state.step,
+        committed_step=state.step, retry_deadline_s=deadline,
     )
     data = ray.get(config["validation"]) if config.get("validation") is not None else None
     labels = tuple(task.labels)
-    sample_log = _sample_log(run, ep, rank, world, state.step, resumed.uri) if t.sample_log else None
-    metrics_log = _metrics_log(run, ep) if rank == 0 else None
+    sample_log = _sample_log(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
+    metrics_log = _metrics_log(run, ep, deadline) if rank == 0 else None
     t_start, start_step, epoch = time.perf_counter(), state.step, 0
     metric = recipe.task.best_metric
     extra = {"recipe": config["recipe"], "task": config["task"]}
@@ -538,13 +540,13 @@ def _tokenizer_dir(files: dict[str, bytes]) -> Path:
     return tokenizer_dir_from_files(files)
 
 
-def _sample_log(run, ep, rank, world, step, resumed_from):
+def _sample_log(run, ep, rank, world, step, resumed_from, deadline_s):
     from jobs.train import SampleLog
 
-    return SampleLog(run, ep, rank, world, step, resumed_from)
+    return SampleLog(run, ep, rank, world, step, resumed_from, deadline_s)
 
 
-def _metrics_log(run: str, endpoint_url: str | None):
-    from jobs.metrics import MetricsLog
+def _metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
+    from jobs.train import _metrics_log
 
-    return MetricsLog(run, endpoint_url)
+    return _metrics_log(run, endpoint_url, deadline_s)  # the same best-effort set-up as pretraining

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from jobs.config import RecipeError, RegistrySection, ScalingSection, _Section, check_batch, check_registry_name, load_recipe
+from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
 Features = Literal["last", "first", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
@@ -110,6 +111,7 @@ class FtDataSection(_Section):
     test: str | list[str] | None = None  # scored once with the best checkpoint at the end
     format: SplitFormat = "auto"  # auto: by suffix (.jsonl/.json, .csv, .tsv, .parquet; a SQuAD .json by its shape)
     endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
+    retry_deadline_s: float = Field(DEFAULT_RETRY_DEADLINE_S, ge=1)  # how long one storage operation retries
     unit_records: int = Field(256, ge=1)  # records per work unit of the stream (what resume skips whole)
 
 

@@ -442,10 +442,11 @@ class Resumed:
     position: DataPosition = field(default_factory=DataPosition)
 
 
-def resume(run: str, endpoint_url: str | None, model, rank: int = 0) -> Resumed:
+def resume(run: str, endpoint_url: str | None, model, rank: int = 0,
+           deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> Resumed:
     """The run's latest complete checkpoint (the same one the data stage reads the position of),
     its weights loaded into ``model``. Ray's ``get_checkpoint()`` is not used: it could name a
-    checkpoint whose upload was cut off.
+    checkpoint whose upload was cut off. Reads retry for up to ``deadline_s`` (data.retry_deadline_s).
 
     A remote checkpoint is downloaded into a temporary folder that is removed once its files are
     in memory, whatever happens (every worker does this at every restart). Rank 0 first deletes
@@ -457,13 +458,14 @@ def resume(run: str, endpoint_url: str | None, model, rank: int = 0) -> Resumed:
     from ctxmodels.checkpoint import load_checkpoint
 
     if rank == 0:
-        for uri, problem in storage.remove_incomplete_checkpoints(run, endpoint_url):
+        for uri, problem in storage.remove_incomplete_checkpoints(run, endpoint_url, deadline_s):
             print(f"removed incomplete checkpoint {uri} ({problem}): older than the newest complete one")
-    uri = storage.latest_complete_checkpoint(run, endpoint_url)
+    uri = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
     if uri is None:
         return Resumed()
     with tempfile.TemporaryDirectory(prefix="ctx-resume-") as tmp:
-        local = storage.download_dir(uri, Path(tmp) / "checkpoint", endpoint_url)  # a local run folder is read in place
+        # a local run folder is read in place
+        local = storage.download_dir(uri, Path(tmp) / "checkpoint", endpoint_url, deadline_s)
         model.load_state_dict(load_checkpoint(local).model.state_dict())
         raw = json.loads((local / "trainer_state.json").read_text())
         # load_file copies the tensors into memory (no mapping of a file about to be deleted)
@@ -535,6 +537,7 @@ class Checkpointer:
     on_epoch_closed: Callable[[int], None] | None = None  # rank 0, once per closed epoch
     pending: DataPosition = field(default_factory=DataPosition)  # this worker's samples since the last commit
     committed_step: int = 0
+    retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S  # data.retry_deadline_s: how long an upload retries
 
     def record(self, batches: list[dict[str, Any]]) -> None:
         """The samples of a finished optimizer step."""
@@ -609,8 +612,21 @@ class Checkpointer:
                 {"trainer_state.json": state.to_json(**(extra_state or {}), optimizer=meta)},
                 {"optimizer.safetensors": tensors, POSITION_FILE: position},
             )
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d), checkpoint_dir_name=name)
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d), checkpoint_dir_name=name,
+                             checkpoint_upload_fn=self.upload)
         return name
+
+    def upload(self, checkpoint, name: str):
+        """Ray seam (``report``'s ``checkpoint_upload_fn``): copy the checkpoint folder to
+        ``<run>/<name>`` with ``storage.copy_dir``, MANIFEST last, each file retried through an
+        outage for up to ``retry_deadline_s``; past it the worker fails with a ``StorageError``
+        naming the object and the endpoint."""
+        from ray.train import Checkpoint
+
+        dest = storage.join(self.run, name)
+        storage.copy_dir(checkpoint.path, dest, self.endpoint_url, self.retry_deadline_s)
+        fs, path = storage.filesystem(dest, self.endpoint_url)
+        return Checkpoint(path=path, filesystem=fs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,12 +672,14 @@ class FitResult:
 
 def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, name: str, output_dir: str,
         endpoint_url: str | None, scaling, datasets: dict[str, Any], max_steps: int, progress: bool = True,
-        label: str = "pretrain", checkpoint_config=None, dataset_config=None) -> FitResult:
+        label: str = "pretrain", checkpoint_config=None, dataset_config=None,
+        retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> FitResult:
     """Run ``loop`` on Ray Train workers with the progress board; raises what the run raised.
 
     ``scaling``: a recipe's scaling section (num_workers int or (min, max), use_gpu,
     cpus_per_worker, max_failures). Ray seam: ``TorchTrainer.fit`` in a thread while the driver
-    renders rank 0's metrics (``jobs.progress``).
+    renders rank 0's metrics (``jobs.progress``). ``retry_deadline_s``: about how long the S3
+    client through which Ray Train's controller writes the run's state retries each request.
     """
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
@@ -671,7 +689,11 @@ def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, 
 
     board = ProgressBoard.remote()
     remote = storage.is_remote(output_dir)
-    storage_fs, storage_path = storage.filesystem(output_dir, endpoint_url) if remote else (None, str(Path(run_folder(output_dir, name)).parent))
+    # The controller writes the run's state (checkpoint_manager_snapshot.json) through this
+    # filesystem and fails the whole run, whatever max_failures says, when a write fails: its S3
+    # client retries for about the deadline (checkpoints go through Checkpointer.upload instead).
+    storage_fs, storage_path = (storage.filesystem(output_dir, endpoint_url, retry_deadline_s) if remote
+                                else (None, str(Path(run_folder(output_dir, name)).parent)))
     trainer = TorchTrainer(
         loop,
         train_loop_config={**loop_config, "board": board},

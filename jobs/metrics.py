@@ -11,6 +11,11 @@ is small, so it is rewritten whole; TensorBoard's event files are uploaded as th
 restarted writer starts a new event file, so nothing is overwritten).
 
 A resumed run appends to the same file; ``read_metrics`` resolves the repeated steps.
+
+Metrics are telemetry: writing them is best-effort. A full disk, an unwritable folder or an object
+store still down after ``deadline_s`` (``data.retry_deadline_s``) is a warning on stderr, and
+training goes on; the lines logged meanwhile are lost (each line is appended on its own, so
+writing resumes by itself once the disk has room again), and the next upload sends whole files.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 
 from pipelines import storage
 
@@ -48,27 +52,21 @@ def _plain(value: Any) -> Any:
 
 def _read_text(uri: str, endpoint_url: str | None) -> str | None:
     """The file's text, or None when it does not exist."""
-    fs, path = storage.filesystem(uri, endpoint_url)
-    info = storage.with_retries(lambda: fs.get_file_info(path), f"stat {uri}")
-    if info.type == pafs.FileType.NotFound:
-        return None
-
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-
-    return storage.with_retries(read, f"read {uri}").decode("utf-8")
+    data = storage.read_bytes(uri, endpoint_url, missing_ok=True)
+    return None if data is None else data.decode("utf-8")
 
 
 class MetricsLog:
     """Appends metrics dicts to ``{run_uri}/metrics/``; see the module docstring."""
 
-    def __init__(self, run_uri: str, endpoint_url: str | None = None, flush_every_s: float = 30.0):
+    def __init__(self, run_uri: str, endpoint_url: str | None = None, flush_every_s: float = 30.0,
+                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_uri = run_uri
         self.endpoint_url = endpoint_url
         self.flush_every_s = flush_every_s
+        self.deadline_s = deadline_s
         self.remote = storage.is_remote(run_uri)
         self.uri = storage.join(run_uri, METRICS_DIR)
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -89,10 +87,11 @@ class MetricsLog:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
                     f.write(b"\n")  # append mode: lands at the end whatever the position
-        self._file = open(path, "a", encoding="utf-8")
+        self.path = path  # opened for each line, so a file replaced or a disk freed meanwhile is written again
         self._writer = SummaryWriter(log_dir=str(self.local_dir / TB_DIR))
         self._last_flush = time.monotonic()
         self._warned = False
+        self.lost = 0  # lines not written since the last warning (a full disk, an unwritable file)
         self.closed = False
 
     def log(self, metrics: dict[str, Any]) -> None:
@@ -103,13 +102,25 @@ class MetricsLog:
         if "step" not in row:
             raise ValueError(f"metrics need a 'step' key to be logged; got keys {sorted(row)}")
         row.setdefault("time", time.time())
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        line = json.dumps(row) + "\n"
         step = int(row["step"])
-        for key, value in row.items():
-            if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self._writer.add_scalar(key, value, global_step=step, walltime=row["time"])
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+            # TensorBoard's writer raises, at a later call, what its background thread failed to write
+            for key, value in row.items():
+                if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                self._writer.add_scalar(key, value, global_step=step, walltime=row["time"])
+        except OSError as e:
+            if not self.lost:
+                print(f"warning: metrics: cannot write step {step} to {self.path} ({e}); training goes on, "
+                      "metrics are lost until it can be written again", file=sys.stderr)
+            self.lost += 1
+            return
+        if self.lost:
+            print(f"metrics: writing {self.path} again from step {step} ({self.lost} logged steps lost)", file=sys.stderr)
+            self.lost = 0
         if time.monotonic() - self._last_flush >= self.flush_every_s:
             self._flush(raise_errors=False)
 
@@ -119,30 +130,30 @@ class MetricsLog:
 
     def _flush(self, raise_errors: bool) -> None:
         self._last_flush = time.monotonic()
-        self._writer.flush()
-        self._file.flush()
-        if not self.remote:
-            return
         try:
-            storage.upload_dir(self.local_dir, self.uri, self.endpoint_url)
-        except (storage.StorageError, OSError) as e:  # OSError: access denied etc., raised unwrapped
+            self._writer.flush()
+            if self.remote:
+                storage.copy_dir(self.local_dir, self.uri, self.endpoint_url, self.deadline_s)
+        except (storage.StorageError, OSError) as e:  # OSError: access denied, a full disk ..., raised unwrapped
             if raise_errors:
                 raise
             # Training goes on; the next flush uploads everything again (the files are whole).
             if not self._warned:
-                print(f"metrics: upload to {self.uri} failed, will retry: {e}", file=sys.stderr)
+                print(f"warning: metrics: writing {self.uri} failed, will try again at the next flush: {e}", file=sys.stderr)
                 self._warned = True
 
     def close(self) -> None:
-        """Flush, upload (object stores) and release the files. Safe to call twice."""
+        """Flush, upload (object stores) and release the files. Safe to call twice. Best-effort
+        like ``log``: a failure is a warning."""
         if self.closed:
             return
         self.closed = True
-        self._writer.close()
-        self._file.close()
         try:
+            self._writer.close()
             if self.remote:
-                storage.upload_dir(self.local_dir, self.uri, self.endpoint_url)
+                storage.copy_dir(self.local_dir, self.uri, self.endpoint_url, self.deadline_s)
+        except (storage.StorageError, OSError) as e:
+            print(f"warning: metrics: the last write of {self.uri} failed: {e}", file=sys.stderr)
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()

@@ -43,16 +43,11 @@ HELD_OUT_SCORES = ["eval_acc", "val_accuracy", "val_f1", "val_exact_match"]
 
 
 def _read_json(uri: str, endpoint_url: str | None) -> dict[str, Any] | None:
-    fs, path = storage.filesystem(uri, endpoint_url)
-    if storage.with_retries(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.File:
+    data = storage.read_bytes(uri, endpoint_url, missing_ok=True)
+    if data is None:
         return None
-
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-
     try:
-        return json.loads(storage.with_retries(read, f"read {uri}"))
+        return json.loads(data)
     except json.JSONDecodeError as e:
         raise storage.StorageError(f"{uri} is not valid JSON: {e}") from e
 

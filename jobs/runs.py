@@ -33,16 +33,11 @@ BEST = "best.json"
 
 def read_best(run: str, endpoint_url: str | None = None) -> dict[str, Any] | None:
     """The run's ``best.json``, or None when it has none (or an unreadable one)."""
-    fs, path = storage.filesystem(storage.join(run, BEST), endpoint_url)
-    if storage.with_retries(lambda: fs.get_file_info(path), f"stat {run}/{BEST}").type != pafs.FileType.File:
+    data = storage.read_bytes(storage.join(run, BEST), endpoint_url, missing_ok=True)
+    if data is None:
         return None
-
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-
     try:
-        best = json.loads(storage.with_retries(read, f"read {run}/{BEST}"))
+        best = json.loads(data)
     except ValueError:
         return None
     return best if isinstance(best, dict) and isinstance(best.get("checkpoint"), str) else None

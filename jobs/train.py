@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -99,15 +100,14 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     return local
 
 
-def resume_state(run: str, endpoint_url: str | None) -> tuple[dict[str, Any], DataPosition] | None:
+def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
+                 ) -> tuple[dict[str, Any], DataPosition] | None:
     """trainer_state.json and the data position of the run's latest committed checkpoint, if any."""
-    latest = storage.latest_complete_checkpoint(run, endpoint_url)
+    latest = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
     if latest is None:
         return None
-    fs, path = storage.filesystem(latest, endpoint_url)
-    with fs.open_input_stream(f"{path}/trainer_state.json") as f:
-        state = json.loads(f.read())
-    return state, load_position(latest, endpoint_url)
+    state = json.loads(storage.read_bytes(storage.join(latest, "trainer_state.json"), endpoint_url, deadline_s))
+    return state, load_position(latest, endpoint_url, deadline_s)
 
 
 def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri: str | None = None) -> StreamSpec:
@@ -138,6 +138,7 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         strict=d.strict,
         max_record_chars=d.max_record_chars,
         run_uri=run_uri,
+        retry_deadline_s=d.retry_deadline_s,
     )
 
 
@@ -164,7 +165,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
 
-    resumed = resume_state(run, ep)
+    resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
     first_epoch = 0
     if resumed:
         state, position = resumed
@@ -192,9 +193,13 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
         },
         name=recipe.name, output_dir=recipe.output_dir, endpoint_url=ep, scaling=recipe.scaling,
         datasets={"train": dataset}, max_steps=recipe.train.max_steps, progress=progress, label="pretrain",
+        retry_deadline_s=recipe.data.retry_deadline_s,
     )
     log(f"checkpoint: {result.checkpoint_uri}")
-    _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards))
+    try:
+        _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards), recipe.data.retry_deadline_s)
+    except (OSError, storage.StorageError) as e:  # telemetry: the run itself is done and committed
+        log(f"warning: data report of {run} not read: {e}")
     registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
         kind="pretrain", recipe=recipe, checkpoint=result.checkpoint_uri, metrics=result.metrics, history=result.history,
         run_uri=run, shards=shards, eval_metrics={k: v for k, v in result.metrics.items() if k.startswith("eval_")},
@@ -204,7 +209,8 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
                           registered=registered)
 
 
-def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int) -> None:
+def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int,
+                     deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
     """The data report (records read, used, rejected per shard and reason) of the epoch training
     ended in (the data stage reads ahead, so later epochs may have reports too)."""
     from pipelines import datareport
@@ -213,7 +219,7 @@ def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None,
     if not epochs:
         return
     epoch = epoch if epoch in epochs else epochs[-1]
-    report = datareport.epoch_report(run, epoch, endpoint_url)
+    report = datareport.epoch_report(run, epoch, endpoint_url, deadline_s)
     lines = datareport.format_report(report).splitlines()
     if report["n_shards"] < n_shards:
         lines[0] += f" (so far: {report['n_shards']} of {n_shards} shards read)"
@@ -278,17 +284,18 @@ class SampleLog:
     """``train.sample_log``: every consumed sample id, per worker and attempt, as JSON lines under
     ``<run>/sample_log/``, for audits and the exactly-once tests. A line is written when its
     optimizer step is done; the first line of a file says which step the attempt resumed from.
-    A local file is appended to; an object-store file (no appends there) is rewritten whole."""
+    A local file is appended to; an object-store file (no appends there) is rewritten whole.
+    Best-effort (telemetry): a failed write is a warning; an object-store file catches up at the
+    next write, which sends every line again."""
 
-    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None) -> None:
+    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None,
+                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
         import uuid
 
         self.uri = storage.join(run, "sample_log", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}-rank{rank}.jsonl")
-        self.endpoint_url = endpoint_url
+        self.endpoint_url, self.deadline_s = endpoint_url, deadline_s
         self.fs, self.path = storage.filesystem(self.uri, endpoint_url)
         self.remote = storage.is_remote(self.uri)
-        if not self.remote:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self.lines: list[str] = []  # the lines an object-store file must hold
         self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
 
@@ -308,8 +315,13 @@ class SampleLog:
 
     def write(self, new: list[str]) -> None:
         if not self.remote:
-            with open(self.path, "a") as f:
-                f.write("".join(line + "\n" for line in new))
+
+            def append() -> None:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write("".join(line + "\n" for line in new))
+
+            storage.best_effort(append, f"write {self.uri}", self.deadline_s)
             return
         self.lines.extend(new)
         data = "".join(line + "\n" for line in self.lines).encode()
@@ -318,7 +330,7 @@ class SampleLog:
             with self.fs.open_output_stream(self.path) as f:
                 f.write(data)
 
-        storage.with_retries(put, f"write {self.uri}")
+        storage.best_effort(put, f"write {self.uri}", self.deadline_s, self.endpoint_url)
 
 
 def train_batches(config: dict[str, Any], micro: int, device):
@@ -383,6 +395,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
     t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
+    deadline = recipe.data.retry_deadline_s
     micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
     if micro * accum * world != t.batch_size:
         raise RuntimeError(f"{world} workers x {accum} micro-batches x {micro} rows != train.batch_size {t.batch_size}")
@@ -395,7 +408,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     seed_worker_rng(t.seed, rank)  # dropout
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
-    resumed = resume(run, ep, model, rank)
+    resumed = resume(run, ep, model, rank, deadline)
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, {state.samples_seen} samples, data position {resumed.position.summary()}")
@@ -423,12 +436,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         save=partial(_save, family=recipe.model.family, model_cfg=model_cfg, tok_dir=tok_dir),
         fresh_model=lambda: build_model(recipe.model.family, recipe.model.preset, dataclasses.asdict(model_cfg))[1],
         strategy=recipe.scaling.strategy,
-        sampleless=partial(_sampleless, run, ep), on_epoch_closed=partial(_epoch_closed, run, ep),
-        committed_step=state.step,
+        sampleless=partial(_sampleless, run, ep, deadline), on_epoch_closed=partial(_epoch_closed, run, ep, deadline),
+        committed_step=state.step, retry_deadline_s=deadline,
     )
     held_out = eval_batches(recipe, config["eval_shards"], tok_dir, micro, device) if config.get("eval_shards") else []
-    log = SampleLog(run, ep, rank, world, state.step, resumed.uri) if t.sample_log else None
-    metrics_log = _metrics_log(run, ep) if rank == 0 else None
+    log = SampleLog(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
+    metrics_log = _metrics_log(run, ep, deadline) if rank == 0 else None
     flops_per_sample, peak = _flops_and_peak(recipe, model_cfg, config.get("predicted_per_row"), device, rank, torch)
     t_start, start_step, epoch = time.perf_counter(), state.step, 0
 
@@ -497,25 +510,35 @@ def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[st
     save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors)
 
 
-def _sampleless(run: str, endpoint_url: str | None, epoch: int) -> set[int]:
+def _sampleless(run: str, endpoint_url: str | None, deadline_s: float, epoch: int) -> set[int]:
     from pipelines import datareport
 
-    return datareport.sampleless_shards(run, epoch, endpoint_url)
+    return datareport.sampleless_shards(run, epoch, endpoint_url, deadline_s)
 
 
-def _epoch_closed(run: str, endpoint_url: str | None, epoch: int) -> None:
+def _epoch_closed(run: str, endpoint_url: str | None, deadline_s: float, epoch: int) -> None:
     """An epoch every shard of which is committed: its data report (read = used + rejected per
-    shard) is written and printed."""
+    shard) is written and printed; telemetry, so a store that cannot be read is a warning."""
     from pipelines import datareport
 
-    report = datareport.write_epoch_report(run, epoch, endpoint_url)
+    try:
+        report = datareport.write_epoch_report(run, epoch, endpoint_url, deadline_s)
+    except (OSError, storage.StorageError) as e:
+        print(f"warning: data report of epoch {epoch} not written: {e}")
+        return
     print("data: " + datareport.format_report(report).replace("\n", "\ndata: "))
 
 
-def _metrics_log(run: str, endpoint_url: str | None):
+def _metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
+    """Rank 0's ``MetricsLog``, or None (with a warning) when its folder cannot be set up: metrics
+    are telemetry, a run trains without them."""
     from jobs.metrics import MetricsLog
 
-    return MetricsLog(run, endpoint_url)
+    try:
+        return MetricsLog(run, endpoint_url, deadline_s=deadline_s)
+    except (OSError, storage.StorageError) as e:
+        print(f"warning: metrics of {run} will not be written: {e}", file=sys.stderr)
+        return None
 
 
 def _flops_and_peak(recipe: Recipe, model_cfg, predicted_per_row: int | None, device, rank: int, torch) -> tuple[float, float]:

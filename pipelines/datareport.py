@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipelines.sources import ReadStats
-from pipelines.storage import StorageError, filesystem, join, with_retries
+from pipelines.storage import DEFAULT_RETRY_DEADLINE_S, StorageError, best_effort, filesystem, join, read_bytes, with_retries
 
 REPORTS_DIR = "data_reports"
 _EPOCH_DIR = re.compile(r"epoch-(\d+)")
@@ -39,7 +39,8 @@ def epoch_dir(run_uri: str, epoch: int) -> str:
     return join(run_uri, REPORTS_DIR, f"epoch-{epoch:05d}")
 
 
-def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int, stats: ReadStats, endpoint_url: str | None = None, samples: int | None = None) -> str:
+def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int, stats: ReadStats, endpoint_url: str | None = None,
+                       samples: int | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> str:
     """Write the counts of one shard read in one epoch; returns the report's URI. ``samples``:
     how many training samples the shard's used records made (0 tells training that the shard
     is done for the epoch although none of its samples will ever arrive).
@@ -47,25 +48,30 @@ def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int,
     Idempotent: the file is named by ``(epoch, shard_key)`` and holds nothing else, so writing
     it again (a retried task) leaves the same report. Readers never see half a file: on a local
     disk it is written under a temporary name and renamed; on an object store it is one PUT.
+
+    Best-effort (``storage.best_effort``): a store still down after ``deadline_s`` or a full disk
+    is a warning, and the stream goes on. A lost report of a shard that made samples costs only
+    the report; one of a shard that made none keeps its epoch open (``sampleless_shards``) until
+    the shard is read again after a restart.
     """
     uri = join(epoch_dir(run_uri, epoch), f"{shard_key:08x}.json")
     record = {"epoch": epoch, "shard": shard_uri, "shard_key": shard_key, "samples": samples, **stats.to_dict()}
     data = (json.dumps(record, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
     fs, path = filesystem(uri, endpoint_url)
     folder = path.rsplit("/", 1)[0]
-    if isinstance(fs, pafs.LocalFileSystem):
-        fs.create_dir(folder, recursive=True)
-        tmp = f"{folder}/.{path.rsplit('/', 1)[1]}.{uuid.uuid4().hex}.tmp"  # unique: two writers never share it
-        with fs.open_output_stream(tmp) as out:
-            out.write(data)
-        fs.move(tmp, path)  # atomic replace
-    else:
 
-        def put() -> None:
+    def put() -> None:
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(folder, recursive=True)
+            tmp = f"{folder}/.{path.rsplit('/', 1)[1]}.{uuid.uuid4().hex}.tmp"  # unique: two writers never share it
+            with fs.open_output_stream(tmp) as out:
+                out.write(data)
+            fs.move(tmp, path)  # atomic replace
+        else:
             with fs.open_output_stream(path) as out:
                 out.write(data)
 
-        with_retries(put, f"write data report {uri}")
+    best_effort(put, f"write data report {uri}", deadline_s, endpoint_url)
     return uri
 
 
@@ -78,7 +84,7 @@ def list_epochs(run_uri: str, endpoint_url: str | None = None) -> list[int]:
     return sorted(int(m.group(1)) for m in matches if m)
 
 
-def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None) -> dict[str, Any]:
+def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> dict[str, Any]:
     """Merge the shard reports of one epoch.
 
     Returns a dict of plain values::
@@ -98,9 +104,9 @@ def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None) -> d
     folder = epoch_dir(run_uri, epoch)
     fs, path = filesystem(folder, endpoint_url)
     sel = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {folder}")
+    infos = with_retries(lambda: fs.get_file_info(sel), f"list {folder}", deadline_s, endpoint_url=endpoint_url)
     names = sorted(i.base_name for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(".json") and not i.base_name.startswith("."))
-    shards = [_read_shard_report(fs, f"{path}/{name}", join(folder, name)) for name in names]
+    shards = [_read_shard_report(join(folder, name), deadline_s, endpoint_url) for name in names]
     shards.sort(key=lambda s: s["shard"])
 
     reasons: dict[str, int] = {}
@@ -129,13 +135,9 @@ def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None) -> d
     }
 
 
-def _read_shard_report(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-
+def _read_shard_report(uri: str, deadline_s: float, endpoint_url: str | None) -> dict[str, Any]:
     try:
-        raw = json.loads(with_retries(read, f"read {uri}").decode("utf-8"))
+        raw = json.loads(read_bytes(uri, endpoint_url, deadline_s).decode("utf-8"))
         stats = ReadStats.from_dict(raw)
         shard, key = str(raw["shard"]), int(raw["shard_key"])
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -145,27 +147,28 @@ def _read_shard_report(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, An
     return row
 
 
-def write_epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None) -> dict[str, Any]:
-    """Merge one epoch's shard reports and write them as ``data_reports/epoch-NNNNN.json``."""
-    report = epoch_report(run_uri, epoch, endpoint_url)
+def write_epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> dict[str, Any]:
+    """Merge one epoch's shard reports and write them as ``data_reports/epoch-NNNNN.json``
+    (best-effort: a failed write is a warning, the merged report is returned all the same)."""
+    report = epoch_report(run_uri, epoch, endpoint_url, deadline_s)
     uri = join(run_uri, REPORTS_DIR, f"epoch-{epoch:05d}.json")
     fs, path = filesystem(uri, endpoint_url)
-    if isinstance(fs, pafs.LocalFileSystem):
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     data = (json.dumps(report, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
 
     def put() -> None:
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         with fs.open_output_stream(path) as out:
             out.write(data)
 
-    with_retries(put, f"write data report {uri}")
+    best_effort(put, f"write data report {uri}", deadline_s, endpoint_url)
     return report
 
 
-def sampleless_shards(run_uri: str, epoch: int, endpoint_url: str | None = None) -> set[int]:
+def sampleless_shards(run_uri: str, epoch: int, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> set[int]:
     """Keys of the shards read whole in ``epoch`` that made no training samples (empty, or every
     record rejected, or too short to pack)."""
-    return {s["shard_key"] for s in epoch_report(run_uri, epoch, endpoint_url)["shards"] if s.get("samples") == 0}
+    return {s["shard_key"] for s in epoch_report(run_uri, epoch, endpoint_url, deadline_s)["shards"] if s.get("samples") == 0}
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -106,6 +106,7 @@ class StreamSpec:
     # read/used/rejected counts go to <run_uri>/data_reports/ (pipelines.datareport).
     # None: a stream from scratch, no reports.
     run_uri: str | None = None
+    retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S  # data.retry_deadline_s: how long a read retries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
 def _documents(uri: str, spec: StreamSpec, stats: ReadStats | None) -> Iterator[list[str]]:
     return iter_documents(
         uri, spec.fmt, spec.text_field, endpoint_url=spec.endpoint_url,
-        stats=stats, strict=spec.strict, max_record_chars=spec.max_record_chars,
+        stats=stats, strict=spec.strict, max_record_chars=spec.max_record_chars, deadline_s=spec.retry_deadline_s,
     )
 
 
@@ -341,8 +342,9 @@ class TokenizePack:
         # committed newer checkpoints than the driver saw.
         if self._position is None:
             run = self.spec.run_uri
-            latest = storage.latest_complete_checkpoint(run, self.spec.endpoint_url) if run else None
-            self._position = load_position(latest, self.spec.endpoint_url)
+            ep, deadline = self.spec.endpoint_url, self.spec.retry_deadline_s
+            latest = storage.latest_complete_checkpoint(run, ep, deadline) if run else None
+            self._position = load_position(latest, ep, deadline)
         return self._position
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
@@ -354,7 +356,8 @@ class TokenizePack:
             stats = ReadStats()
             made = yield from self.rows(uri, key, epoch, pos, stats)
             if self.spec.run_uri:  # the whole shard was read: its counts are final
-                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.endpoint_url, samples=made)
+                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.endpoint_url, samples=made,
+                                   deadline_s=self.spec.retry_deadline_s)
 
     def rows(self, uri: str, key: int, epoch: int, pos: DataPosition, stats: ReadStats) -> Generator[dict[str, np.ndarray], None, int]:
         """One work unit's output batches, committed samples dropped; returns how many samples

@@ -503,16 +503,10 @@ def flatten_squad(squad: dict) -> dict[str, list]:
 
 def read_squad_json(uri: str) -> dict[str, list]:
     """``flatten_squad`` of a SQuAD JSON file (local path or URI, read with retries)."""
-    from pipelines.storage import filesystem, with_retries
-
-    fs, path = filesystem(uri)
-
-    def read() -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.read()
+    from pipelines.storage import read_bytes
 
     try:
-        squad = json.loads(with_retries(read, f"read {uri}"))
+        squad = json.loads(read_bytes(uri))
     except json.JSONDecodeError as e:
         raise ValueError(f"{uri}: not valid JSON ({e})") from e
     return flatten_squad(squad)

@@ -372,19 +372,21 @@ class EncodeUnits:
     Rows already committed in the run's latest checkpoint are dropped (its data position is read
     when the stream starts running, so also after Ray Train restarts failed workers)."""
 
-    def __init__(self, table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, run_uri: str | None, endpoint_url: str | None):
+    def __init__(self, table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, run_uri: str | None, endpoint_url: str | None,
+                 retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S):
         from pipelines.dataset import tokenizer_from_files
 
         self.texts = table.column("_json").to_pylist()
         self.tok = tokenizer_from_files(files)
         self.cfg = cfg
-        self.run_uri, self.endpoint_url = run_uri, endpoint_url
+        self.run_uri, self.endpoint_url, self.retry_deadline_s = run_uri, endpoint_url, retry_deadline_s
         self._position: DataPosition | None = None
 
     def position(self) -> DataPosition:
         if self._position is None:
-            latest = storage.latest_complete_checkpoint(self.run_uri, self.endpoint_url) if self.run_uri else None
-            self._position = load_position(latest, self.endpoint_url)
+            ep, deadline = self.endpoint_url, self.retry_deadline_s
+            latest = storage.latest_complete_checkpoint(self.run_uri, ep, deadline) if self.run_uri else None
+            self._position = load_position(latest, ep, deadline)
         return self._position
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
@@ -408,7 +410,8 @@ class EncodeUnits:
 
 
 def build_train_dataset(table: pa.Table, usable: np.ndarray, files: dict[str, bytes], cfg: TaskDataConfig, *, seed: int,
-                        first_epoch: int, epochs: int, unit_records: int, run_uri: str | None, endpoint_url: str | None):
+                        first_epoch: int, epochs: int, unit_records: int, run_uri: str | None, endpoint_url: str | None,
+                        retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S):
     """The training stream as a lazy Ray Dataset (nothing runs until it is iterated)."""
     import ray
 
@@ -418,7 +421,8 @@ def build_train_dataset(table: pa.Table, usable: np.ndarray, files: dict[str, by
     ds = ray.data.from_items(units, override_num_blocks=len(units))
     return ds.map_batches(
         EncodeUnits,
-        fn_constructor_kwargs={"table": table.select(["_json"]), "files": files, "cfg": cfg, "run_uri": run_uri, "endpoint_url": endpoint_url},
+        fn_constructor_kwargs={"table": table.select(["_json"]), "files": files, "cfg": cfg, "run_uri": run_uri, "endpoint_url": endpoint_url,
+                               "retry_deadline_s": retry_deadline_s},
         batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=1), num_cpus=ENCODE_ACTOR_CPUS,
     )

@@ -156,23 +156,14 @@ class DataPosition:
 POSITION_FILE = "data_position.safetensors"
 
 
-def load_position(ckpt_uri: str | None, endpoint_url: str | None = None) -> DataPosition:
+def load_position(ckpt_uri: str | None, endpoint_url: str | None = None, deadline_s: float | None = None) -> DataPosition:
     """The position committed with a checkpoint (an empty one for None or an older checkpoint)."""
     if ckpt_uri is None:
         return DataPosition()
-    import pyarrow.fs as pafs
     from safetensors.numpy import load
 
     from pipelines import storage
 
-    fs, path = storage.filesystem(ckpt_uri, endpoint_url)
-    target = f"{path.rstrip('/')}/{POSITION_FILE}"
-    info = storage.with_retries(lambda: fs.get_file_info(target), f"stat {ckpt_uri}/{POSITION_FILE}")
-    if info.type == pafs.FileType.NotFound:
-        return DataPosition()
-
-    def read() -> bytes:
-        with fs.open_input_stream(target) as f:
-            return f.read()
-
-    return DataPosition.from_arrays(load(storage.with_retries(read, f"read {ckpt_uri}/{POSITION_FILE}")))
+    deadline = storage.DEFAULT_RETRY_DEADLINE_S if deadline_s is None else deadline_s
+    data = storage.read_bytes(storage.join(ckpt_uri.rstrip("/"), POSITION_FILE), endpoint_url, deadline, missing_ok=True)
+    return DataPosition() if data is None else DataPosition.from_arrays(load(data))

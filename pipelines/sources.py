@@ -38,11 +38,13 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Literal
+from typing import Any, Callable, ClassVar, Iterator, Literal, TypeVar
 
 import pyarrow.fs as pafs
 
-from pipelines.storage import StorageError, filesystem, with_retries
+from pipelines.storage import DEFAULT_RETRY_DEADLINE_S, StorageError, filesystem, is_transient, with_retries
+
+T = TypeVar("T")
 
 Format = Literal["auto", "text", "jsonl", "parquet"]
 
@@ -148,22 +150,27 @@ def iter_documents(
     stats: ReadStats | None = None,
     strict: bool = False,
     max_record_chars: int = MAX_RECORD_CHARS,
+    deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
 ) -> Iterator[list[str]]:
     """Yield lists of up to ``chunk_docs`` documents from one shard.
 
     Bad records are skipped and counted in ``stats`` (pass one to read the counts when the
     iterator is exhausted), or raise ``CorpusError`` at the first one when ``strict``.
     Records longer than ``max_record_chars`` characters are rejected.
+
+    The store failing mid-way (a dropped connection, an endpoint restarting) is not bad data: a
+    read that fails transiently is retried for up to ``deadline_s`` seconds, reopening the shard
+    at the byte it stopped at (a Parquet row group is read again whole), so every record is
+    read once and in order whatever the network did.
     """
     fmt = detect_format(uri) if fmt == "auto" else fmt
     shard = _Shard(uri, stats if stats is not None else ReadStats(), strict)
     fs, path = filesystem(uri, endpoint_url)
     if fmt == "parquet":
-        yield from _parquet_docs(fs, path, shard, text_field, chunk_docs, max_record_chars)
+        yield from _parquet_docs(fs, path, shard, text_field, chunk_docs, max_record_chars, deadline_s, endpoint_url)
         return
-    stream = with_retries(lambda: fs.open_input_stream(path, compression=None), f"open {uri}")
-    with stream:
-        blocks = _blocks(stream, uri)
+    with _ResumableReader(fs, path, uri, deadline_s, endpoint_url) as reader:
+        blocks = reader.blocks()
         pieces = _gunzip(blocks) if path.endswith(".gz") else blocks
         lines = _decoded_lines(pieces, shard, max_record_chars)
         docs = _text_docs(lines, shard.stats) if fmt == "text" else _jsonl_docs(lines, shard, text_field)
@@ -187,15 +194,55 @@ class _GzipDamage(Exception):
         self.reason, self.detail = reason, detail
 
 
-def _blocks(stream: pafs.NativeFile, uri: str) -> Iterator[bytes]:
-    while True:
+class _ResumableReader:
+    """The raw bytes of one file, ``_BLOCK`` at a time. A read that fails transiently closes the
+    stream and, on the next attempt, reopens the file at the byte offset reached, so the bytes
+    come out exactly once and in order across any number of reconnections."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str, uri: str, deadline_s: float, endpoint_url: str | None):
+        self.fs, self.path, self.uri, self.deadline_s, self.endpoint_url = fs, path, uri, deadline_s, endpoint_url
+        self.offset = 0
+        self.stream: pafs.NativeFile | None = None
+        self.reopened = 0  # reconnections after a failed read (for tests and logs)
+
+    def _read(self) -> bytes:
+        if self.stream is None:
+            if self.offset == 0:
+                self.stream = self.fs.open_input_stream(self.path, compression=None)
+            else:  # random access only to resume: a plain stream is what every filesystem offers
+                self.stream = self.fs.open_input_file(self.path)
+                self.stream.seek(self.offset)
+                self.reopened += 1
         try:
-            block = stream.read(_BLOCK)
-        except OSError as e:  # the store, not the data: let the task be retried
-            raise StorageError(f"read {uri}: {e}") from e
-        if not block:
-            return
-        yield block
+            return self.stream.read(_BLOCK)
+        except OSError:
+            self.close()  # a broken connection: the next attempt starts a new one at self.offset
+            raise
+
+    def blocks(self) -> Iterator[bytes]:
+        while True:
+            try:
+                block = with_retries(self._read, f"read {self.uri} at byte {self.offset}", self.deadline_s, endpoint_url=self.endpoint_url)
+            except OSError as e:  # the store, not the data (a missing or forbidden object): not a bad record
+                raise StorageError(f"read {self.uri} at byte {self.offset}: {e}") from e
+            if not block:
+                return
+            self.offset += len(block)
+            yield block
+
+    def close(self) -> None:
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            try:
+                stream.close()
+            except OSError:
+                pass  # closing a broken connection can fail too; nothing is lost
+
+    def __enter__(self) -> "_ResumableReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _gunzip(blocks: Iterator[bytes]) -> Iterator[bytes]:
@@ -353,14 +400,20 @@ def _jsonl_docs(lines: Iterator[tuple[int, str]], shard: _Shard, text_field: str
             yield value
 
 
-def _parquet_docs(fs: pafs.FileSystem, path: str, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int) -> Iterator[list[str]]:
+def _parquet_docs(fs: pafs.FileSystem, path: str, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int,
+                  deadline_s: float = DEFAULT_RETRY_DEADLINE_S, endpoint_url: str | None = None) -> Iterator[list[str]]:
     import pyarrow.parquet as pq
 
-    with with_retries(lambda: fs.open_input_file(path), f"open {shard.uri}") as f:
+    def network_safe(fn: Callable[[], Any]) -> Any:
+        return _unless_the_store_is_down(fn, fs, path, shard.uri, deadline_s, endpoint_url)
+
+    with with_retries(lambda: fs.open_input_file(path), f"open {shard.uri}", deadline_s, endpoint_url=endpoint_url) as f:
         if f.size() == 0:
             return  # an empty file: no records
         try:
-            pf = pq.ParquetFile(f)
+            pf = network_safe(lambda: pq.ParquetFile(f))
+        except StorageError:
+            raise
         except Exception as e:  # pyarrow raises ArrowInvalid for corrupt footers
             shard.reject("unreadable Parquet", f"not a readable Parquet file: {e}", None)
             return
@@ -371,13 +424,42 @@ def _parquet_docs(fs: pafs.FileSystem, path: str, shard: _Shard, text_field: str
             return
         start = 0  # row index of the row group's first row
         for rg in range(pf.num_row_groups):
-            yield from _row_group_docs(pf, rg, start, shard, text_field, chunk_docs, max_chars)
+            yield from _row_group_docs(pf, rg, start, shard, text_field, chunk_docs, max_chars, network_safe)
             start += pf.metadata.row_group(rg).num_rows
 
 
-def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int) -> Iterator[list[str]]:
+def _unless_the_store_is_down(fn: Callable[[], T], fs: pafs.FileSystem, path: str, uri: str, deadline_s: float, endpoint_url: str | None) -> T:
+    """``fn()``, a read through a Parquet reader, tried again while the store is unreachable.
+
+    pyarrow raises the same errno-less OSError for a damaged page as for a dropped connection, so
+    the error alone cannot tell bad data from a bad network. The store can: after a failure, the
+    file's metadata is asked for (with retries until ``deadline_s``). If the store answered at
+    once, the failure was the data's and is raised for the caller to count as rejected records;
+    if it had to be waited for, ``fn`` is tried again (a row group is read again whole).
+    """
+    while True:
+        try:
+            return fn()
+        except OSError as e:
+            if not is_transient(e):
+                raise
+            tries = []
+
+            def stat() -> None:
+                tries.append(1)
+                fs.get_file_info(path)
+
+            with_retries(stat, f"read {uri}", deadline_s, endpoint_url=endpoint_url)
+            if len(tries) == 1:
+                raise
+
+
+def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int,
+                    network_safe: Callable[[Callable[[], Any]], Any] = lambda fn: fn()) -> Iterator[list[str]]:
     try:
-        values = pf.read_row_group(rg, columns=[text_field]).column(0).to_pylist()
+        values = network_safe(lambda: pf.read_row_group(rg, columns=[text_field])).column(0).to_pylist()
+    except StorageError:
+        raise  # the store stayed unreachable past the deadline: not bad data
     except Exception as e:  # a damaged page or column chunk: the footer said how many rows are lost
         rows = pf.metadata.row_group(rg).num_rows
         shard.reject("unreadable Parquet", f"row group {rg} (rows {start}-{start + rows - 1}) unreadable: {e}", start, count=rows, row=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import errno
 import fnmatch
 import json
+import math
 import os
 import random
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -34,18 +35,32 @@ def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
-def filesystem(uri: str, endpoint_url: str | None = None) -> tuple[pafs.FileSystem, str]:
-    """(pyarrow filesystem, path inside it) for a URI or local path."""
+def endpoint(endpoint_url: str | None = None) -> str | None:
+    """The S3 endpoint a client reaches: ``endpoint_url``, else the standard variables (None: AWS)."""
+    return endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+
+
+def filesystem(uri: str, endpoint_url: str | None = None, retry_deadline_s: float | None = None) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a URI or local path.
+
+    ``retry_deadline_s``: for S3, have the client itself retry each request for about that long
+    (``s3_retry_attempts``). Only for filesystems handed to code that does not retry on its own
+    (Ray Train's controller); our own calls retry through ``with_retries`` instead, so that the
+    two layers do not multiply.
+    """
     if uri.startswith("s3://"):
-        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+        url = endpoint(endpoint_url)
         kwargs = {}
-        if endpoint:
-            kwargs["endpoint_override"] = endpoint
-            kwargs["scheme"] = "https" if endpoint.startswith("https") else "http"
+        if url:
+            kwargs["endpoint_override"] = url
+            kwargs["scheme"] = "https" if url.startswith("https") else "http"
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             kwargs["region"] = region
-        return pafs.S3FileSystem(**kwargs), uri[len("s3://"):].rstrip("/")
+        path = uri[len("s3://"):].rstrip("/")
+        if retry_deadline_s is not None:
+            return RetryingS3FileSystem(s3_retry_attempts(retry_deadline_s), **kwargs), path
+        return pafs.S3FileSystem(**kwargs), path
     if uri.startswith("file://"):
         return pafs.LocalFileSystem(), uri[len("file://"):]
     if "://" in uri:
@@ -114,30 +129,88 @@ def is_transient(error: BaseException) -> bool:
     return error.errno in _TRANSIENT_ERRNOS if error.errno is not None else True
 
 
-_sleep = time.sleep  # the one place retries wait; tests patch it to run in milliseconds
+# How long training I/O keeps retrying one operation before it gives up (data.retry_deadline_s):
+# long enough to ride out an endpoint restart or a short network outage, short enough that a
+# store that is really gone fails the run within minutes, not hours.
+DEFAULT_RETRY_DEADLINE_S = 300.0
+
+_sleep = time.sleep  # the one place retries wait; tests patch it (and _clock) to run in milliseconds
+_clock = time.monotonic
 
 
 def with_retries(
-    fn: Callable[[], T], what: str, attempts: int = 5, base_delay: float = 0.2, max_delay: float = 20.0
+    fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETRY_DEADLINE_S, base_delay: float = 0.2,
+    max_delay: float = 10.0, endpoint_url: str | None = None,
 ) -> T:
-    """``fn()``, retried on transient errors (see ``is_transient``) with exponential backoff.
+    """``fn()``, retried on transient errors (see ``is_transient``) until ``deadline_s`` seconds
+    have passed since the first attempt; the one retry loop of the code base.
 
     Waits about ``base_delay * 2**i`` (capped at ``max_delay``) before attempt ``i + 2``, with
-    jitter so that many workers throttled at once do not come back in lockstep. Other errors are
-    raised at once, unchanged. ``what`` names the operation and its URI ("list s3://b/run"); the
-    error after the last attempt repeats it with the number of attempts.
+    jitter so that many workers throttled at once do not come back in lockstep; the last wait
+    ends at the deadline. Other errors are raised at once, unchanged. ``what`` names the
+    operation and its URI ("list s3://b/run"); the ``StorageError`` raised at the deadline
+    repeats it with the attempts, the time spent and, for ``s3://`` URIs, the endpoint.
     """
-    for i in range(attempts):
+    if deadline_s < 0:
+        raise ValueError(f"{what}: deadline_s must be >= 0, got {deadline_s}")
+    start = _clock()
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return fn()
         except OSError as e:
             if not is_transient(e):
                 raise
-            if i == attempts - 1:
-                raise StorageError(f"{what}: gave up after {attempts} attempts: {e}") from e
-            delay = min(max_delay, base_delay * 2**i)
-            _sleep(delay / 2 + random.uniform(0, delay / 2))
-    raise ValueError(f"{what}: attempts must be at least 1, got {attempts}")
+            left = deadline_s - (_clock() - start)
+            if left <= 0:
+                where = f" (endpoint {endpoint(endpoint_url) or 'AWS'})" if "s3://" in what else ""
+                raise StorageError(
+                    f"{what}{where}: gave up after {attempt} attempts in {_clock() - start:.0f} s "
+                    f"(data.retry_deadline_s={deadline_s:g}): {e}"
+                ) from e
+            delay = min(max_delay, base_delay * 2 ** min(attempt - 1, 30))
+            _sleep(min(left, delay / 2 + random.uniform(0, delay / 2)))
+
+
+def best_effort(fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                endpoint_url: str | None = None) -> T | None:
+    """``with_retries(fn, ...)`` for telemetry (metrics, data reports, sample logs): a failure,
+    transient past the deadline or permanent (a full disk, a refused permission), is a warning
+    on stderr and None, never an error: losing a log line must not stop training."""
+    try:
+        return with_retries(fn, what, deadline_s, endpoint_url=endpoint_url)
+    except (OSError, StorageError) as e:
+        print(f"warning: {what} failed, training goes on without it: {e}", file=sys.stderr)
+        return None
+
+
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """pyarrow's S3 filesystem with ``AwsStandardS3RetryStrategy(max_attempts)``, and a pickle that
+    keeps it: pyarrow's own ``S3FileSystem.__reduce__`` drops the retry strategy (pyarrow 25), so a
+    filesystem shipped to Ray Train's controller would retry 3 times, about 1 s, whatever it was
+    built with. Nothing secret is pickled: credentials come from the environment."""
+
+    def __init__(self, max_attempts: int, **kwargs: Any):
+        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts), **kwargs)
+        self.max_attempts, self.kwargs = max_attempts, kwargs
+
+    def __reduce__(self):
+        return _retrying_s3, (self.max_attempts, self.kwargs)
+
+
+def _retrying_s3(max_attempts: int, kwargs: dict[str, Any]) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(max_attempts, **kwargs)
+
+
+def s3_retry_attempts(deadline_s: float) -> int:
+    """``max_attempts`` for pyarrow's ``AwsStandardS3RetryStrategy`` that retries for about
+    ``deadline_s``: the AWS SDK waits a random, doubling time (at most 20 s) between
+    attempts, about 15 s over the first 6 attempts and 18 s per attempt after that (measured on
+    a refused connection: 3 attempts 1.3 s, 6 attempts 15 s, 10 attempts 80 s)."""
+    if deadline_s <= 15:
+        return max(3, min(6, 2 + math.ceil(deadline_s / 4)))
+    return 6 + math.ceil((deadline_s - 15) / 18)
 
 
 def _has_glob(s: str) -> bool:
@@ -181,7 +254,7 @@ def _walk(fs: pafs.FileSystem, root: str, uri: str) -> list[str]:
     return [i.path for i in infos if i.type == pafs.FileType.File]
 
 
-def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = None) -> Path:
+def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> Path:
     """Copy a folder (any filesystem) into ``local_dir``; returns the local folder."""
     local_dir = Path(local_dir)
     if not is_remote(uri):
@@ -190,11 +263,11 @@ def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = Non
             raise StorageError(f"{uri!r} is not a folder")
         return src
     fs, path = filesystem(uri, endpoint_url)
-    info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}")
+    info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url)
     if info.type != pafs.FileType.Directory:
         raise StorageError(f"{uri!r} is not a folder")
     local_dir.mkdir(parents=True, exist_ok=True)
-    with_retries(lambda: pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()), f"download {uri}")
+    with_retries(lambda: pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()), f"download {uri}", deadline_s, endpoint_url=endpoint_url)
     return local_dir
 
 
@@ -203,7 +276,7 @@ def upload_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None)
     copy_dir(local_dir, uri, endpoint_url)
 
 
-def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -> None:
+def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
     """Copy a local folder into a local path or a remote folder (created if needed), MANIFEST.json last.
 
     A destination manifest is deleted before anything else is written, and the new one is copied
@@ -222,17 +295,17 @@ def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -
     manifest = src / MANIFEST
     if manifest in files:
         files = [p for p in files if p != manifest] + [manifest]
-        with_retries(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}")
-    with_retries(lambda: fs.create_dir(root, recursive=True), f"create {uri}")
+        with_retries(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}", deadline_s, endpoint_url=endpoint_url)
+    with_retries(lambda: fs.create_dir(root, recursive=True), f"create {uri}", deadline_s, endpoint_url=endpoint_url)
     made = {root}
     for file in files:
         rel = file.relative_to(src).as_posix()
         dest = f"{root}/{rel}"
         parent = dest.rsplit("/", 1)[0]
         if parent not in made:
-            with_retries(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}")
+            with_retries(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}", deadline_s, endpoint_url=endpoint_url)
             made.add(parent)
-        with_retries(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}")
+        with_retries(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}", deadline_s, endpoint_url=endpoint_url)
 
 
 def _put_file(file: Path, fs: pafs.FileSystem, dest: str, rename: bool) -> None:
@@ -247,6 +320,16 @@ def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
         fs.delete_file(path)
     except FileNotFoundError:
         pass
+
+
+def read_bytes(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+               missing_ok: bool = False) -> bytes | None:
+    """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code
+    base. A missing file raises ``FileNotFoundError``, or gives None with ``missing_ok``."""
+    fs, path = filesystem(uri, endpoint_url)
+    if missing_ok and with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url).type != pafs.FileType.File:
+        return None
+    return with_retries(lambda: _read_bytes(fs, path), f"read {uri}", deadline_s, endpoint_url=endpoint_url)
 
 
 def exists(uri: str, endpoint_url: str | None = None) -> bool:
@@ -270,7 +353,7 @@ MANIFEST = "MANIFEST.json"
 REQUIRED_FILES = ("model.safetensors", "config.json")
 
 
-def checkpoint_problem(uri: str, endpoint_url: str | None = None) -> str | None:
+def checkpoint_problem(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> str | None:
     """What keeps the checkpoint folder at ``uri`` from being complete, or None when nothing does.
 
     Complete: MANIFEST.json parses and every file it lists is there with the listed size. Ray Train
@@ -280,7 +363,7 @@ def checkpoint_problem(uri: str, endpoint_url: str | None = None) -> str | None:
     """
     fs, path = filesystem(uri, endpoint_url)
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(selector), f"list {uri}")
+    infos = with_retries(lambda: fs.get_file_info(selector), f"list {uri}", deadline_s, endpoint_url=endpoint_url)
     prefix = path.rstrip("/") + "/"
     sizes = {
         i.path[len(prefix):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(prefix)
@@ -288,7 +371,7 @@ def checkpoint_problem(uri: str, endpoint_url: str | None = None) -> str | None:
     if MANIFEST not in sizes:
         return f"{MANIFEST} missing"
     try:
-        text = with_retries(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}")
+        text = with_retries(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}", deadline_s, endpoint_url=endpoint_url)
     except FileNotFoundError:  # deleted since the listing (an overwrite in progress)
         return f"{MANIFEST} missing"
     try:
@@ -340,19 +423,19 @@ TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoin
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
 
 
-def checkpoint_step(uri: str, endpoint_url: str | None = None) -> int | None:
+def checkpoint_step(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> int | None:
     """The ``step`` in the checkpoint's trainer_state.json, or None when it has none (missing, cut
     off, not JSON, no integer step)."""
-    fs, path = filesystem(uri, endpoint_url)
     try:
-        data = json.loads(with_retries(lambda: _read_bytes(fs, f"{path}/{TRAINER_STATE}"), f"read {join(uri, TRAINER_STATE)}"))
+        data = json.loads(read_bytes(join(uri, TRAINER_STATE), endpoint_url, deadline_s))
     except (FileNotFoundError, ValueError):
         return None
     step = data.get("step") if isinstance(data, dict) else None
     return step if type(step) is int else None
 
 
-def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None) -> list[tuple[str, int | None]]:
+def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None,
+                        deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> list[tuple[str, int | None]]:
     """The run's ``checkpoint_*`` folders as (name, step), oldest first.
 
     Newer means a higher step in trainer_state.json: folder names carry a local-time stamp, which
@@ -363,34 +446,35 @@ def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None) -> list[t
     """
     fs, path = filesystem(run_uri, endpoint_url)
     selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}")
+    infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}", deadline_s, endpoint_url=endpoint_url)
     names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")),
                    key=checkpoint_order)
     out, keys, carried = [], {}, -1
     for name in names:
-        step = checkpoint_step(join(run_uri, name), endpoint_url)
+        step = checkpoint_step(join(run_uri, name), endpoint_url, deadline_s)
         carried = step if step is not None else carried
         keys[name] = (carried, checkpoint_order(name))
         out.append((name, step))
     return sorted(out, key=lambda item: keys[item[0]])
 
 
-def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None) -> str | None:
+def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> str | None:
     """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``),
     newest by step (``checkpoints_by_step``).
 
     Newer folders that are not complete are skipped, each with a line on stderr saying why.
     """
-    for name, _ in reversed(checkpoints_by_step(run_uri, endpoint_url)):
+    for name, _ in reversed(checkpoints_by_step(run_uri, endpoint_url, deadline_s)):
         uri = join(run_uri, name)
-        problem = checkpoint_problem(uri, endpoint_url)
+        problem = checkpoint_problem(uri, endpoint_url, deadline_s)
         if problem is None:
             return uri
         print(f"warning: skipping incomplete checkpoint {uri}: {problem}", file=sys.stderr)
     return None
 
 
-def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None) -> list[tuple[str, str]]:
+def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None,
+                                  deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> list[tuple[str, str]]:
     """Delete the run's incomplete checkpoint folders that are older than its newest complete one;
     returns (uri, problem) of each deleted folder.
 
@@ -400,21 +484,18 @@ def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None)
     rerun fails when one it lists is gone). Meant for rank 0 when an attempt starts, before it
     writes anything.
     """
-    ordered = checkpoints_by_step(run_uri, endpoint_url)
+    ordered = checkpoints_by_step(run_uri, endpoint_url, deadline_s)
     problems: dict[str, str | None] = {}
     newest = None
     for name, _ in reversed(ordered):
-        problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url)
+        problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url, deadline_s)
         if problems[name] is None:
             newest = name
             break
     if newest is None:
         return []
     fs, path = filesystem(run_uri, endpoint_url)
-    try:
-        snapshot = with_retries(lambda: _read_bytes(fs, f"{path}/{RAY_SNAPSHOT}"), f"read {join(run_uri, RAY_SNAPSHOT)}").decode("utf-8", "replace")
-    except FileNotFoundError:
-        snapshot = ""
+    snapshot = (read_bytes(join(run_uri, RAY_SNAPSHOT), endpoint_url, deadline_s, missing_ok=True) or b"").decode("utf-8", "replace")
     removed = []
     for name, _ in ordered:
         if name == newest:
@@ -422,9 +503,9 @@ def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None)
         if name in snapshot:
             continue
         uri = join(run_uri, name)
-        problem = problems.get(name) or checkpoint_problem(uri, endpoint_url)
+        problem = problems.get(name) or checkpoint_problem(uri, endpoint_url, deadline_s)
         if problem is None:
             continue
-        with_retries(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}")
+        with_retries(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}", deadline_s, endpoint_url=endpoint_url)
         removed.append((uri, problem))
     return removed

@@ -33,9 +33,10 @@ def saved(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def sleeps(monkeypatch) -> list[float]:
-    """Retries record their waits here instead of sleeping."""
+    """Retries record their waits here instead of sleeping; their clock is the sum of the waits."""
     waits: list[float] = []
     monkeypatch.setattr(storage, "_sleep", waits.append)
+    monkeypatch.setattr(storage, "_clock", lambda: sum(waits))
     return waits
 
 
@@ -211,12 +212,31 @@ def test_permanent_errors_are_raised_at_once(tmp_path, saved, flaky, sleeps, kin
     assert fs.calls == 1 and sleeps == []
 
 
-def test_exhausted_retries_name_the_uri_and_the_attempts(tmp_path, saved, flaky, sleeps):
+def test_retries_go_on_until_the_deadline_then_name_the_uri_attempts_and_time(tmp_path, saved, flaky, sleeps):
     run = local_run(tmp_path, saved)
-    fs = flaky(TRANSIENT["slow-down"], failures=1000)
-    with pytest.raises(storage.StorageError, match=rf"list {re.escape(str(run))}: gave up after 5 attempts: .*SLOW_DOWN"):
-        storage.latest_complete_checkpoint(str(run))
-    assert fs.calls == 5 and len(sleeps) == 4
+    fs = flaky(TRANSIENT["slow-down"], failures=100_000)
+    with pytest.raises(storage.StorageError, match=rf"list {re.escape(str(run))}: gave up after \d+ attempts in 45 s \(data.retry_deadline_s=45\): .*SLOW_DOWN"):
+        storage.latest_complete_checkpoint(str(run), deadline_s=45)
+    # waited until the deadline, not a fixed count: the last wait ends exactly there
+    assert sum(sleeps) == pytest.approx(45) and fs.calls == len(sleeps) + 1 and max(sleeps) <= 10.0
+    assert fs.calls > 5  # more than the 5 attempts (1.5-3 s in all) this used to give up after
+
+
+def test_an_s3_error_at_the_deadline_names_the_endpoint(sleeps):
+    def refused():
+        raise TRANSIENT["network"]
+
+    with pytest.raises(storage.StorageError, match=r"read s3://b/run/x \(endpoint http://127.0.0.1:9\): gave up after"):
+        storage.with_retries(refused, "read s3://b/run/x", deadline_s=1, endpoint_url="http://127.0.0.1:9")
+
+
+def test_best_effort_warns_and_returns_none(sleeps, capsys):
+    def full():
+        raise PERMANENT["disk-full"]
+
+    assert storage.best_effort(full, "write metrics /x") is None
+    assert "warning: write metrics /x failed, training goes on without it" in capsys.readouterr().err
+    assert sleeps == []  # a full disk is not waited for
 
 
 def test_retries_on_s3_reach_the_bucket_after_the_blips(tmp_path, saved, flaky, sleeps, request):
@@ -233,12 +253,30 @@ def test_backoff_doubles_with_jitter_up_to_a_cap(sleeps):
         calls.append(1)
         raise TRANSIENT["slow-down"]
 
-    with pytest.raises(storage.StorageError, match="gave up after 8 attempts"):
-        storage.with_retries(always_throttled, "list s3://b/r", attempts=8, base_delay=1.0, max_delay=10.0)
-    assert len(calls) == 8 and len(sleeps) == 7
-    for i, wait in enumerate(sleeps):
+    with pytest.raises(storage.StorageError, match=r"gave up after \d+ attempts in 120 s"):
+        storage.with_retries(always_throttled, "list s3://b/r", deadline_s=120, base_delay=1.0, max_delay=10.0)
+    assert len(calls) == len(sleeps) + 1 and len(sleeps) >= 12  # 1+2+4+8 s, then at most 10 s each
+    for i, wait in enumerate(sleeps[:-1]):  # the last wait is cut to end at the deadline
         full = min(10.0, 2.0**i)
         assert full / 2 <= wait <= full, (i, wait)
+
+
+def test_s3_retry_attempts_cover_the_deadline():
+    # the AWS SDK's waits: ~15 s over the first 6 attempts, ~18 s per attempt after (see the docstring)
+    assert storage.s3_retry_attempts(1) == 3  # pyarrow's default
+    assert storage.s3_retry_attempts(60) == 9 and storage.s3_retry_attempts(300) == 22
+
+
+
+def test_the_retrying_s3_filesystem_keeps_its_retries_through_a_pickle():
+    """Ray Train ships the run's filesystem to its controller by pickle; pyarrow's own pickle of
+    an S3FileSystem drops the retry strategy (back to 3 attempts, about 1 s)."""
+    import pickle
+
+    fs, path = storage.filesystem("s3://b/run", "http://127.0.0.1:9", retry_deadline_s=60)
+    copy = pickle.loads(pickle.dumps(fs))
+    assert isinstance(copy, storage.RetryingS3FileSystem) and copy.max_attempts == 9 and path == "b/run"
+    assert copy.kwargs["endpoint_override"] == "http://127.0.0.1:9"
 
 
 @pytest.mark.parametrize("error", [*TRANSIENT.values(), OSError("flaky network")], ids=[*TRANSIENT, "errno-less"])
