@@ -270,7 +270,7 @@ def validate(data: dict[str, Any], where: str = "schedule config", base: Path | 
             raise ScheduleError(f"{where}: serve.config: {e}") from None
         if cfg.serve.model not in app.models:
             raise ScheduleError(f"{where}: serve.model: {cfg.serve.model!r} is not a model of {path} (it has {sorted(app.models)})")
-        cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"app": app.model_dump(mode="json")})})
+        cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"app": app.model_dump(mode="json", exclude={"defaults"})})})  # each model carries its settings already
     return cfg
 
 
