@@ -497,8 +497,10 @@ def status(cfg: ScheduleConfig, address: str | None = None, with_actor: bool = T
 
 def format_status(out: dict[str, Any]) -> str:
     lines = [f"schedule {out['schedule']}"]
-    sched = out.get("scheduler")
-    if sched is None:
+    sched = out.get("scheduler", "not asked")
+    if sched == "not asked":
+        pass
+    elif sched is None:
         lines.append("scheduler: not running")
     elif "error" in sched:
         lines.append(f"scheduler: unknown ({sched['error']})")

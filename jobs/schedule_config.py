@@ -212,7 +212,7 @@ class ScheduleConfig(_Section):
     def _gates(cls, v: dict[str, MetricGate]) -> dict[str, MetricGate]:
         for metric in v:
             if metric not in PRETRAIN_METRICS:
-                raise ValueError(f"gates.{metric}: not a metric a round measures; use one of {list(PRETRAIN_METRICS)}")
+                raise ValueError(f"{metric}: not a metric a round measures; use one of {list(PRETRAIN_METRICS)}")
         return v
 
     @model_validator(mode="after")
