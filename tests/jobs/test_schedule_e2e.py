@@ -74,9 +74,10 @@ def mlflow_server():
     log = root / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
              "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no huey consumers: the registry needs none
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:

@@ -63,3 +63,56 @@ def test_state_on_s3_new_shards_and_no_overlapping_rounds(s3_bucket):
     out = run_round(cfg, "once", log=lambda *_: None)
     assert out["status"] == "busy" and "round 1 is running" in out["reason"]
     assert [r["round"] for r in state.rounds()] == [1]
+
+
+class _Trained:
+    """What jobs.train.pretrain returns, for a checkpoint of known weights: the decisions of a round
+    are tested here in seconds; the e2e test trains for real."""
+
+    def __init__(self, checkpoint: Path):
+        self.run_uri, self.checkpoint_uri = str(checkpoint.parent), str(checkpoint)
+
+
+def test_decisions_failed_gated_promoted(versions, tmp_path):
+    from jobs.registry import Registry
+
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    (incoming / "new-0.txt").write_text("the river bank\n")
+    registry = Registry()  # the session's SQLite store (tests/conftest.py)
+    name = f"sched-{tmp_path.name[-12:]}".replace("_", "-")
+    v1 = registry.register(name, str(versions[0]))
+    registry.promote(name, v1.version)
+    base = schedule(str(tmp_path / "state"), watch=str(incoming), model=name)
+    seen: list = []
+
+    def boom(recipe, log):
+        seen.append(recipe)
+        raise RuntimeError("the cluster is gone")
+
+    cfg = validate(base, base=REPO)
+    out = run_round(cfg, "watch", log=lambda *_: None, registry=registry, train=boom)
+    assert out["status"] == "failed" and "the cluster is gone" in out["reason"]
+    assert seen[0].model.init == v1.source and seen[0].data.input == [str(incoming / "new-0.txt")]
+    assert seen[0].name == "t-round-0001" and seen[0].tokenizer.path is None
+    assert registry.get(f"{name}@production").version == v1.version and len(registry.versions(name)) == 1
+    assert new_shards(cfg, ScheduleState(cfg.state_uri)) == [str(incoming / "new-0.txt")]  # tried again next time
+
+    gated = validate({**base, "gates": {"eval_acc": {"min_absolute_change": 0.5}, "cka": {"threshold": 0.0}}}, base=REPO)
+    out = run_round(gated, "watch", log=lambda *_: None, registry=registry, train=lambda r, log: _Trained(versions[1]))
+    assert out["status"] == "gated" and out["round"] == 2
+    assert "eval_acc" in out["reason"] and "min_absolute_change 0.5" in out["reason"] and "cka" not in out["reason"]
+    v2 = registry.get(f"{name}/{out['candidate']['version']}")
+    assert v2.tags["gate"] == "failed" and "production" not in v2.aliases and v2.tags["ctx.parent"] == v1.ref
+    assert registry.get(f"{name}@production").version == v1.version
+    assert new_shards(gated, ScheduleState(gated.state_uri)) == []  # judged: not trained on again
+
+    (incoming / "new-1.txt").write_text("a loan from the bank\n")
+    passing = validate({**base, "gates": {"eval_acc": {"min_absolute_change": -1.0}}}, base=REPO)
+    out = run_round(passing, "watch", log=lambda *_: None, registry=registry, train=lambda r, log: _Trained(versions[1]))
+    assert out["status"] == "promoted" and out["shards"] == [str(incoming / "new-1.txt")]
+    assert registry.get(f"{name}@production").version == out["candidate"]["version"]
+    assert [r["status"] for r in ScheduleState(passing.state_uri).rounds()] == ["failed", "gated", "promoted"]
+    # nothing new now: a watch round is not even recorded
+    assert run_round(passing, "watch", log=lambda *_: None, registry=registry)["status"] == "skipped"
+    assert len(ScheduleState(passing.state_uri).rounds()) == 3
