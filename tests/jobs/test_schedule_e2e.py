@@ -1,7 +1,7 @@
 """Scheduled retraining end to end on loopback: a real Ray head (`ray start --head`), an S3 endpoint
 (moto's server) and a real MLflow server (`mlflow server --backend-store-uri sqlite:///F`).
 
-Production is seeded with a tiny bert run and served; `ctx schedule` starts the detached scheduler
+Production is seeded with a tiny BERT checkpoint on S3 and served; `ctx schedule` starts the detached scheduler
 watching a prefix; new shards land; the round continues pretraining from @production, passes its
 gate, is promoted, and the Serve app answers with the new version while a client sending requests
 throughout sees only 200s. A second round (`ctx schedule --once`) with a gate it cannot pass
@@ -132,21 +132,29 @@ def ctx(args: list[str], env: dict, timeout_s: float = 400) -> subprocess.Comple
 
 
 def test_scheduled_round_promotes_and_rolls_then_a_gated_round_changes_nothing(ray_head, s3_bucket, mlflow_server, tmp_path):
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import build_model
     from jobs.registry import Registry
     from jobs.schedule import ScheduleState
     from jobs.serve import checkpoint_version
     from pipelines import storage
+    from pipelines.sources import sample_text
+    from pipelines.tokenizers import train_tokenizer
 
     address, head_env = ray_head
     env = {**head_env, "RAY_ADDRESS": address, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
     bucket = f"s3://{s3_bucket}"
     s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
 
-    # --- production: a tiny pretraining run, registered and promoted
-    ctx(["pretrain", "--config", "configs/bert-tiny.yaml", "--no-progress", "--set", "name=seed", "--set", f"output_dir={bucket}/runs",
-         "--set", f"data.input={SHARDS[2]}", "--set", "data.eval_input=null", "--set", "tokenizer.vocab_size=800",
-         "--set", "tokenizer.sample_chars=200000", *[a for s in TINY for a in ("--set", s)]], env)
-    seed_ckpt = storage.latest_complete_checkpoint(f"{bucket}/runs/seed")
+    # --- production: a tiny BERT with its own tokenizer, on S3 (what a finished run leaves there),
+    # registered and promoted. Not a Ray Train run: the rounds below train for real, and a third
+    # training run would add a minute to the suite's most expensive test.
+    tok = train_tokenizer("wordpiece", sample_text([str(SHARDS[2])], 200_000), 800)
+    tok.save(tmp_path / "tok")
+    cfg, model = build_model("bert", "tiny", {"vocab_size": tok.vocab_size, "nsp": False}, seed=0)
+    local = save_checkpoint(tmp_path / "seed" / "checkpoint_2026-01-01_00-00-00.000000", model, "bert", cfg, tokenizer_dir=tmp_path / "tok")
+    seed_ckpt = f"{bucket}/runs/seed/{local.name}"
+    storage.copy_dir(local, seed_ckpt)
     registry = Registry(mlflow_server)
     v1 = registry.register("bert-tiny", seed_ckpt)
     registry.promote("bert-tiny", v1.version)
