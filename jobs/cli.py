@@ -12,6 +12,7 @@
     ctx export --model runs/minilm-pairs --format hf --output exported/minilm-pairs
     ctx schedule --config configs/schedule/bert-tiny.yaml [--once]   # scheduled retraining with a gate
     ctx schedule status --config configs/schedule/bert-tiny.yaml
+    ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v2/
 """
 
 from __future__ import annotations
@@ -163,6 +164,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not rest:
         raise SystemExit("ctx submit: give the ctx command to run after --, e.g. -- pretrain --config configs/bert-tiny.yaml")
     return submit(args.address, rest, working_dir=args.working_dir, follow=not args.no_follow, python=args.python)
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    import json
+
+    import ray
+
+    from jobs.embed import reembed
+
+    _quiet_env(args.verbose)
+    try:
+        summary = reembed(args.model, args.input, args.output, id_column=args.id_column, text_column=args.text_column,
+                          pooling=args.pooling, normalize=args.normalize, endpoint_url=args.endpoint_url,
+                          batch_size=args.batch_size, actors=args.actors, num_gpus=args.num_gpus)
+    except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
+        raise SystemExit(f"ctx embed: {e}") from None
+    finally:
+        ray.shutdown()  # a local Ray this command started; a cluster's driver just disconnects
+    print(json.dumps(summary))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -360,6 +381,20 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
 
 
+def _add_embed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
+    p.add_argument("--input", required=True, help="Parquet file or folder with an id and a text column (local, file://, s3://)")
+    p.add_argument("--output", required=True, help="a new folder for the vectors' Parquet; one that holds files is refused")
+    p.add_argument("--id-column", default="id")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"], help="as /v1/embeddings' pooling")
+    p.add_argument("--normalize", action="store_true", help="unit-length vectors, as /v1/embeddings' normalize")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per batch sent to an actor")
+    p.add_argument("--actors", type=int, default=1, help="model actors (each loads the model once)")
+    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint of input and output (default: AWS_ENDPOINT_URL)")
+
+
 def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_uri", metavar="RUN", help="the run folder, <output_dir>/<name> (local, file:// or s3://)")
     p.add_argument("--out", default=None, help="where to write index.html and the PNGs (default: <run>/report, or ./report-<name> for s3://)")
@@ -381,6 +416,7 @@ COMMANDS = {
     ("schedule",): ("start the scheduled retraining of a schedule.yaml (detached actor), or --once: one round now", _add_schedule_run, cmd_schedule),
     ("schedule", "status"): ("past rounds of a schedule: metrics, gate decisions and why", _add_schedule_status, cmd_schedule_status),
     ("schedule", "stop"): ("stop a schedule's scheduler (after the round it runs)", _add_schedule, cmd_schedule_stop),
+    ("embed",): ("re-embed stored texts (Parquet with ids) with a model into a new Parquet folder, with Ray Data", _add_embed, cmd_embed),
 }
 
 

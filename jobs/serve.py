@@ -474,24 +474,40 @@ class EmbeddingModel(TaskServing):
         strategies of fine-tuning), which ``pooling`` then pools. ``dimensions`` keeps the first k
         components and re-normalises (Matryoshka Representation Learning, Kusupati et al. 2022; OpenAI's
         text-embedding-3 ``dimensions``)."""
-        dim = self.dim * self._strategy(features)
-        if dimensions is not None and not 1 <= dimensions <= dim:
-            raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {dim}-dimensional vectors (features {features!r}); ask for 1..{dim}")
         # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
-        ids, _, _ = await asyncio.to_thread(self._encode, texts, truncate)
-        positions = [self._position(row, pooling) for row in ids]
-        results = await asyncio.gather(*(self._embed_batch((row, pos, features)) for row, pos in zip(ids, positions)))
-        vectors = [v for v, _ in results]
-        if dimensions is not None:
-            vectors = [v[:dimensions] for v in vectors]
-        if normalize or dimensions is not None:
-            vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+        ids, items = await asyncio.to_thread(self._embed_inputs, texts, pooling, dimensions, truncate, features)
+        results = await asyncio.gather(*(self._embed_batch(item) for item in items))
         return {
-            "embeddings": vectors,
+            "embeddings": finish_vectors([v for v, _ in results], normalize, dimensions),
             "n_tokens": [len(row) for row in ids],
             "batches": [size for _, size in results if size is not None],
             **self._stamp(),
         }
+
+    def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str) -> tuple[list[np.ndarray], list[tuple[np.ndarray, int | None, str]]]:
+        """(token ids per text, the (ids, position, strategy) items ``_pool`` takes); an InputError for
+        what /v1/embeddings refuses."""
+        dim = self.dim * self._strategy(features)
+        if dimensions is not None and not 1 <= dimensions <= dim:
+            raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {dim}-dimensional vectors (features {features!r}); ask for 1..{dim}")
+        ids, _, _ = self._encode(texts, truncate)
+        return ids, [(row, self._position(row, pooling), features) for row in ids]
+
+    def embed_now(
+        self,
+        texts: list[str],
+        pooling: Literal["mean", "cls", "last"] = "mean",
+        normalize: bool = False,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        features: str = "last",
+    ) -> dict:
+        """``_embed`` without Serve's request batching: the forward passes run here, in this thread, so
+        the class works outside a Serve replica (bulk re-embedding with Ray Data, ``jobs/embed.py``)
+        and gives the vectors /v1/embeddings gives."""
+        ids, items = self._embed_inputs(texts, pooling, dimensions, truncate, features)
+        vectors, _ = self._pool(items)
+        return {"embeddings": finish_vectors(vectors, normalize, dimensions), "n_tokens": [len(row) for row in ids], **self._stamp()}
 
     async def _token_embeddings(
         self,
@@ -562,6 +578,17 @@ class EmbeddingModel(TaskServing):
         """A real forward pass, for /readyz."""
         await asyncio.to_thread(self._forward_check)
         return self._stamp()
+
+
+def finish_vectors(vectors: list[np.ndarray], normalize: bool, dimensions: int | None) -> list[np.ndarray]:
+    """Pooled vectors as /v1/embeddings answers them: the first ``dimensions`` components (Matryoshka
+    Representation Learning, Kusupati et al. 2022; OpenAI's text-embedding-3 ``dimensions``),
+    re-normalised, or unit length when ``normalize``."""
+    if dimensions is not None:
+        vectors = [v[:dimensions] for v in vectors]
+    if normalize or dimensions is not None:
+        vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+    return vectors
 
 
 def word_means(vectors: np.ndarray, word_ids: np.ndarray, n_words: int) -> np.ndarray:
