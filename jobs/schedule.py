@@ -158,15 +158,13 @@ def held_out_metrics(checkpoint: Path, recipe, shards: list[str]) -> dict[str, f
 
 def probe_vectors(checkpoint: Path, texts: list[str]) -> np.ndarray:
     """(n, D) mean-pooled last-layer vectors of ``texts``: what ``/v1/embeddings`` answers, computed
-    by the serving replica's own tokenizing and pooling code (``EmbeddingModel._encode`` and
-    ``_pool``) run in this process (its request batching needs a Serve replica, the pooling not)."""
+    by the serving class itself in this process (``EmbeddingModel.embed_now``: the replica's code
+    without Serve's request batching, as bulk re-embedding uses it)."""
     from jobs.serve import EmbeddingModel, checkpoint_version
     from jobs.serve_config import Limits, ModelConfig
 
     model = EmbeddingModel.func_or_class("probe", str(checkpoint), checkpoint_version(str(checkpoint)), ModelConfig(uri=str(checkpoint)), Limits())
-    ids, _, _ = model._encode(texts, True)
-    vectors, _ = model._pool([(row, model._position(row, "mean"), "last") for row in ids])
-    return np.stack(vectors)
+    return np.stack(model.embed_now(texts, pooling="mean", truncate=True)["embeddings"])
 
 
 def probe_texts(cfg: ScheduleConfig) -> list[str]:
