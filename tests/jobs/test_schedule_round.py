@@ -116,3 +116,31 @@ def test_decisions_failed_gated_promoted(versions, tmp_path):
     # nothing new now: a watch round is not even recorded
     assert run_round(passing, "watch", log=lambda *_: None, registry=registry)["status"] == "skipped"
     assert len(ScheduleState(passing.state_uri).rounds()) == 3
+
+
+@pytest.mark.slow
+def test_reembed_step_writes_the_new_version_beside_the_old(ray_session, versions, tmp_path):
+    """Step 5: a promoted version's vectors go to <output>/v<N>/, next to earlier versions' folders,
+    which stay as they were; asking again for the same version is refused, not overwritten."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    from jobs.registry import ModelVersion
+    from jobs.schedule import reembed
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    pq.write_table(pa.table({"id": [7, 3, 11], "text": ["the river bank", "a loan", "bank"]}), texts / "part-0.parquet")
+    old = tmp_path / "vectors" / "v1"
+    old.mkdir(parents=True)
+    (old / "part-0.parquet").write_bytes(b"the old version's vectors")
+    cfg = validate(schedule(str(tmp_path / "state"), reembed={"input": str(texts), "output": str(tmp_path / "vectors")}), base=REPO)
+    v2 = ModelVersion("m", 2, str(versions[1]), ("production",), {}, None)
+    out = reembed(cfg, v2)
+    assert out["status"] == "done" and out["output"] == str(tmp_path / "vectors" / "v2") and out["rows"] == 3
+    table = pads.dataset(str(tmp_path / "vectors" / "v2"), format="parquet").to_table()
+    assert sorted(table.column("id").to_pylist()) == [3, 7, 11]
+    assert (old / "part-0.parquet").read_bytes() == b"the old version's vectors"
+    again = reembed(cfg, v2)
+    assert again["status"] == "failed" and sorted(pads.dataset(str(tmp_path / "vectors" / "v2"), format="parquet").to_table().column("id").to_pylist()) == [3, 7, 11]
