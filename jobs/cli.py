@@ -13,14 +13,18 @@
     ctx schedule --config configs/schedule/bert-tiny.yaml [--once]   # scheduled retraining with a gate
     ctx schedule status --config configs/schedule/bert-tiny.yaml
     ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v2/
+    ctx models list | show NAME[@alias|/N] | promote NAME N --alias production | rollback NAME
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
+
+REGISTRATION_FAILED = 3  # exit status of a run that trained and kept its checkpoint but was not registered
 
 
 def _quiet_env(verbose: bool) -> None:
@@ -50,11 +54,16 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from jobs.config import load_recipe
+    from jobs.tracking import RegistrationError
     from jobs.train import pretrain
 
     recipe = load_recipe(args.config, args.set)  # fails before Ray starts
     _quiet_env(args.verbose)
-    result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
+    try:
+        result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
+    except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
+        print(f"ctx pretrain: {e}", file=sys.stderr)
+        return REGISTRATION_FAILED
     m = result.metrics
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s")}
     print(f"done: {shown}")
@@ -95,10 +104,15 @@ def _serve_config(args: argparse.Namespace):
 def cmd_finetune(args: argparse.Namespace) -> int:
     from jobs.finetune import finetune
     from jobs.finetune_config import load_finetune_recipe
+    from jobs.tracking import RegistrationError
 
     recipe = load_finetune_recipe(args.config, args.set)  # fails before Ray starts
     _quiet_env(args.verbose)
-    result = finetune(recipe, verbose=args.verbose, progress=not args.no_progress)
+    try:
+        result = finetune(recipe, verbose=args.verbose, progress=not args.no_progress)
+    except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
+        print(f"ctx finetune: {e}", file=sys.stderr)
+        return REGISTRATION_FAILED
     m = result.metrics
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss") or k.startswith("val_")}
     print(f"done: {shown}")
@@ -307,6 +321,124 @@ def _add_schedule_status(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-actor", action="store_true", help="only the history from state_uri; do not ask the cluster")
 
 
+def _registry(args: argparse.Namespace):
+    from jobs.registry import Registry
+
+    return Registry(args.tracking_uri)
+
+
+def _version_line(v) -> str:
+    t = v.tags
+    what = " ".join(x for x in (t.get("ctx.family"), t.get("ctx.task") or t.get("ctx.kind")) if x)
+    metrics = json.loads(t["ctx.metrics"]) if t.get("ctx.metrics", "").startswith("{") else {}
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:4])
+    aliases = f" [{', '.join(v.aliases)}]" if v.aliases else ""
+    parent = f" parent {t['ctx.parent']}" if t.get("ctx.parent") else ""
+    data = ""
+    if t.get("ctx.shards", "")[:1] in ("[", "{"):
+        shards = json.loads(t["ctx.shards"])  # a list, or {count, bytes, ...} when there were many
+        count, size = (len(shards), sum(s.get("size") or 0 for s in shards)) if isinstance(shards, list) else (shards["count"], shards["bytes"])
+        data = f", {count} shard(s) {size:,} bytes"
+    return f"{v.ref}{aliases} {what or '-'} tokenizer {t.get('ctx.tokenizer_hash', '-')}{parent} {shown}{data}\n    {v.source}"
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    reg = _registry(args)
+    names = reg.models()
+    if not names:
+        print(f"no models in {reg.uri}")
+    for name in names:
+        versions = reg.versions(name)
+        aliases = ", ".join(f"{a} -> {v.version}" for v in versions for a in v.aliases)
+        print(f"{name}: {len(versions)} version(s), latest {versions[-1].version if versions else '-'}" + (f"; {aliases}" if aliases else ""))
+    return 0
+
+
+def cmd_models_show(args: argparse.Namespace) -> int:
+    from jobs.registry import describe
+
+    reg = _registry(args)
+    if "@" in args.ref or "/" in args.ref.removeprefix("models:/"):  # one version, every tag
+        print(json.dumps(describe(reg.get(args.ref)), indent=1))
+        return 0
+    name = args.ref.removeprefix("models:/")
+    for v in reg.versions(name):
+        print(_version_line(v))
+    history = reg.history(name)
+    if history:
+        print("promotions (oldest first):")
+    for e in history:
+        import datetime
+
+        when = datetime.datetime.fromtimestamp(e.at_ms / 1000, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        what = f"promote {name}/{e.version}" if e.op == "promote" else f"rollback (from {name}/{e.version})"
+        print(f"  {e.seq}. {when} {e.alias}: {what}{'' if e.effective else ' (no change)'} by {e.by}")
+    return 0
+
+
+def cmd_models_promote(args: argparse.Namespace) -> int:
+    v = _registry(args).promote(args.name, args.version, args.alias)
+    print(f"{args.name}@{args.alias} -> {v.ref} ({v.source})")
+    return 0
+
+
+def cmd_models_rollback(args: argparse.Namespace) -> int:
+    v = _registry(args).rollback(args.name, args.alias)
+    print(f"{args.name}@{args.alias} -> {v.ref} ({v.source})")
+    return 0
+
+
+def cmd_models_register(args: argparse.Namespace) -> int:
+    """A checkpoint registered by hand (e.g. after a run whose registration failed): source and tokenizer hash."""
+    from jobs.tracking import checkpoint_tokenizer_hash
+
+    reg = _registry(args)
+    tags = {"ctx.registered_by": "ctx models register"}
+    tok = checkpoint_tokenizer_hash(args.checkpoint, args.endpoint_url)
+    if tok:
+        tags["ctx.tokenizer_hash"] = tok
+    for item in args.tag:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--tag {item!r}: expected KEY=VALUE")
+        tags[key] = value
+    parent = reg.get(args.parent) if args.parent else None
+    v = reg.register(args.name, args.checkpoint, tags=tags, parent=parent)
+    print(f"{v.ref} <- {v.source}")
+    return 0
+
+
+def _add_tracking(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking/registry URI (default: $MLFLOW_TRACKING_URI, else sqlite:///~/.ctxmodels/mlflow.db)")
+
+
+def _add_models_show(p: argparse.ArgumentParser) -> None:
+    _add_tracking(p)
+    p.add_argument("ref", metavar="NAME[@ALIAS|/VERSION]", help="a model (its versions and promotions) or one version (all its tags)")
+
+
+def _add_models_promote(p: argparse.ArgumentParser) -> None:
+    _add_tracking(p)
+    p.add_argument("name")
+    p.add_argument("version", type=int)
+    p.add_argument("--alias", default="production", help="production (default), candidate, ...")
+
+
+def _add_models_rollback(p: argparse.ArgumentParser) -> None:
+    _add_tracking(p)
+    p.add_argument("name")
+    p.add_argument("--alias", default="production", help="the alias to move back to the version it named before")
+
+
+def _add_models_register(p: argparse.ArgumentParser) -> None:
+    _add_tracking(p)
+    p.add_argument("name")
+    p.add_argument("checkpoint", help="checkpoint folder URI (local or s3://); registered as it is, not copied")
+    p.add_argument("--parent", default=None, help="NAME@ALIAS or NAME/VERSION it was trained from")
+    p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+
+
 def _add_pretrain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="recipe YAML, e.g. configs/bert-tiny.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any recipe key, e.g. train.lr=3e-4")
@@ -417,6 +549,11 @@ COMMANDS = {
     ("schedule", "status"): ("past rounds of a schedule: metrics, gate decisions and why", _add_schedule_status, cmd_schedule_status),
     ("schedule", "stop"): ("stop a schedule's scheduler (after the round it runs)", _add_schedule, cmd_schedule_stop),
     ("embed",): ("re-embed stored texts (Parquet with ids) with a model into a new Parquet folder, with Ray Data", _add_embed, cmd_embed),
+    ("models", "list"): ("list the registered models, their versions and aliases (MLflow registry)", _add_tracking, cmd_models_list),
+    ("models", "show"): ("show a model's versions and promotion history, or one version's tags", _add_models_show, cmd_models_show),
+    ("models", "promote"): ("point an alias (production, candidate) at a version", _add_models_promote, cmd_models_promote),
+    ("models", "rollback"): ("move an alias back to the version it named before", _add_models_rollback, cmd_models_rollback),
+    ("models", "register"): ("register a checkpoint as a new version (no copy)", _add_models_register, cmd_models_register),
 }
 
 
@@ -444,13 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jobs.config import RecipeError
+    from jobs.registry import RegistryError
     from jobs.schedule_config import ScheduleError
     from jobs.serve_config import ConfigError
     from pipelines.storage import StorageError
 
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError) as e:
+    except (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RegistryError) as e:
         print(f"ctx: error: {e}", file=sys.stderr)
         return 2
 

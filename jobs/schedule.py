@@ -267,6 +267,9 @@ def _recipe_for_round(cfg: ScheduleConfig, n: int, init: str, shards: list[str])
         data["output_dir"] = cfg.train.output_dir
     data["model"] = {"family": data["model"]["family"], "preset": data["model"]["preset"], "init": init}
     data["tokenizer"]["path"] = None  # the production version's own tokenizer (warm start)
+    # The round registers the candidate itself, once judged, with the gate's verdict and its parent;
+    # the run registering its own checkpoint too would make two versions of one candidate.
+    data["registry"] = {**(data.get("registry") or {}), "enabled": False}
     if shards:
         data["data"]["input"] = shards
     return Recipe.model_validate(data)

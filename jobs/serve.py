@@ -26,7 +26,9 @@ A name's checkpoint is resolved once, when the app is built (a run folder become
 best.json names, else its newest complete ``checkpoint_*``), and pinned by its version (folder name + MANIFEST.json hash):
 every replica loads that folder and refuses to start if it changed. Responses carry the version
 and the tokenizer hash (headers ``X-Model-Version``, ``X-Tokenizer-Hash`` and the body) so an index
-never silently mixes two embedding spaces.
+never silently mixes two embedding spaces. A model given as ``models:/NAME@alias`` or ``models:/NAME/N``
+is looked up in the MLflow registry at that moment too (``jobs.registry.resolve``), and its answers
+name the registry version as well (``X-Registry-Version: NAME/N``, ``registry_version``).
 
 Deploy with ``ctx serve --model NAME=URI`` or ``ctx serve --config serve.yaml`` (see
 ``jobs/serve_config.py``), or write Serve's own config with ``ctx serve build`` for ``serve deploy``.
@@ -73,6 +75,7 @@ TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token bu
 # Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
 CAUSAL_FAMILIES = ("gpt", "transformer-xl")
 VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
+REGISTRY_HEADER = "X-Registry-Version"  # "NAME/N" when the model was given as models:/NAME@alias or models:/NAME/N
 
 
 # ----------------------------------------------------------------------------- loading
@@ -204,12 +207,14 @@ class EmbeddingModel(TaskServing):
     request fails alone; only forward passes are batched (sentence vectors here, task rows and masked-LM
     rows in ``TaskServing``)."""
 
-    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelConfig, limits: Limits):
+    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelConfig, limits: Limits,
+                 registry_version: str | None = None):
         import torch
 
         from pipelines.tokenizers import load_tokenizer
 
         self.name, self.checkpoint, self.limits = name, checkpoint, limits
+        self.registry_version = registry_version  # resolved with the app: replicas never ask the registry
         local_dir, tmp = fetch_checkpoint(checkpoint)  # already resolved: the folder itself
         try:
             self.version = checkpoint_version(checkpoint, local_dir)
@@ -272,6 +277,7 @@ class EmbeddingModel(TaskServing):
             "max_len": self.max_len,
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
+            "registry_version": self.registry_version,
             **self.task_info(),  # task, labels, routes
         }
 
@@ -417,7 +423,7 @@ class EmbeddingModel(TaskServing):
         return out, sizes
 
     def _stamp(self) -> dict[str, str]:
-        return {"version": self.version, "tokenizer_hash": self.tokenizer_hash}
+        return {"version": self.version, "tokenizer_hash": self.tokenizer_hash, "registry_version": self.registry_version}
 
     # --- Ray seam: request handlers, called through DeploymentHandles ---
 
@@ -1072,6 +1078,7 @@ class Gateway:
                 "data": data,
                 "model": req.model,
                 "model_version": out["version"],
+                "registry_version": out["registry_version"],
                 "tokenizer_hash": out["tokenizer_hash"],
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
             },
@@ -1099,6 +1106,7 @@ class Gateway:
                 "object": "list",
                 "model": req.model,
                 "model_version": out["version"],
+                "registry_version": out["registry_version"],
                 "tokenizer_hash": out["tokenizer_hash"],
                 "layers": None if req.features is not None else req.layers,
                 "features": req.features,
@@ -1123,7 +1131,8 @@ class Gateway:
         out = await self._call(req.model, "task", route, req.payload())
         body = out["body"]
         if isinstance(body, dict):  # /v1/rerank answers TEI's bare list: its version is in the headers
-            body = {"model": req.model, "model_version": out["version"], "tokenizer_hash": out["tokenizer_hash"], **body}
+            body = {"model": req.model, "model_version": out["version"], "registry_version": out["registry_version"],
+                    "tokenizer_hash": out["tokenizer_hash"], **body}
         return AsciiJSON(body, headers=_stamp_headers(out))
 
     async def list_models(self) -> Response:
@@ -1132,7 +1141,7 @@ class Gateway:
             entry = {"id": name, "object": "model", "created": self.created, "owned_by": "ctxmodels"}
             try:
                 info = await self._model_info(name)
-                entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "version", "tokenizer_hash", "routes")})
+                entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "version", "registry_version", "tokenizer_hash", "routes")})
             except ApiError:  # not up yet: list it without the details
                 pass
             data.append(entry)
@@ -1174,7 +1183,10 @@ def _cause_message(e: BaseException) -> str:
 
 
 def _stamp_headers(out: dict) -> dict[str, str]:
-    return {VERSION_HEADER: out["version"], TOKENIZER_HEADER: out["tokenizer_hash"]}
+    headers = {VERSION_HEADER: out["version"], TOKENIZER_HEADER: out["tokenizer_hash"]}
+    if out.get("registry_version"):
+        headers[REGISTRY_HEADER] = out["registry_version"]
+    return headers
 
 
 # ----------------------------------------------------------------------------- building and running
@@ -1185,13 +1197,17 @@ def build_app(config: ServeConfig) -> serve.Application:
 
     Each model's URI is resolved here, once: every replica loads that checkpoint folder, pinned by
     its version (a run folder that gets a newer checkpoint later is not picked up until the app is
-    built again)."""
+    built again). ``models:/NAME@alias`` is looked up in the registry ($MLFLOW_TRACKING_URI) here too:
+    a promotion after that reaches the app when it is built again."""
     from ray.serve.config import BackpressureConfig
+
+    from jobs.registry import resolve as resolve_model
 
     overload = BackpressureConfig(status_code=429, retry_after_s=config.retry_after_s)
     handles = {}
     for i, (name, m) in enumerate(config.models.items()):
-        checkpoint = resolve_checkpoint(m.uri)
+        source, registered = resolve_model(m.uri)
+        checkpoint = resolve_checkpoint(source)
         version = checkpoint_version(checkpoint)
         deployment_name = f"EmbeddingModel-{i}-" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
         scaling: dict[str, Any] = {"num_replicas": m.num_replicas}
@@ -1204,7 +1220,7 @@ def build_app(config: ServeConfig) -> serve.Application:
             backpressure_config=overload,
             ray_actor_options={"num_cpus": m.num_cpus, "num_gpus": m.num_gpus},
             **scaling,
-        ).bind(name, checkpoint, version, m, config.limits)
+        ).bind(name, checkpoint, version, m, config.limits, registered.ref if registered else None)
     g = config.gateway
     return Gateway.options(
         num_replicas=1,  # `ctx serve` drains it through the app's handle, which reaches one replica

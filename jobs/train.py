@@ -22,6 +22,7 @@ import numpy as np
 
 from ctxmodels.registry import FAMILIES
 from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
+from jobs.tracking import record_run
 from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, StepSamples, model_inputs: re-exported)
     BOOKKEEPING,
     Checkpointer,
@@ -66,6 +67,7 @@ class PretrainResult:
     checkpoint_uri: str | None
     metrics: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)  # every logged metrics dict of rank 0
+    registered: Any = None  # the jobs.registry.ModelVersion the checkpoint became (registry.enabled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,8 +105,11 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Pa
     folder: a warm start keeps the vocabulary its embeddings were trained with."""
     from jobs.runs import local_copy, resolve_checkpoint
 
+    from jobs.registry import resolve
+
     ep = recipe.data.endpoint_url
-    uri = resolve_checkpoint(recipe.model.init, ep)
+    source, _ = resolve(recipe.model.init, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
+    uri = resolve_checkpoint(source, ep)
     local = local_copy(uri, workdir / "init", ep)
     try:
         payload = json.loads((local / "config.json").read_text())
@@ -206,7 +211,13 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
     )
     log(f"checkpoint: {result.checkpoint_uri}")
     _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards))
-    return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history)
+    registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
+        kind="pretrain", recipe=recipe, checkpoint=result.checkpoint_uri, metrics=result.metrics, history=result.history,
+        run_uri=run, shards=shards, eval_metrics={k: v for k, v in result.metrics.items() if k.startswith("eval_")},
+        family=recipe.model.family, endpoint_url=ep, log=log,
+    )
+    return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history,
+                          registered=registered)
 
 
 def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int) -> None:

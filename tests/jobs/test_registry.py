@@ -165,3 +165,66 @@ def test_two_racing_promoters_leave_a_consistent_registry(mlflow_server, tmp_pat
     assert live.version == stacks["production"][-1]
     assert [v.version for v in reg.versions(name) if "production" in v.aliases] == [live.version]
     assert reg.rollback(name).version == stacks["production"][-2]
+
+
+def test_ctx_models_cli(mlflow_server, capsys):
+    """`ctx models` in-process against the server: promote, show (versions, tags, history), rollback,
+    list; mistakes are exit 2 with a message that says what to do."""
+    from jobs.cli import main
+
+    reg = Registry(mlflow_server)
+    name = _name("cli")
+    reg.register(name, f"s3://ckpts/{name}/checkpoint_a", tags={"ctx.family": "bert", "ctx.kind": "pretrain", "ctx.tokenizer_hash": "0123abcd",
+                                                               "ctx.metrics": json.dumps({"eval_loss": 2.5}),
+                                                               "ctx.shards": json.dumps([{"uri": "s3://c/a", "size": 1000, "etag": "e1"},
+                                                                                         {"uri": "s3://c/b", "size": 234, "etag": "e2"}])})
+    reg.register(name, f"s3://ckpts/{name}/checkpoint_b", tags={"ctx.family": "bert", "ctx.task": "classification"}, parent=reg.get(f"{name}/1"))
+    uri = ["--tracking-uri", mlflow_server]
+
+    assert main(["models", "promote", name, "1", *uri]) == 0
+    assert main(["models", "promote", name, "2", "--alias", "production", *uri]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{name}@production -> {name}/2 (s3://ckpts/{name}/checkpoint_b)"
+
+    assert main(["models", "show", name, *uri]) == 0
+    out = capsys.readouterr().out
+    assert f"{name}/1 bert pretrain tokenizer 0123abcd eval_loss=2.5, 2 shard(s) 1,234 bytes" in out
+    assert f"{name}/2 [production] bert classification tokenizer - parent {name}/1" in out
+    assert f"production: promote {name}/1" in out and f"production: promote {name}/2" in out
+
+    assert main(["models", "show", f"models:/{name}@production", *uri]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["ref"] == f"{name}/2" and shown["tags"]["ctx.parent"] == f"{name}/1" and shown["aliases"] == ["production"]
+
+    assert main(["models", "rollback", name, *uri]) == 0
+    assert capsys.readouterr().out.startswith(f"{name}@production -> {name}/1 ")
+    assert main(["models", "list", *uri]) == 0
+    assert f"{name}: 2 version(s), latest 2; production -> 1" in capsys.readouterr().out.splitlines()
+
+    assert main(["models", "rollback", name, *uri]) == 2
+    assert "no earlier version to go back to" in capsys.readouterr().err
+    assert main(["models", "show", f"{name}@candidate", *uri]) == 2
+    assert f"promote one: ctx models promote {name} VERSION --alias candidate" in capsys.readouterr().err
+
+
+def test_ctx_models_register_an_s3_checkpoint_by_hand(mlflow_server, s3_server, s3_bucket, tmp_path, capsys):
+    """What a failed registration tells people to run: the checkpoint registered as it is, with the
+    tokenizer hash serving will answer and the parent given."""
+    import boto3
+
+    from jobs.cli import main
+    from jobs.serve import tokenizer_hash
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    (tok / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nbank\n")
+    boto3.client("s3", endpoint_url=s3_server).upload_file(str(tok / "vocab.txt"), s3_bucket, "runs/r/checkpoint_9/tokenizer/vocab.txt")
+    name = _name("byhand")
+    reg = Registry(mlflow_server)
+    reg.register(name, f"s3://{s3_bucket}/runs/r/checkpoint_1")
+    source = f"s3://{s3_bucket}/runs/r/checkpoint_9"
+    assert main(["models", "register", name, source, "--parent", f"{name}/1", "--tag", "ctx.note=after an outage",
+                 "--tracking-uri", mlflow_server]) == 0
+    assert capsys.readouterr().out.strip() == f"{name}/2 <- {source}"
+    v = reg.get(f"{name}/2")
+    assert v.source == source and v.tags["ctx.parent"] == f"{name}/1" and v.tags["ctx.note"] == "after an outage"
+    assert v.tags["ctx.tokenizer_hash"] == tokenizer_hash(tok)

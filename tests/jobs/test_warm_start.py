@@ -52,3 +52,14 @@ def test_model_has_the_checkpoints_architecture_and_weights(checkpoint):
     _, original = build_model("bert", "tiny", {"vocab_size": cfg.vocab_size, "d_model": 48, "n_head": 2, "nsp": False}, seed=3)
     for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(original.state_dict().items())):
         assert torch.equal(a, b), name
+
+
+def test_init_from_the_registry(checkpoint, tmp_path):
+    from jobs.registry import Registry
+
+    registry = Registry()  # the session's SQLite store (tests/conftest.py)
+    v = registry.register("warm-start-test", str(checkpoint))
+    registry.promote("warm-start-test", v.version)
+    rec = load_recipe(REPO / "configs/bert-tiny.yaml", ["model.init=models:/warm-start-test@production"])
+    uri, tok_dir = warm_start_source(rec, tmp_path, log=lambda *_: None)
+    assert uri == str(checkpoint) and (tok_dir / "tokenizer.json").is_file()
