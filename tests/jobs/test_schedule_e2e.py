@@ -204,6 +204,11 @@ def test_scheduled_round_promotes_and_rolls_then_a_gated_round_changes_nothing(r
 
         # --- the scheduler, detached: it fires when shards land under the watched prefix
         ctx(["schedule", "--config", str(config)], env)
+        from jobs.schedule import _now
+
+        second_start = _now()
+        time.sleep(1)
+        ctx(["schedule", "--config", str(config)], env)  # finds the running scheduler, starts no second one
         s3.upload_file(str(SHARDS[0]), s3_bucket, f"incoming/{SHARDS[0].name}")
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and not any(r["status"] != "running" for r in state.rounds()):
@@ -221,6 +226,10 @@ def test_scheduled_round_promotes_and_rolls_then_a_gated_round_changes_nothing(r
         assert first["served"] == new_version
         time.sleep(1)
         assert versions[-1] == new_version  # the app answers with the new version now
+        import json
+
+        sched = json.loads(ctx(["schedule", "status", "--config", str(config), "--json"], env).stdout)["scheduler"]
+        assert sched["alive"] and sched["started"] < second_start, sched
         ctx(["schedule", "stop", "--config", str(config)], env)
 
         # --- a second round with a gate it cannot pass: registered, not promoted, nothing else moves
