@@ -112,6 +112,15 @@ def running_round(state: ScheduleState) -> dict[str, Any] | None:
     return None
 
 
+def retry_wait(rounds: list[dict[str, Any]], retry_after_s: float, now: float) -> float:
+    """Seconds until new shards may start a round again: after a failed last round, what is left of
+    ``retry_after_s`` since it started; else 0."""
+    last = next((r for r in reversed(rounds) if r.get("status") not in ("skipped", "busy")), None)
+    if last is None or last.get("status") != "failed":
+        return 0.0
+    return max(0.0, float(last.get("started_ts", 0)) + retry_after_s - now)
+
+
 def new_shards(cfg: ScheduleConfig, state: ScheduleState) -> list[str]:
     """Shards under ``trigger.watch`` not trained on by an earlier round (none if the prefix is empty)."""
     if cfg.trigger.watch is None:
@@ -411,7 +420,8 @@ class Scheduler:
             try:
                 if due is not None and time.time() >= due:
                     trigger, due = "cron", next_cron(cfg.trigger.cron, time.time())
-                elif cfg.trigger.watch is not None and new_shards(cfg, state):
+                elif (cfg.trigger.watch is not None and retry_wait(state.rounds(), cfg.trigger.retry_after_s, time.time()) <= 0
+                      and new_shards(cfg, state)):
                     trigger = "watch"
                 if trigger:
                     self.current = {"trigger": trigger, "since": _now()}

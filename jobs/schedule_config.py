@@ -129,6 +129,9 @@ class Trigger(_Section):
     cron: str | None = None  # a cron expression (croniter), in UTC
     watch: str | None = None  # a prefix whose new shards start a round (pipelines.storage.list_files)
     poll_s: float = Field(60.0, gt=0)  # how often the prefix is listed
+    # After a failed round its shards are still new: wait this long before the prefix starts another
+    # round, so a shard that always fails does not restart training at every poll.
+    retry_after_s: float = Field(3600.0, ge=0)
 
     @field_validator("cron")
     @classmethod

@@ -144,3 +144,14 @@ def test_reembed_step_writes_the_new_version_beside_the_old(ray_session, version
     assert (old / "part-0.parquet").read_bytes() == b"the old version's vectors"
     again = reembed(cfg, v2)
     assert again["status"] == "failed" and sorted(pads.dataset(str(tmp_path / "vectors" / "v2"), format="parquet").to_table().column("id").to_pylist()) == [3, 7, 11]
+
+
+def test_a_failed_round_is_retried_only_after_retry_after_s():
+    from jobs.schedule import retry_wait
+
+    failed = {"round": 1, "status": "failed", "started_ts": 1000.0}
+    assert retry_wait([], 3600, 2000.0) == 0.0
+    assert retry_wait([failed], 3600, 2000.0) == 2600.0
+    assert retry_wait([failed], 3600, 5000.0) == 0.0
+    assert retry_wait([failed, {"round": 2, "status": "skipped"}], 3600, 2000.0) == 2600.0  # a skip is not a retry
+    assert retry_wait([failed, {"round": 2, "status": "gated", "started_ts": 1500.0}], 3600, 2000.0) == 0.0
