@@ -11,6 +11,8 @@
     ctx demo
     ctx report runs/bert-tiny
     ctx export --model runs/minilm-pairs --format hf --output exported/minilm-pairs
+    ctx schedule --config configs/schedule/bert-tiny.yaml [--once]   # scheduled retraining with a gate
+    ctx schedule status --config configs/schedule/bert-tiny.yaml
     ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v2/
     ctx models list | show NAME[@alias|/N] | promote NAME N --alias production | rollback NAME
 """
@@ -285,6 +287,68 @@ def _export_sentence_transformers(loaded, out, pad_id: int | None, pooling: str,
                                         max_seq_length=int(max_len), pooling=pooling, normalize=normalize, pad_token_id=pad_id)
 
 
+def _schedule(args: argparse.Namespace):
+    from jobs.schedule_config import load_schedule
+
+    if not args.config:
+        raise SystemExit("ctx schedule: --config schedule.yaml is required, e.g. configs/schedule/bert-tiny.yaml")
+    return load_schedule(args.config)  # fails before Ray starts, naming the key
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from jobs import schedule
+
+    cfg = _schedule(args)
+    _quiet_env(args.verbose)
+    if args.once:  # one round here and now (a Kubernetes CronJob's command)
+        record = schedule.run_round(cfg, "once")
+        print(f"round {record.get('round', '-')}: {record['status']}: {record.get('reason', '')}")
+        return 1 if record["status"] == "failed" else 0
+    schedule.start(cfg, args.address)
+    print(f"scheduler {cfg.actor_name} runs on the cluster (namespace {cfg.namespace}, detached: it outlives this command); "
+          f"`ctx schedule status --config {args.config}` shows its rounds, `ctx schedule stop --config {args.config}` stops it")
+    return 0
+
+
+def cmd_schedule_status(args: argparse.Namespace) -> int:
+    import json
+
+    from jobs import schedule
+
+    cfg = _schedule(args)
+    _quiet_env(args.verbose)
+    out = schedule.status(cfg, args.address, with_actor=not args.no_actor)
+    print(json.dumps(out, indent=2) if args.json else schedule.format_status(out))
+    return 0
+
+
+def cmd_schedule_stop(args: argparse.Namespace) -> int:
+    from jobs import schedule
+
+    cfg = _schedule(args)
+    _quiet_env(args.verbose)
+    stopped = schedule.stop(cfg, args.address)
+    print(f"scheduler {cfg.actor_name}: {'stopped' if stopped else 'was not running'}")
+    return 0
+
+
+def _add_schedule(p: argparse.ArgumentParser) -> None:
+    # not required=True: `ctx schedule status --config ...` gives it to the subcommand, not to `ctx schedule`
+    p.add_argument("--config", default=None, help="schedule YAML, e.g. configs/schedule/bert-tiny.yaml (every key: jobs/schedule_config.py)")
+    p.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a running `ray start` on this machine)")
+
+
+def _add_schedule_run(p: argparse.ArgumentParser) -> None:
+    _add_schedule(p)
+    p.add_argument("--once", action="store_true", help="run one round now in this process instead of starting the scheduler")
+
+
+def _add_schedule_status(p: argparse.ArgumentParser) -> None:
+    _add_schedule(p)
+    p.add_argument("--json", action="store_true", help="the history as JSON")
+    p.add_argument("--no-actor", action="store_true", help="only the history from state_uri; do not ask the cluster")
+
+
 def _registry(args: argparse.Namespace):
     from jobs.registry import Registry
 
@@ -530,6 +594,9 @@ COMMANDS = {
     ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
     ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
     ("export",): ("write a model as a Hugging Face or sentence-transformers folder", _add_export, cmd_export),
+    ("schedule",): ("start the scheduled retraining of a schedule.yaml (detached actor), or --once: one round now", _add_schedule_run, cmd_schedule),
+    ("schedule", "status"): ("past rounds of a schedule: metrics, gate decisions and why", _add_schedule_status, cmd_schedule_status),
+    ("schedule", "stop"): ("stop a schedule's scheduler (after the round it runs)", _add_schedule, cmd_schedule_stop),
     ("embed",): ("re-embed stored texts (Parquet with ids) with a model into a new Parquet folder, with Ray Data", _add_embed, cmd_embed),
     ("models", "list"): ("list the registered models, their versions and aliases (MLflow registry)", _add_tracking, cmd_models_list),
     ("models", "show"): ("show a model's versions and promotion history, or one version's tags", _add_models_show, cmd_models_show),
@@ -565,13 +632,14 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.config import RecipeError
     from jobs.registry import RegistryError
     from jobs.runlock import RunLockHeld
+    from jobs.schedule_config import ScheduleError
     from jobs.serve_config import ConfigError
     from jobs.submit import SubmitError
     from pipelines.storage import StorageError
 
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, ConfigError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError) as e:
+    except (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError) as e:
         print(f"ctx: error: {e}", file=sys.stderr)
         return 2
 

@@ -48,6 +48,11 @@ class ModelSection(BaseModel):
 
     family: str = "bert"
     preset: str = "tiny"
+    # Warm start: continue pretraining from this checkpoint (ours, a run folder: its best or newest
+    # complete checkpoint, or a Hugging Face folder; local or s3://; or models:/NAME@alias). Its weights, architecture and
+    # tokenizer are kept; the optimizer, schedule and data position start fresh. A run's own
+    # checkpoint still wins on a rerun (resume).
+    init: str | None = None
 
     @property
     def overrides(self) -> dict[str, Any]:
@@ -55,6 +60,12 @@ class ModelSection(BaseModel):
 
     @model_validator(mode="after")
     def _check_family_fields(self) -> "ModelSection":
+        if self.init is not None:
+            if not self.init.strip():
+                raise ValueError("init: give a checkpoint, run folder or Hugging Face folder, or leave it out")
+            if self.overrides:
+                key = sorted(self.overrides)[0]
+                raise ValueError(f"{key}: the architecture comes from model.init ({self.init}); remove model.{key}")
         if self.family not in FAMILIES:
             raise ValueError(f"family: unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
         spec = FAMILIES[self.family]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ctxmodels.registry import FAMILIES
-from jobs.config import Recipe, model_overrides_with_vocab
+from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
 from jobs.tracking import record_run
 from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, StepSamples, model_inputs: re-exported)
     BOOKKEEPING,
@@ -100,6 +100,32 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     return local
 
 
+def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Path]:
+    """``model.init`` resolved to one checkpoint URI (a run folder: its best or newest complete
+    checkpoint), checked against the recipe's family, and that checkpoint's tokenizer as a local
+    folder: a warm start keeps the vocabulary its embeddings were trained with."""
+    from jobs.runs import local_copy, resolve_checkpoint
+
+    from jobs.registry import resolve
+
+    ep = recipe.data.endpoint_url
+    source, _ = resolve(recipe.model.init, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
+    uri = resolve_checkpoint(source, ep)
+    local = local_copy(uri, workdir / "init", ep)
+    try:
+        payload = json.loads((local / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"model.init: {uri} has no readable config.json ({e}); give a checkpoint or run folder") from None
+    if "task" in payload:
+        raise RecipeError(f"model.init: {uri} is a fine-tuned checkpoint; pretraining continues from a pretraining checkpoint")
+    family = payload.get("family") if payload.get("format") == "ctxmodels" else None
+    if family is not None and family != recipe.model.family:
+        raise RecipeError(f"model.init: {uri} is a {family} checkpoint but model.family is {recipe.model.family!r}; set model.family: {family}")
+    tok = local / "tokenizer" if (local / "tokenizer").is_dir() else local  # ours in tokenizer/, HF folders at the top
+    log(f"warm start: weights and tokenizer of {uri}")
+    return uri, tok
+
+
 def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
                  ) -> tuple[dict[str, Any], DataPosition] | None:
     """trainer_state.json and the data position of the run's latest committed checkpoint, if any."""
@@ -161,7 +187,8 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
     eval_shards = storage.list_files(recipe.data.eval_input, ep) if recipe.data.eval_input else []
     run = run_uri(recipe)
-    tok_dir = ensure_tokenizer(recipe, shards, run, workdir, log)
+    init = warm_start_source(recipe, workdir, log) if recipe.model.init else None
+    tok_dir = init[1] if init and not recipe.tokenizer.path else ensure_tokenizer(recipe, shards, run, workdir, log)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
 
@@ -187,6 +214,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
             "vocab_size": tok.vocab_size,
             "stream_ordered": row_kind(spec) == "stream",
             "run_uri": run,
+            "init_checkpoint": init[0] if init else None,
             "shard_keys": shard_keys(shards),
             "eval_shards": eval_shards,
             "predicted_per_row": objective(spec.objective).predicted(recipe.data.seq_len, spec),
@@ -401,10 +429,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         raise RuntimeError(f"{world} workers x {accum} micro-batches x {micro} rows != train.batch_size {t.batch_size}")
     obj = objective(recipe.data.objective)
 
-    overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
-    for key, value in obj.families[recipe.model.family].items():
-        overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
-    model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=t.seed)
+    if config.get("init_checkpoint"):  # warm start: the checkpoint's architecture and weights
+        model_cfg, model = warm_start_model(config["init_checkpoint"], ep)
+    else:
+        overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
+        for key, value in obj.families[recipe.model.family].items():
+            overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
+        model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=t.seed)
     seed_worker_rng(t.seed, rank)  # dropout
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
@@ -502,6 +533,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         metrics_log.close()
     if state.step < t.max_steps and rank == 0:
         print(f"data stream ended at step {state.step} before train.max_steps={t.max_steps}; raise data.max_epochs")
+
+
+def warm_start_model(checkpoint: str, endpoint_url: str | None):
+    """(config, pretraining model) of ``checkpoint``, ready to train; the run's own checkpoint, if it
+    has one, is loaded over these weights afterwards (``resume``)."""
+    from ctxmodels.checkpoint import load_checkpoint
+    from jobs.runs import local_copy
+
+    loaded = load_checkpoint(local_copy(checkpoint, Path(tempfile.mkdtemp(prefix="ctx-init-")), endpoint_url))
+    return loaded.config, loaded.model.train()
 
 
 def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[str, Any], *, family: str, model_cfg, tok_dir: Path) -> None:

@@ -1,0 +1,94 @@
+"""The gate (MLflow MetricThreshold semantics) and the schedule config's validation."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs.schedule_config import MetricGate, ScheduleError, check_gate, decide, load_schedule
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_threshold_follows_the_metric_direction():
+    g = MetricGate(threshold=0.5)
+    assert check_gate("eval_acc", g, 0.6, None).passed
+    assert not check_gate("eval_acc", g, 0.4, None).passed
+    # perplexity: lower is better, so the threshold is a ceiling
+    assert check_gate("eval_ppl", MetricGate(threshold=100.0), 80.0, None).passed
+    r = check_gate("eval_ppl", MetricGate(threshold=100.0), 120.0, None)
+    assert not r.passed and "<= threshold 100" in r.reason
+    # an explicit greater_is_better wins over the name
+    assert not check_gate("eval_ppl", MetricGate(threshold=100.0, greater_is_better=True), 80.0, None).passed
+
+
+def test_changes_against_production():
+    g = MetricGate(min_absolute_change=0.01)
+    assert check_gate("eval_acc", g, 0.52, 0.50).passed
+    r = check_gate("eval_acc", g, 0.505, 0.50)
+    assert not r.passed and "min_absolute_change 0.01" in r.reason
+    # a negative change is a tolerance
+    assert check_gate("eval_acc", MetricGate(min_absolute_change=-0.01), 0.495, 0.50).passed
+    assert not check_gate("eval_acc", MetricGate(min_absolute_change=-0.01), 0.485, 0.50).passed
+    # relative, lower is better: 10% lower perplexity is a +0.1 relative change
+    assert check_gate("eval_ppl", MetricGate(min_relative_change=0.05), 90.0, 100.0).passed
+    assert not check_gate("eval_ppl", MetricGate(min_relative_change=0.05), 97.0, 100.0).passed
+    # without production's value a change cannot be judged: the gate fails, saying so
+    r = check_gate("eval_acc", g, 0.9, None)
+    assert not r.passed and "no production value" in r.reason
+
+
+def test_missing_or_nan_candidate_fails_and_decide_needs_every_gate():
+    assert not check_gate("eval_acc", MetricGate(threshold=0.0), float("nan"), 0.5).passed
+    gates = {"eval_acc": MetricGate(threshold=0.1), "cka": MetricGate(threshold=0.9)}
+    ok, results = decide(gates, {"eval_acc": 0.2, "cka": 0.95}, {"eval_acc": 0.1})
+    assert ok and all(r.passed for r in results)
+    ok, results = decide(gates, {"eval_acc": 0.2, "cka": 0.5}, {})
+    assert not ok and [r.metric for r in results if not r.passed] == ["cka"]
+    assert decide({}, {}, {})[0]  # no gates: nothing to refuse
+
+
+def test_gate_needs_a_condition():
+    with pytest.raises(ValueError, match="at least one"):
+        MetricGate(greater_is_better=True)
+
+
+def _write(tmp_path: Path, **changes) -> Path:
+    data = yaml.safe_load((REPO / "configs/schedule/bert-tiny.yaml").read_text())
+    for key, value in changes.items():
+        node = data
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_example_config_loads_with_its_recipe_and_serve_app(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_schedule("configs/schedule/bert-tiny.yaml")
+    assert cfg.recipe["train"]["max_steps"] == 100  # train.set applied to the recipe
+    assert cfg.serve.app["models"]["bert"]["uri"] == "runs/bert-tiny"
+    assert cfg.gates["eval_ppl"].min_relative_change == -0.05
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"gates": {"eval_accuracy": {"threshold": 0.1}}}, "gates.eval_accuracy"),
+        ({"gates": {"eval_acc": {"treshold": 0.1}}}, "gates.eval_acc.treshold"),
+        ({"trigger": {"poll_s": 5}}, "trigger: give cron, watch or both"),
+        ({"trigger.cron": "every day"}, "trigger.cron"),
+        ({"train.set": ["train.lr=-1"]}, "train.lr"),
+        ({"serve.model": "nope"}, "serve.model"),
+        ({"name": "a b"}, "name"),
+    ],
+)
+def test_errors_name_the_key(tmp_path, monkeypatch, change, key):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, **change)
+    with pytest.raises(ScheduleError) as e:
+        load_schedule(path)
+    assert key in str(e.value)

@@ -1,0 +1,65 @@
+"""Pretraining's warm start (model.init): validated on load, the checkpoint's family, architecture,
+weights and tokenizer kept. The Ray Train run that continues from one is the schedule's e2e test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ctxmodels.checkpoint import save_checkpoint
+from ctxmodels.registry import build_model
+from jobs.config import RecipeError, load_recipe
+from jobs.train import warm_start_model, warm_start_source
+from pipelines.sources import sample_text
+from pipelines.tokenizers import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+SHARD = str(REPO / "data/sample/wordnet-0007-of-0008.txt.gz")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("warm")
+    tok = train_tokenizer("wordpiece", sample_text([SHARD], 100_000), 600)
+    tok.save(root / "tok")
+    cfg, model = build_model("bert", "tiny", {"vocab_size": tok.vocab_size, "d_model": 48, "n_head": 2, "nsp": False}, seed=3)
+    return save_checkpoint(root / "run" / "checkpoint_2026-01-01_00-00-00.000000", model, "bert", cfg, tokenizer_dir=root / "tok")
+
+
+def test_init_is_validated_and_refuses_architecture_keys():
+    with pytest.raises(RecipeError, match="model.d_model: the architecture comes from model.init"):
+        load_recipe(REPO / "configs/bert-tiny.yaml", ["model.init=runs/x", "model.d_model=64"])
+    with pytest.raises(RecipeError, match="model.init"):
+        load_recipe(REPO / "configs/bert-tiny.yaml", ["model.init=' '"])
+    assert load_recipe(REPO / "configs/bert-tiny.yaml", ["model.init=runs/x"]).model.init == "runs/x"
+
+
+def test_source_resolves_a_run_folder_and_keeps_its_tokenizer(checkpoint, tmp_path):
+    rec = load_recipe(REPO / "configs/bert-tiny.yaml", [f"model.init={checkpoint.parent}"])
+    uri, tok_dir = warm_start_source(rec, tmp_path, log=lambda *_: None)
+    assert uri.rstrip("/").endswith(checkpoint.name)  # the run folder's newest complete checkpoint
+    assert (tok_dir / "tokenizer.json").is_file() and tok_dir.parent.name == checkpoint.name
+    gpt = load_recipe(REPO / "configs/gpt-tiny.yaml", [f"model.init={checkpoint}"])
+    with pytest.raises(RecipeError, match="is a bert checkpoint but model.family is 'gpt'"):
+        warm_start_source(gpt, tmp_path, log=lambda *_: None)
+
+
+def test_model_has_the_checkpoints_architecture_and_weights(checkpoint):
+    cfg, model = warm_start_model(str(checkpoint), None)
+    assert cfg.d_model == 48 and model.training
+    _, original = build_model("bert", "tiny", {"vocab_size": cfg.vocab_size, "d_model": 48, "n_head": 2, "nsp": False}, seed=3)
+    for (name, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(original.state_dict().items())):
+        assert torch.equal(a, b), name
+
+
+def test_init_from_the_registry(checkpoint, tmp_path):
+    from jobs.registry import Registry
+
+    registry = Registry()  # the session's SQLite store (tests/conftest.py)
+    v = registry.register("warm-start-test", str(checkpoint))
+    registry.promote("warm-start-test", v.version)
+    rec = load_recipe(REPO / "configs/bert-tiny.yaml", ["model.init=models:/warm-start-test@production"])
+    uri, tok_dir = warm_start_source(rec, tmp_path, log=lambda *_: None)
+    assert uri == str(checkpoint) and (tok_dir / "tokenizer.json").is_file()
