@@ -23,6 +23,7 @@ import numpy as np
 
 from ctxmodels.registry import FAMILIES
 from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
+from jobs.registry import ModelVersion, resolve
 from jobs.tracking import record_run
 from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, StepSamples, model_inputs: re-exported)
     BOOKKEEPING,
@@ -100,16 +101,15 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     return local
 
 
-def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Path]:
+def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Path, ModelVersion | None]:
     """``model.init`` resolved to one checkpoint URI (a run folder: its best or newest complete
     checkpoint), checked against the recipe's family, and that checkpoint's tokenizer as a local
-    folder: a warm start keeps the vocabulary its embeddings were trained with."""
+    folder: a warm start keeps the vocabulary its embeddings were trained with. The third item is the
+    registry version when ``model.init`` named one (``models:/NAME@alias``, looked up once)."""
     from jobs.runs import local_copy, resolve_checkpoint
 
-    from jobs.registry import resolve
-
     ep = recipe.data.endpoint_url
-    source, _ = resolve(recipe.model.init, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
+    source, version = resolve(recipe.model.init, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
     uri = resolve_checkpoint(source, ep)
     local = local_copy(uri, workdir / "init", ep)
     try:
@@ -122,8 +122,8 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Pa
     if family is not None and family != recipe.model.family:
         raise RecipeError(f"model.init: {uri} is a {family} checkpoint but model.family is {recipe.model.family!r}; set model.family: {family}")
     tok = local / "tokenizer" if (local / "tokenizer").is_dir() else local  # ours in tokenizer/, HF folders at the top
-    log(f"warm start: weights and tokenizer of {uri}")
-    return uri, tok
+    log(f"warm start: weights and tokenizer of {uri}" + (f" (registry version {version.ref})" if version else ""))
+    return uri, tok, version
 
 
 def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
@@ -188,6 +188,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     eval_shards = storage.list_files(recipe.data.eval_input, ep) if recipe.data.eval_input else []
     run = run_uri(recipe)
     init = warm_start_source(recipe, workdir, log) if recipe.model.init else None
+    init_version = init[2] if init else None  # models:/NAME@alias: the parent of the version this run registers
     tok_dir = init[1] if init and not recipe.tokenizer.path else ensure_tokenizer(recipe, shards, run, workdir, log)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
@@ -231,7 +232,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
         kind="pretrain", recipe=recipe, checkpoint=result.checkpoint_uri, metrics=result.metrics, history=result.history,
         run_uri=run, shards=shards, eval_metrics={k: v for k, v in result.metrics.items() if k.startswith("eval_")},
-        family=recipe.model.family, endpoint_url=ep, log=log,
+        family=recipe.model.family, endpoint_url=ep, parent=init_version, log=log,
     )
     return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history,
                           registered=registered)

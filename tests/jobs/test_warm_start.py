@@ -38,7 +38,7 @@ def test_init_is_validated_and_refuses_architecture_keys():
 
 def test_source_resolves_a_run_folder_and_keeps_its_tokenizer(checkpoint, tmp_path):
     rec = load_recipe(REPO / "configs/bert-tiny.yaml", [f"model.init={checkpoint.parent}"])
-    uri, tok_dir = warm_start_source(rec, tmp_path, log=lambda *_: None)
+    uri, tok_dir, _ = warm_start_source(rec, tmp_path, log=lambda *_: None)
     assert uri.rstrip("/").endswith(checkpoint.name)  # the run folder's newest complete checkpoint
     assert (tok_dir / "tokenizer.json").is_file() and tok_dir.parent.name == checkpoint.name
     gpt = load_recipe(REPO / "configs/gpt-tiny.yaml", [f"model.init={checkpoint}"])
@@ -61,5 +61,5 @@ def test_init_from_the_registry(checkpoint, tmp_path):
     v = registry.register("warm-start-test", str(checkpoint))
     registry.promote("warm-start-test", v.version)
     rec = load_recipe(REPO / "configs/bert-tiny.yaml", ["model.init=models:/warm-start-test@production"])
-    uri, tok_dir = warm_start_source(rec, tmp_path, log=lambda *_: None)
+    uri, tok_dir, _ = warm_start_source(rec, tmp_path, log=lambda *_: None)
     assert uri == str(checkpoint) and (tok_dir / "tokenizer.json").is_file()
