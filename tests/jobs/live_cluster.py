@@ -8,10 +8,15 @@ The suite's own in-process Ray session (``ray_session``) is never touched.
 
 The head has CPUs for Ray Data and the Train controller but no ``ctx_trainer`` resource; each
 worker node has one CPU and one ``ctx_trainer``; the recipe asks ``scaling.resources_per_worker:
-{ctx_trainer: 1}``, so Ray Train can place exactly one worker per worker node. A watcher thread
-adds a second worker node once the one-worker run has trained a few steps, and kills the first
-worker node (all its processes, no drain) once a two-worker checkpoint is committed. What it did
-and when goes to ``SPEC["out"]/events.json`` for the test to check against the run's logs.
+{ctx_trainer: 1}``, so Ray Train can place exactly one worker per worker node. The run trains in
+a thread; the main thread (Ray starts and stops nodes only from there) adds a second worker node
+once the one-worker run has trained a few steps, and kills the first worker node (all its
+processes, no drain) once a two-worker checkpoint is committed. What it did and when, and the
+run's final metrics or error, go to ``SPEC["out"]/events.json`` for the test to check against
+the run's logs.
+
+The nodes take this machine's own address: ``ray.init`` turns 127.0.0.1 into it
+(``ray._private.services.resolve_ip_for_localhost``), as for the suite's local session.
 """
 
 from __future__ import annotations
@@ -52,8 +57,7 @@ def committed_world(run: Path) -> int | None:
 
 def change_nodes(cluster, first_node, run: Path, grow_after: int, events: list[dict], done: threading.Event) -> None:
     """Add a worker node once the one-worker run is past step ``grow_after``; kill the first one
-    once a two-worker checkpoint is committed. (Ray starts and stops nodes from the main thread
-    only: this runs there, the run in a thread.)"""
+    once a two-worker checkpoint is committed. Returns early when the run ends first."""
     t0 = time.monotonic()
 
     def wait(cond) -> bool:
