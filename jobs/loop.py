@@ -564,10 +564,13 @@ def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, 
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from jobs.progress import ProgressBoard, run_with_progress
 
-    board = ProgressBoard.remote()
+    # On the driver's node, as Ray Train puts its controller: a node that leaves an elastic run
+    # must not take the board (and the run's history that fit returns) with it.
+    board = ProgressBoard.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
     remote = storage.is_remote(output_dir)
     storage_fs, storage_path = storage.filesystem(output_dir, endpoint_url) if remote else (None, str(Path(run_folder(output_dir, name)).parent))
     trainer = TorchTrainer(
