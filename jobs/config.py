@@ -180,6 +180,14 @@ class ScalingSection(_Section):
     cpus_per_worker: float = Field(1.0, gt=0)
     max_failures: int = Field(2, ge=-1)  # worker-group restarts after failures before the run fails; -1: no limit
     strategy: Literal["ddp", "fsdp"] = "ddp"  # fsdp: parameters, gradients and optimizer sharded
+    # Custom Ray resources each worker needs besides its CPUs/GPU, e.g. {trainer_slot: 1} on a
+    # cluster whose training nodes each carry one trainer_slot: then the worker count follows
+    # the node count (an elastic range grows when such a node joins, shrinks when one is lost).
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    # How often a healthy elastic run checks whether the cluster can place more (or fewer)
+    # workers (Ray Train's ScalingConfig.elastic_resize_monitor_interval_s; a resize restarts
+    # the group from its last checkpoint, so checking very often costs nothing but a resize does).
+    resize_interval_s: float = Field(60.0, ge=0)
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -192,6 +200,20 @@ class ScalingSection(_Section):
         elif isinstance(v, int) and v < 1:
             raise ValueError(f"num_workers: must be >= 1, got {v}")
         return v
+
+    @field_validator("resources_per_worker", mode="before")
+    @classmethod
+    def _resources(cls, v: Any) -> Any:
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise ValueError(f"resources_per_worker: expected a mapping of Ray resource name -> amount, got {v!r}")
+        for name, amount in v.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"resources_per_worker: {name} is set by {'cpus_per_worker' if name == 'CPU' else 'use_gpu'}, not here")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+                raise ValueError(f"resources_per_worker: {name} must be a number > 0, got {amount!r}")
+        return {str(k): float(a) for k, a in v.items()}
 
     @property
     def worker_range(self) -> tuple[int, int]:

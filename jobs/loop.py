@@ -663,6 +663,22 @@ def ingest_options():
     return ExecutionOptions(resource_limits=current.resource_limits, preserve_order=True, verbose_progress=current.verbose_progress)
 
 
+def scaling_config(scaling):
+    """Ray Train's ScalingConfig of a recipe's scaling section. With ``num_workers: [min, max]``
+    Ray Train V2 places as many workers as the cluster holds and, every ``resize_interval_s``
+    while the run is healthy, restarts the group from its last checkpoint at a new size when
+    that changed; custom ``resources_per_worker`` tie that size to the nodes that carry them
+    (docs/EXACTLY_ONCE.md, "Elastic on a live cluster")."""
+    from ray.train import ScalingConfig
+
+    return ScalingConfig(
+        num_workers=scaling.num_workers,  # an int, or (min, max): elastic
+        use_gpu=scaling.use_gpu,
+        resources_per_worker={"CPU": scaling.cpus_per_worker, **scaling.resources_per_worker},
+        elastic_resize_monitor_interval_s=scaling.resize_interval_s,
+    )
+
+
 @dataclass
 class FitResult:
     checkpoint_uri: str | None
@@ -677,17 +693,21 @@ def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, 
     """Run ``loop`` on Ray Train workers with the progress board; raises what the run raised.
 
     ``scaling``: a recipe's scaling section (num_workers int or (min, max), use_gpu,
-    cpus_per_worker, max_failures). Ray seam: ``TorchTrainer.fit`` in a thread while the driver
-    renders rank 0's metrics (``jobs.progress``). ``retry_deadline_s``: about how long the S3
-    client through which Ray Train's controller writes the run's state retries each request.
+    cpus_per_worker, resources_per_worker, resize_interval_s, max_failures). Ray seam:
+    ``TorchTrainer.fit`` in a thread while the driver renders rank 0's metrics (``jobs.progress``).
+    ``retry_deadline_s``: about how long the S3 client through which Ray Train's controller writes
+    the run's state retries each request.
     """
     import ray
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from jobs.progress import ProgressBoard, run_with_progress
 
-    board = ProgressBoard.remote()
+    # On the driver's node, as Ray Train puts its controller: a node that leaves an elastic run
+    # must not take the board (and the run's history that fit returns) with it.
+    board = ProgressBoard.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
     remote = storage.is_remote(output_dir)
     # The controller writes the run's state (checkpoint_manager_snapshot.json) through this
     # filesystem and fails the whole run, whatever max_failures says, when a write fails: its S3
@@ -697,11 +717,7 @@ def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, 
     trainer = TorchTrainer(
         loop,
         train_loop_config={**loop_config, "board": board},
-        scaling_config=ScalingConfig(
-            num_workers=scaling.num_workers,  # an int, or (min, max): elastic
-            use_gpu=scaling.use_gpu,
-            resources_per_worker={"CPU": scaling.cpus_per_worker},
-        ),
+        scaling_config=scaling_config(scaling),
         run_config=RunConfig(
             name=name,
             storage_path=storage_path,

@@ -1,5 +1,6 @@
 """Recipes fail before Ray starts, with a message that names the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,25 @@ def test_elastic_worker_range_keeps_the_global_batch():
     # the range survives the JSON round trip the recipe makes to reach the workers
     again = Recipe.model_validate(r.model_dump(mode="json"))
     assert again.scaling.num_workers == (2, 3)
+
+
+def test_worker_resources_and_resize_interval_reach_ray_trains_scaling_config():
+    from jobs.loop import scaling_config
+
+    r = load_recipe(REPO / "configs" / "bert-tiny.yaml", [
+        "scaling.num_workers=[1, 2]", "scaling.resources_per_worker={trainer_slot: 1}", "scaling.resize_interval_s=5",
+    ])
+    again = Recipe.model_validate(r.model_dump(mode="json"))  # as the workers receive it
+    assert again.scaling.resources_per_worker == {"trainer_slot": 1.0} and again.scaling.resize_interval_s == 5.0
+    sc = scaling_config(again.scaling)
+    assert sc.num_workers == (1, 2) and sc.elasticity_enabled
+    assert sc.resources_per_worker == {"CPU": 0.5, "trainer_slot": 1.0}
+    assert sc.elastic_resize_monitor_interval_s == 5.0
+    # defaults: CPUs only, Ray's own 60 s
+    plain = scaling_config(load_recipe(REPO / "configs" / "bert-tiny.yaml").scaling)
+    assert plain.resources_per_worker == {"CPU": 0.5} and plain.elastic_resize_monitor_interval_s == 60.0
+    for bad, words in (("{CPU: 1}", "cpus_per_worker"), ("{GPU: 1}", "use_gpu"), ("{slot: 0}", "> 0"), ("{slot: yes}", "> 0"), ("[slot]", "mapping")):
+        with pytest.raises(RecipeError, match=rf"scaling.resources_per_worker: .*{re.escape(words)}"):
+            load_recipe(REPO / "configs" / "bert-tiny.yaml", [f"scaling.resources_per_worker={bad}"])
+    with pytest.raises(RecipeError, match="scaling.resize_interval_s"):
+        load_recipe(REPO / "configs" / "bert-tiny.yaml", ["scaling.resize_interval_s=-1"])
