@@ -13,7 +13,6 @@ encoded validation data. Prints one JSON object: ``metrics`` named as the task f
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,12 @@ import numpy as np
 def load_recipe_of(checkpoint: str, endpoint_url: str | None = None):
     """The fine-tuning recipe stored in a checkpoint's trainer_state.json."""
     from jobs.finetune_config import FinetuneRecipe
-    from jobs.runs import local_copy
+    from pipelines import storage
 
-    local = local_copy(checkpoint, Path(tempfile.mkdtemp(prefix="ctx-eval-")), endpoint_url)
-    state_file = Path(local) / "trainer_state.json"
-    if not state_file.is_file():
+    raw = storage.read_bytes(storage.join(checkpoint, "trainer_state.json"), endpoint_url, missing_ok=True)  # not the whole checkpoint
+    if raw is None:
         raise ValueError(f"{checkpoint}: no trainer_state.json; ctx eval scores fine-tuned checkpoints (ctx finetune)")
-    state = json.loads(state_file.read_text())
+    state = json.loads(raw)
     if "recipe" not in state or "task" not in state:
         raise ValueError(f"{checkpoint}: not a fine-tuned checkpoint (its trainer_state.json has no task); "
                          f"for pretrained models use `ctx eval wic --model ...`")

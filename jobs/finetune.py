@@ -284,9 +284,10 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
     from pipelines import finetune_stream as fs
     from pipelines.dataset import tokenizer_files
 
-    loaded = load_checkpoint(local_copy(checkpoint, Path(tempfile.mkdtemp(prefix="ctx-score-")), endpoint_url))
+    with tempfile.TemporaryDirectory(prefix="ctx-score-") as d:  # weights and tokenizer bytes are in memory after
+        loaded = load_checkpoint(local_copy(checkpoint, Path(d), endpoint_url))
+        files = tokenizer_files(loaded.tokenizer_dir)
     task = loaded.task
-    files = tokenizer_files(loaded.tokenizer_dir)
     cfg = task_data_config(recipe, loaded.family, tuple(task.labels))
     table = fs.read_split(split, recipe.data.format, endpoint_url)
     check = fs.check_split(table, files, cfg)
@@ -376,6 +377,15 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
 
 
 def finetune_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray seam: the loop Ray Train runs on every worker. The tokenizer's files (written into each
+    checkpoint) live in a temporary folder for the attempt, removed when it ends."""
+    from pipelines.dataset import tokenizer_dir_from_files
+
+    with tempfile.TemporaryDirectory(prefix="ctx-tokenizer-") as d:
+        _finetune_loop(config, tokenizer_dir_from_files(config["tokenizer_files"], d))
+
+
+def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     import ray
     import ray.train
     import ray.train.torch
@@ -405,7 +415,6 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
         pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), ep))
     load_backbone(model, pretrained.model)
     del pretrained
-    tok_dir = _tokenizer_dir(config["tokenizer_files"])
     if family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
         model.set_char_table(elmo_char_table(tok_dir, model_cfg.max_chars))
     resumed = resume(run, ep, model, rank, deadline)
@@ -532,12 +541,6 @@ def elmo_char_table(tok_dir: Path, max_chars: int):
     tokens = [tok.id_to_token(i) for i in range(tok.vocab_size)]
     special = {role: getattr(tok, f"{role}_id") for role in ROLES}
     return torch.from_numpy(build_char_table(tokens, max_chars, special).astype("int64"))
-
-
-def _tokenizer_dir(files: dict[str, bytes]) -> Path:
-    from pipelines.dataset import tokenizer_dir_from_files
-
-    return tokenizer_dir_from_files(files)
 
 
 def _sample_log(run, ep, rank, world, step, resumed_from, deadline_s):

@@ -412,6 +412,13 @@ def evaluate(wrapped, batches: list[dict[str, Any]], obj: Objective, plan, devic
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray seam: the loop Ray Train runs on every worker. The tokenizer's files (written into each
+    checkpoint) live in a temporary folder for the attempt, removed when it ends."""
+    with tempfile.TemporaryDirectory(prefix="ctx-tokenizer-") as d:
+        _train_loop(config, tokenizer_dir_from_files(config["tokenizer_files"], d))
+
+
+def _train_loop(config: dict[str, Any], tok_dir: Path) -> None:
     import ray.train
     import ray.train.torch
     import torch
@@ -462,7 +469,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                       max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
     meter = StepMeter(obj.is_token_metric)
 
-    tok_dir = tokenizer_dir_from_files(config["tokenizer_files"])
     checkpointer = Checkpointer(
         run, ep, config["shard_keys"], rank, world, resumed.position,
         save=partial(_save, family=recipe.model.family, model_cfg=model_cfg, tok_dir=tok_dir),
@@ -542,7 +548,8 @@ def warm_start_model(checkpoint: str, endpoint_url: str | None):
     from ctxmodels.checkpoint import load_checkpoint
     from jobs.runs import local_copy
 
-    loaded = load_checkpoint(local_copy(checkpoint, Path(tempfile.mkdtemp(prefix="ctx-init-")), endpoint_url))
+    with tempfile.TemporaryDirectory(prefix="ctx-init-") as d:  # every worker, every restart: never left behind
+        loaded = load_checkpoint(local_copy(checkpoint, Path(d), endpoint_url))
     return loaded.config, loaded.model.train()
 
 

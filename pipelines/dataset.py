@@ -198,9 +198,10 @@ def tokenizer_files(local_dir: str | Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def tokenizer_dir_from_files(files: dict[str, bytes]) -> Path:
-    """``tokenizer_files`` written back to a fresh local folder."""
-    root = Path(tempfile.mkdtemp(prefix="ctx-tokenizer-"))
+def tokenizer_dir_from_files(files: dict[str, bytes], root: str | Path) -> Path:
+    """``tokenizer_files`` written back to the local folder ``root`` (the caller's temporary folder,
+    which it removes: every worker and actor does this at every start)."""
+    root = Path(root)
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
@@ -208,7 +209,9 @@ def tokenizer_dir_from_files(files: dict[str, bytes]) -> Path:
 
 
 def tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
-    return load_tokenizer(tokenizer_dir_from_files(files))
+    """The tokenizer of ``tokenizer_files``, loaded into memory from a folder removed right after."""
+    with tempfile.TemporaryDirectory(prefix="ctx-tokenizer-") as d:
+        return load_tokenizer(tokenizer_dir_from_files(files, d))
 
 
 def _documents(uri: str, spec: StreamSpec, stats: ReadStats | None) -> Iterator[list[str]]:

@@ -224,6 +224,36 @@ def test_resume_from_object_storage_removes_its_temporary_folder(tmp_path, s3_bu
     assert list(scratch.iterdir()) == []
 
 
+def test_tokenizer_copies_and_warm_start_copies_leave_no_temporary_folder(tmp_path, s3_bucket, monkeypatch):
+    """What every worker and data actor writes at every start (the tokenizer's files, a warm start's
+    checkpoint) is removed again: a long run restarted many times does not fill /tmp."""
+    import tempfile
+
+    from jobs.train import warm_start_model
+    from pipelines.dataset import tokenizer_files, tokenizer_from_files
+    from pipelines.tokenizers import train_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    train_tokenizer("wordpiece", ["the river bank", "a loan from the bank"] * 50, 60).save(tok_dir)
+    local = _trained_checkpoint(tmp_path / "src" / "checkpoint_a", step=5)
+    remote = f"s3://{s3_bucket}/runs/warm/checkpoint_a"
+    storage.copy_dir(local, remote)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where TemporaryDirectory puts its folders
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from pipelines.tokenizers import load_tokenizer
+
+    tok = tokenizer_from_files(tokenizer_files(tok_dir))
+    [got], [want] = tok.encode_batch(["the river bank"]), load_tokenizer(tok_dir).encode_batch(["the river bank"])
+    assert got.tolist() == want.tolist()
+    _, model = warm_start_model(remote, None)
+    expected = weights(load_checkpoint(local).model)
+    assert weights(model).keys() == expected.keys() and all(torch.equal(v, expected[k]) for k, v in weights(model).items())
+    assert list(scratch.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Serving checks the manifest's hashes
 
