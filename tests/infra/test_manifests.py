@@ -632,6 +632,9 @@ def test_the_plain_cronjob_has_kuberay_run_the_round(tmp_path):
     pod = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert KUBECTL_IMAGE.match(container["image"]), container["image"]
+    # kubectl is supported within one minor version of the API server the manifests are written for.
+    kubectl_minor = int(container["image"].rsplit(":v", 1)[1].split(".")[1])
+    assert abs(kubectl_minor - int(K8S_VERSION.split(".")[1])) <= 1, f"{container['image']} is too far from Kubernetes {K8S_VERSION}"
     assert not any(e["name"].startswith("RAY_") for e in container.get("env", [])), "the kubectl pod needs no Ray token or address"
     assert container["command"][0] == "bash" and len(container["command"]) == 2, container["command"]
     config_map, key = _mounted_file(pod, container, container["command"][1])
