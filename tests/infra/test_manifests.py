@@ -1,8 +1,9 @@
 """The manifests in infra/ are what a cluster accepts and run commands this project has.
 
-* Core kinds (CronJob, Deployment, Service, PersistentVolumeClaim, NetworkPolicy) against Kubernetes'
-  own schemas with kubernetes-validate, strict (an unknown field fails, as `kubectl apply` with
-  server-side field validation does).
+* Core kinds (CronJob, Deployment, Service, PersistentVolumeClaim, NetworkPolicy, ServiceAccount,
+  Role, RoleBinding, ConfigMap) against Kubernetes' own schemas with kubernetes-validate, strict (an
+  unknown field fails, as `kubectl apply` with server-side field validation does). A manifest held
+  in a ConfigMap (the RayJob the plain schedule CronJob creates) is checked like a file.
 * KubeRay kinds (RayCluster, RayJob, RayService, RayCronJob) against the openAPIV3Schema of the
   matching version in the CRDs of ../shared/kuberay-crds, closed the way the API server closes a
   structural schema: an object with `properties` takes no other keys unless it says
@@ -15,6 +16,10 @@
   recipes load with their --set overrides, `mlflow` and `ray` commands parse with their own CLIs.
 * A broken copy of each manifest (an unknown key in its spec and in its first container) is
   rejected, so the checks above can fail.
+* Every `ctx submit` / `ctx jobs` (and every container pointing RAY_ADDRESS at a dashboard) would
+  be let through by jobs/submit.py's own address and token-transport checks.
+* The plain schedule CronJob's kubectl script parses (bash -n), creates the RayJob it mounts, and
+  its ServiceAccount may do exactly that in its namespace.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
 K8S_VERSION = "1.37"
 IMAGE_ROOT = "/app"  # infra/Dockerfile's WORKDIR: /app/configs/x.yaml in a manifest is configs/x.yaml here
 
+# Kubernetes' kubectl image: the plain schedule CronJob's container, which only creates and follows
+# a RayJob; its script is checked on its own (test_the_plain_cronjob_has_kuberay_run_the_round).
+KUBECTL_IMAGE = re.compile(r"registry\.k8s\.io/kubectl:v\d+\.\d+\.\d+$")
+
 KUBERAY_KINDS = {"RayCluster": "rayclusters", "RayJob": "rayjobs", "RayService": "rayservices", "RayCronJob": "raycronjobs"}
 
 
@@ -43,12 +52,33 @@ def _manifest_files() -> list[Path]:
     return sorted(p for d in ("k8s", "kuberay") for p in (INFRA / d).glob("*.yaml"))
 
 
+def _name(doc: dict) -> str | None:
+    meta = doc.get("metadata", {})
+    return meta.get("name") or meta.get("generateName")
+
+
+def _embedded(doc: dict) -> list[tuple[str, dict]]:
+    """(key, manifest) for every manifest a ConfigMap holds (a `*.yaml` key with a kind), e.g. the
+    RayJob the schedule CronJob creates at each tick: checked like the files themselves."""
+    if doc.get("kind") != "ConfigMap":
+        return []
+    out = []
+    for key, text in (doc.get("data") or {}).items():
+        inner = yaml.safe_load(text) if key.endswith((".yaml", ".yml")) else None
+        if isinstance(inner, dict) and "kind" in inner and "apiVersion" in inner:
+            out.append((key, inner))
+    return out
+
+
 def _documents() -> list[tuple[str, dict]]:
-    """(file:index kind/name, document) for every document of every manifest file."""
+    """(file:index kind/name, document) for every document of every manifest file, and for every
+    manifest held in a ConfigMap of one (file:index ConfigMap/name[key] kind/name)."""
     out = []
     for path in _manifest_files():
         for i, doc in enumerate(d for d in yaml.safe_load_all(path.read_text()) if d is not None):
-            out.append((f"{path.relative_to(REPO)}#{i} {doc.get('kind')}/{doc.get('metadata', {}).get('name')}", doc))
+            where = f"{path.relative_to(REPO)}#{i} {doc.get('kind')}/{_name(doc)}"
+            out.append((where, doc))
+            out += [(f"{where}[{key}] {inner['kind']}/{_name(inner)}", inner) for key, inner in _embedded(doc)]
     return out
 
 
@@ -151,11 +181,15 @@ def _first_container(node) -> dict | None:
 def _broken_copies(doc: dict) -> list[tuple[str, dict]]:
     """Copies of ``doc`` with one misspelt field each: in its spec, and in its first container."""
     out = []
-    spec_key = "spec" if "spec" in doc else next(k for k in doc if k not in ("apiVersion", "kind", "metadata"))
-    first = next(iter(doc[spec_key]))
+    spec_key = "spec" if "spec" in doc else next((k for k in doc if k not in ("apiVersion", "kind", "metadata")), "metadata")
     broken = copy.deepcopy(doc)
-    broken[spec_key][first + "s"] = broken[spec_key][first]  # e.g. replicass, schedules, headGroupSpecs
-    out.append((f"{spec_key}.{first}s", broken))
+    if spec_key == "spec":
+        first = next(iter(doc[spec_key]))
+        broken[spec_key][first + "s"] = broken[spec_key][first]  # e.g. replicass, schedules, headGroupSpecs
+        out.append((f"{spec_key}.{first}s", broken))
+    else:  # kinds without a spec (Role rules, RoleBinding roleRef, ConfigMap data, ServiceAccount)
+        broken[spec_key + "s"] = broken[spec_key]  # e.g. ruless, datas
+        out.append((f"{spec_key}s", broken))
     broken = copy.deepcopy(doc)
     container = _first_container(broken)
     if container is not None:
@@ -178,9 +212,10 @@ def test_a_misspelt_field_is_rejected(where, doc):
 
 def test_every_kind_the_operations_guide_uses_is_here():
     kinds = sorted(doc["kind"] for _, doc in DOCS)
-    for kind in ("RayCluster", "RayService", "RayCronJob", "CronJob", "Deployment", "Service", "PersistentVolumeClaim", "NetworkPolicy"):
+    for kind in ("RayCluster", "RayService", "RayCronJob", "CronJob", "Deployment", "Service", "PersistentVolumeClaim", "NetworkPolicy",
+                 "ServiceAccount", "Role", "RoleBinding", "ConfigMap"):
         assert kind in kinds, f"no {kind} in infra/: {kinds}"
-    assert kinds.count("RayJob") >= 2  # pretraining and fine-tuning
+    assert kinds.count("RayJob") >= 3  # pretraining, fine-tuning, and the plain CronJob's schedule round
 
 
 # ----------------------------------------------------------------------------- security properties
@@ -269,16 +304,22 @@ def _shell_commands(line: str) -> list[list[str]]:
     return out
 
 
+def _container_argvs(container: dict) -> list[list[str]]:
+    """A container's commands: its command + args, or the simple commands of its `sh -c` line."""
+    argv = [str(a) for a in container.get("command", []) + container.get("args", [])]
+    if argv[:1] in (["sh"], ["bash"], ["/bin/sh"], ["/bin/bash"]) and "-c" in argv:
+        return _shell_commands(argv[argv.index("-c") + 1])
+    return [argv] if argv else []
+
+
 def _commands_of(node, where: str) -> list[tuple[str, list[str]]]:
     """(where, argv) for every command in a manifest document."""
     out = []
     if isinstance(node, dict):
+        if KUBECTL_IMAGE.match(str(node.get("image", ""))):  # its script runs kubectl: test_the_plain_cronjob_...
+            return out
         if "image" in node and ("command" in node or "args" in node):  # a container
-            argv = [str(a) for a in node.get("command", []) + node.get("args", [])]
-            if argv[:1] in (["sh"], ["bash"], ["/bin/sh"], ["/bin/bash"]) and "-c" in argv:
-                out += [(where, c) for c in _shell_commands(argv[argv.index("-c") + 1])]
-            else:
-                out.append((where, argv))
+            out += [(where, c) for c in _container_argvs(node)]
         for key, value in node.items():
             if key == "entrypoint" and isinstance(value, str):  # RayJob / RayCronJob jobTemplate
                 out += [(where, c) for c in _shell_commands(value)]
@@ -359,7 +400,7 @@ def check_click(group, argv: list[str], where: str) -> None:
 
 def test_commands_were_found():
     ctx = [argv for _, argv in COMMANDS if _ctx_argv(argv) is not None]
-    assert len(ctx) >= 4, COMMANDS  # pretrain, finetune (RayJobs), schedule (RayCronJob), submit -- schedule (CronJob)
+    assert len(ctx) >= 4, COMMANDS  # pretrain, finetune (RayJobs), schedule (RayCronJob, and the plain CronJob's RayJob)
     assert any(argv[0] == "mlflow" for _, argv in COMMANDS)
 
 
@@ -451,3 +492,179 @@ def test_rayservice_serves_what_ctx_serve_build_writes(tmp_path, monkeypatch):
     deployed = yaml.safe_load(service["spec"]["serveConfigV2"])
     assert deployed == yaml.safe_load(out.read_text()), "regenerate serveConfigV2 with `ctx serve build --config configs/serve/production.yaml`"
     assert deployed["applications"][0]["args"]["models"]["minilm"]["uri"] == "models:/minilm@production"
+
+
+# ----------------------------------------------------------------------------- the cluster token's way
+
+# What makes `ctx submit` / `ctx jobs` send the cluster token (jobs/submit.py auth_headers and
+# check_token_transport): one of these set, or RAY_AUTH_MODE=token.
+TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+DASHBOARD_VARIABLES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+# What KubeRay sets in every container of a cluster with authOptions {mode: token} (and so what a
+# RayJob's entrypoint, run on the head, has).
+KUBERAY_TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "<from the Secret>"}
+
+
+def _container_env(container: dict) -> dict[str, str]:
+    """A container's variables; a value taken from a Secret, ConfigMap or field counts as set."""
+    return {e["name"]: str(e["value"]) if "value" in e else f"<from {e['name']}'s valueFrom>" for e in container.get("env", [])}
+
+
+def _jobs_api_addresses(argvs: list[list[str]]) -> list[str | None]:
+    """The --address (None: not given) of each `ctx submit` / `ctx jobs ...` among ``argvs``: the
+    commands that talk to the Jobs API through jobs/submit.py's connect()."""
+    from jobs.cli import build_parser
+
+    out = []
+    for argv in argvs:
+        ctx = _ctx_argv(argv)
+        if ctx and ctx[0] in ("submit", "jobs"):
+            with contextlib.redirect_stderr(io.StringIO()):
+                args, _ = build_parser().parse_known_args(ctx)
+            out.append(args.address)
+    return out
+
+
+def _dashboard_clients(node, where: str, env: dict[str, str] | None = None) -> list[tuple[str, str | None, dict[str, str]]]:
+    """(where, --address or None, environment) of every command in ``node`` that talks to a Ray
+    dashboard: `ctx submit` and `ctx jobs ...` (nested in a shell line too), and any container that
+    points RAY_ADDRESS / RAY_API_SERVER_ADDRESS at one (http(s)://...). ``env`` is what the place
+    inherits: inside a Ray cluster spec with token auth, what KubeRay adds to every container."""
+    env = env or {}
+    out = []
+    if isinstance(node, dict):
+        if node.get("authOptions", {}).get("mode") == "token":  # a RayCluster spec: KubeRay adds the token
+            env = {**env, **KUBERAY_TOKEN_ENV}
+        if "image" in node and isinstance(node.get("env", []), list):  # a container
+            cenv = {**env, **_container_env(node)}
+            clients = [(f"{where} container {node.get('name')}", a, cenv) for a in _jobs_api_addresses(_container_argvs(node))]
+            if not clients and any(cenv.get(k, "").startswith(("http://", "https://")) for k in DASHBOARD_VARIABLES):
+                clients.append((f"{where} container {node.get('name')}", None, cenv))
+            out += clients
+        for key, value in node.items():
+            if key == "entrypoint" and isinstance(value, str):  # a RayJob's, run on a token-auth cluster's head
+                out += [(f"{where} entrypoint", a, {**env, **KUBERAY_TOKEN_ENV}) for a in _jobs_api_addresses(_shell_commands(value))]
+            else:
+                out += _dashboard_clients(value, where, env)
+    elif isinstance(node, list):
+        for value in node:
+            out += _dashboard_clients(value, where, env)
+    return out
+
+
+def token_transport_error(address: str | None, env: dict[str, str]) -> str | None:
+    """What `ctx submit --address ADDRESS` would refuse with, run in ``env`` (None: it goes ahead).
+    The real checks of jobs/submit.py: the address it resolves, and whether the token may travel there."""
+    from jobs.submit import SubmitError, check_token_transport, resolve_address
+
+    try:
+        resolved = resolve_address(address, env)
+        headers = {"Authorization": "Bearer <the token>"} if any(env.get(k) for k in TOKEN_VARIABLES) else {}
+        check_token_transport(resolved, headers, env)
+    except SubmitError as e:
+        return str(e)
+    return None
+
+
+def test_every_dashboard_client_in_the_manifests_would_be_allowed_to_send_its_token():
+    """A `ctx submit` in a manifest that jobs/submit.py refuses (a token over plain HTTP to a
+    cluster Service, no address at all) fails at every run: the schemas and the parser cannot see it."""
+    for where, address, env in [c for w, doc in DOCS for c in _dashboard_clients(doc, w)]:
+        error = token_transport_error(address, env)
+        assert error is None, f"{where}: `ctx submit` would refuse to run: {error}"
+
+
+def test_the_token_check_catches_a_submit_over_plain_http_with_the_token():
+    """The shape of the CronJob that failed at every tick: ctx submit to http://ctx-head-svc:8265
+    with RAY_AUTH_TOKEN from the Secret. And the same to a loopback address or over https passes."""
+    def cronjob(address: str) -> dict:
+        container = {"name": "submit", "image": "ctxmodels:latest",
+                     "command": ["ctx", "submit", "--address", address, "--new", "--", "schedule", "--config", "s.yaml", "--once"],
+                     "env": [{"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "ctx-ray-token", "key": "auth_token"}}}]}
+        return {"kind": "CronJob", "spec": {"jobTemplate": {"spec": {"template": {"spec": {"containers": [container]}}}}}}
+
+    (client,) = _dashboard_clients(cronjob("http://ctx-head-svc:8265"), "old")
+    assert "plain HTTP" in token_transport_error(client[1], client[2])
+    for ok in ("https://ctx-head-svc:8265", "http://127.0.0.1:8265"):
+        (client,) = _dashboard_clients(cronjob(ok), "ok")
+        assert token_transport_error(client[1], client[2]) is None
+    # A token that KubeRay puts into a Ray container counts, and RAY_ADDRESS is read like --address.
+    head = {"authOptions": {"mode": "token"}, "containers": [
+        {"name": "head", "image": "ctxmodels:latest", "env": [{"name": "RAY_ADDRESS", "value": "http://ctx-head-svc:8265"}]}]}
+    (client,) = _dashboard_clients(head, "head")
+    assert "plain HTTP" in token_transport_error(client[1], client[2])
+
+
+# ----------------------------------------------------------------------------- the plain schedule CronJob
+
+# kubectl's verb -> the RBAC verb it needs on the named resource (`kubectl get NAME` reads one object).
+KUBECTL_RBAC_VERBS = {"create": "create", "get": "get", "delete": "delete", "patch": "patch", "apply": "patch", "wait": "get"}
+
+
+def _one(kind: str, name: str) -> dict:
+    found = [d for _, d in DOCS if d["kind"] == kind and d.get("metadata", {}).get("name") == name]
+    assert len(found) == 1, f"expected one {kind} named {name} in infra/, found {len(found)}"
+    return found[0]
+
+
+def _mounted_file(pod: dict, container: dict, path: str) -> tuple[dict, str]:
+    """(ConfigMap, key) that ``path`` in ``container`` is, through its volumeMounts and the pod's volumes."""
+    for mount in container.get("volumeMounts", []):
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(folder):
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            assert "configMap" in volume, f"{path} is on volume {volume['name']}, which is not a ConfigMap"
+            config_map = _one("ConfigMap", volume["configMap"]["name"])
+            key = path[len(folder):]
+            assert key in config_map["data"], f"{path}: ConfigMap {config_map['metadata']['name']} has no key {key}"
+            return config_map, key
+    pytest.fail(f"{path} is not under any volumeMount of container {container['name']}")
+
+
+def test_the_plain_cronjob_has_kuberay_run_the_round(tmp_path):
+    """The CronJob runs kubectl, not `ctx submit`: it creates the round's RayJob (mounted from its
+    ConfigMap, a new name per tick) on the standing cluster, the same round the RayCronJob runs, as a
+    ServiceAccount allowed exactly the kubectl verbs its script uses, on RayJobs, in its namespace."""
+    import subprocess
+
+    cronjob = _one("CronJob", "ctx-schedule")
+    assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert KUBECTL_IMAGE.match(container["image"]), container["image"]
+    # kubectl is supported within one minor version of the API server the manifests are written for.
+    kubectl_minor = int(container["image"].rsplit(":v", 1)[1].split(".")[1])
+    assert abs(kubectl_minor - int(K8S_VERSION.split(".")[1])) <= 1, f"{container['image']} is too far from Kubernetes {K8S_VERSION}"
+    assert not any(e["name"].startswith("RAY_") for e in container.get("env", [])), "the kubectl pod needs no Ray token or address"
+    assert container["command"][0] == "bash" and len(container["command"]) == 2, container["command"]
+    config_map, key = _mounted_file(pod, container, container["command"][1])
+    script = config_map["data"][key]
+    (tmp_path / key).write_text(script)
+    check = subprocess.run(["bash", "-n", str(tmp_path / key)], capture_output=True, text=True)
+    assert check.returncode == 0, f"{key} is not valid bash: {check.stderr}"
+
+    # The RayJob it creates: generateName (kubectl create, one per tick), on the standing cluster,
+    # running what the RayCronJob runs.
+    created = re.findall(r"kubectl create -f (\S+)", script)
+    assert len(created) == 1, created
+    config_map, key = _mounted_file(pod, container, created[0])
+    ((_, rayjob),) = [(k, d) for k, d in _embedded(config_map) if k == key]
+    assert rayjob["kind"] == "RayJob" and rayjob["metadata"].get("generateName") and "name" not in rayjob["metadata"]
+    (cluster,) = [d for _, d in DOCS if d["kind"] == "RayCluster"]
+    assert rayjob["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    raycronjob = next(d for _, d in DOCS if d["kind"] == "RayCronJob")
+    assert rayjob["spec"]["entrypoint"] == raycronjob["spec"]["jobTemplate"]["entrypoint"]
+
+    # RBAC: the pod's ServiceAccount, bound by a RoleBinding (namespaced) to a Role that grants the
+    # verbs the script uses on rayjobs.ray.io and nothing else.
+    account = pod["serviceAccountName"]
+    _one("ServiceAccount", account)
+    bindings = [d for _, d in DOCS if d["kind"] == "RoleBinding" and {"kind": "ServiceAccount", "name": account} in d["subjects"]]
+    assert [b["roleRef"]["kind"] for b in bindings] == ["Role"], bindings
+    role = _one("Role", bindings[0]["roleRef"]["name"])
+    needed = {KUBECTL_RBAC_VERBS[v] for v in re.findall(r"kubectl (\w+)", script)}
+    assert needed == {"create", "get"}, needed
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["ray.io"] and rule["resources"] == ["rayjobs"], rule
+    assert {v for rule in role["rules"] for v in rule["verbs"]} == needed
+    assert not any(d["kind"] in ("ClusterRole", "ClusterRoleBinding") for _, d in DOCS)
