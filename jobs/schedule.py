@@ -32,13 +32,14 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from jobs.schedule_config import DRIFT_METRICS, ScheduleConfig, decide
+from jobs.schedule_config import DRIFT_METRICS, ScheduleConfig, Trigger, decide
 from pipelines import storage
 
 HISTORY = "rounds.jsonl"
@@ -106,8 +107,12 @@ class ScheduleState:
 
 def running_round(state: ScheduleState) -> dict[str, Any] | None:
     """The round in progress, if one is (a line still "running" that is not stale)."""
-    for r in reversed(state.rounds()):
-        if r.get("status") == "running" and time.time() - float(r.get("started_ts", 0)) < STALE_ROUND_S:
+    return running_in(state.rounds(), time.time())
+
+
+def running_in(rounds: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+    for r in reversed(rounds):
+        if r.get("status") == "running" and now - float(r.get("started_ts", 0)) < STALE_ROUND_S:
             return r
     return None
 
@@ -387,9 +392,52 @@ def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
 
 
 def next_cron(expr: str, after: float) -> float:
+    """The first time of ``expr`` strictly after ``after`` (epoch seconds), read in UTC."""
     from croniter import croniter
 
     return float(croniter(expr, datetime.fromtimestamp(after, timezone.utc)).get_next(float))
+
+
+@dataclass(frozen=True)
+class NextStep:
+    """What the scheduler loop does now: start a round (``trigger``) or not, the cron time it waits
+    for next (carried to the next decision), and how long it sleeps before deciding again."""
+
+    trigger: str | None  # "cron", "watch" or None
+    cron_due: float | None
+    wait_s: float
+    why: str  # for the log and the tests: what was decided, in words
+
+
+def next_step(trigger: Trigger, now: float, cron_due: float | None, rounds: list[dict[str, Any]],
+              has_new_shards: Callable[[], bool]) -> NextStep:
+    """When is the next round due: the scheduler loop's one decision, a pure function of the time.
+
+    * cron (UTC): the first decision only sets ``cron_due`` (no catch-up of ticks before the
+      scheduler started); once ``now`` reaches it a "cron" round starts and ``cron_due`` moves to
+      the next tick after ``now`` (ticks missed meanwhile make no extra rounds);
+    * rounds never overlap: while a round runs (a fresh "running" line in ``rounds``, from this loop
+      or a ``--once`` elsewhere) nothing starts and a cron tick that falls meanwhile stays due:
+      it runs once, right after that round ends (however many ticks it covered);
+    * watch: new files under ``trigger.watch`` (``has_new_shards``, asked only when it matters)
+      start a "watch" round, but after a failed round only once ``retry_after_s`` has passed;
+    * the loop sleeps until the cron time or the next poll, whichever comes first (at most poll_s).
+    """
+    if trigger.cron is not None and cron_due is None:
+        cron_due = next_cron(trigger.cron, now)
+    wait = trigger.poll_s if cron_due is None else max(0.0, min(trigger.poll_s, cron_due - now))
+    busy = running_in(rounds, now)
+    if busy is not None:
+        return NextStep(None, cron_due, trigger.poll_s, f"round {busy['round']} is running; nothing starts beside it")
+    if cron_due is not None and now >= cron_due:
+        return NextStep("cron", next_cron(trigger.cron, now), 0.0, f"cron tick {datetime.fromtimestamp(cron_due, timezone.utc).isoformat()} is due")
+    if trigger.watch is not None:
+        retry = retry_wait(rounds, trigger.retry_after_s, now)
+        if retry > 0:
+            return NextStep(None, cron_due, min(wait, retry), f"the last round failed: new files start one in {retry:.0f} s")
+        if has_new_shards():
+            return NextStep("watch", cron_due, 0.0, f"new files under {trigger.watch}")
+    return NextStep(None, cron_due, wait, "nothing due")
 
 
 class Scheduler:
@@ -413,26 +461,23 @@ class Scheduler:
 
     def _loop(self) -> None:
         cfg = self.cfg
-        due = next_cron(cfg.trigger.cron, time.time()) if cfg.trigger.cron else None
+        cron_due: float | None = None
         state = ScheduleState(cfg.state_uri, cfg.endpoint_url)
         while not self._stop.is_set():
-            trigger = None
+            wait = cfg.trigger.poll_s
             try:
-                if due is not None and time.time() >= due:
-                    trigger, due = "cron", next_cron(cfg.trigger.cron, time.time())
-                elif (cfg.trigger.watch is not None and retry_wait(state.rounds(), cfg.trigger.retry_after_s, time.time()) <= 0
-                      and new_shards(cfg, state)):
-                    trigger = "watch"
-                if trigger:
-                    self.current = {"trigger": trigger, "since": _now()}
-                    record = run_round(cfg, trigger, log=self._log)
+                step = next_step(cfg.trigger, time.time(), cron_due, state.rounds(), lambda: bool(new_shards(cfg, state)))
+                cron_due, wait = step.cron_due, step.wait_s
+                if step.trigger:
+                    self.current = {"trigger": step.trigger, "since": _now()}
+                    self._log(f"scheduler: {step.why}")
+                    record = run_round(cfg, step.trigger, log=self._log)
                     self._log(f"round: {record.get('status')}: {record.get('reason', '')}")
-            except Exception as e:  # listing the prefix failed (storage down): try again at the next poll
+            except Exception as e:  # reading the state or listing the prefix failed (storage down): next poll
                 self._log(f"scheduler: {type(e).__name__}: {e}")
             finally:
                 self.current = None
-            wait = cfg.trigger.poll_s if cfg.trigger.watch is not None else max(1.0, (due or time.time() + 60) - time.time())
-            self._stop.wait(min(wait, cfg.trigger.poll_s))
+            self._stop.wait(wait)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.cfg.name, "started": self.started, "running": self.current,
