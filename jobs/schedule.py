@@ -331,6 +331,8 @@ def _recipe_for_round(cfg: ScheduleConfig, n: int, init: str, shards: list[str])
     data["registry"] = {**(data.get("registry") or {}), "enabled": False}
     if cfg.train.kind == "finetune":
         data["model"] = {**data["model"], "init": init}
+        if not any(o.startswith("model.head=") for o in cfg.train.set):  # continued, head and labels too, unless set
+            data["model"]["head"] = "continue"
         if shards:
             data["data"]["train"] = shards
         # The round scores both versions on evaluate.held_out itself; the recipe's test split

@@ -99,6 +99,7 @@ def test_finetune_round_scores_task_metrics_gates_and_promotes(ray_session, tmp_
     r = recipes[0]
     assert r.model.init == prod.source and r.data.train == [str(tmp_path / "incoming/day-1.jsonl")]
     assert r.data.test is None and r.registry.enabled is False and r.name == "ft-round-0001"
+    assert r.model.head == "continue"  # production's head and label set go on learning
     assert r.data.validation == "data/tasks/lexname/validation.jsonl"  # the recipe's: it picks the best checkpoint
     cand, old = out["metrics"]["candidate"], out["metrics"]["production"]
     assert cand["accuracy"] == pytest.approx(0.75) and old["accuracy"] == pytest.approx(0.25)
@@ -119,6 +120,36 @@ def test_finetune_round_scores_task_metrics_gates_and_promotes(ray_session, tmp_
     assert registry.get(f"{name}@production").version == new.version  # production untouched
     assert registry.get(f"{name}/{out['candidate']['version']}").tags["gate"] == "failed"
     assert [x["status"] for x in ScheduleState(cfg.state_uri).rounds()] == ["promoted", "gated"]
+
+
+@pytest.mark.slow
+def test_real_finetune_round_continues_production_through_ray_train(ray_session, tmp_path):
+    """One round with a real ctx finetune run (1 worker, 2 steps): the candidate continues
+    production's head (its noun.x bias is still there), is scored and promoted."""
+    from safetensors.torch import load_file
+
+    from jobs.registry import Registry
+
+    v = task_versions(tmp_path / "versions")
+    write_split(tmp_path / "heldout.jsonl", 30, 10)
+    write_split(tmp_path / "val.jsonl", 6, 2, start=300)
+    write_split(tmp_path / "incoming/day-1.jsonl", 12, 4, start=100)  # 2 steps of 8
+    registry = Registry()
+    name = f"schedft-real-{tmp_path.name[-8:]}".replace("_", "-")
+    prod = registry.register(name, str(v["x"]))
+    registry.promote(name, prod.version)
+    spec = schedule(tmp_path, name, {"accuracy": {"min_absolute_change": -0.05}})
+    spec["train"]["set"] += ["train.batch_size=8", "scaling.num_workers=1", f"data.validation={tmp_path / 'val.jsonl'}"]
+    cfg = validate(spec, base=REPO)
+    lines: list[str] = []
+    out = run_round(cfg, "watch", log=lines.append, registry=registry)
+    assert out["status"] == "promoted", (out.get("reason"), out.get("error"), lines[-20:])
+    source = out["candidate"]["source"]
+    assert source.startswith(str(tmp_path / "rounds" / "ft-round-0001"))
+    bias = load_file(str(Path(source) / "model.safetensors"))["classifier.bias"]
+    assert torch.allclose(bias, torch.tensor([5.0, -5.0]), atol=0.1)  # continued, not a fresh zero-bias head
+    assert out["metrics"]["candidate"]["accuracy"] == pytest.approx(0.75)
+    assert registry.get(f"{name}@production").version == out["candidate"]["version"]
 
 
 def test_finetune_gates_name_task_metrics(tmp_path, monkeypatch):
