@@ -43,6 +43,11 @@ def task_versions(root: Path) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory) -> dict[str, Path]:
+    return task_versions(tmp_path_factory.mktemp("task-versions"))
+
+
 def write_split(path: Path, n_x: int, n_y: int, start: int = 0) -> Path:
     """Records of lexname's texts labelled noun.x then noun.y."""
     lines = (REPO / "data/tasks/lexname/validation.jsonl").read_text().splitlines()[start : start + n_x + n_y]
@@ -71,10 +76,10 @@ class _Trained:
         self.recipes = recipes
 
 
-def test_finetune_round_scores_task_metrics_gates_and_promotes(ray_session, tmp_path):
+def test_finetune_round_scores_task_metrics_gates_and_promotes(ray_session, versions, tmp_path):
     from jobs.registry import Registry
 
-    v = task_versions(tmp_path / "versions")
+    v = versions
     write_split(tmp_path / "heldout.jsonl", 30, 10)  # noun.x answers 3/4 right, noun.y 1/4
     write_split(tmp_path / "incoming/day-1.jsonl", 6, 2, start=100)
     (tmp_path / "incoming/notes.txt").write_text("not a split format: not new task data\n")
@@ -123,14 +128,14 @@ def test_finetune_round_scores_task_metrics_gates_and_promotes(ray_session, tmp_
 
 
 @pytest.mark.slow
-def test_real_finetune_round_continues_production_through_ray_train(ray_session, tmp_path):
+def test_real_finetune_round_continues_production_through_ray_train(ray_session, versions, tmp_path):
     """One round with a real ctx finetune run (1 worker, 2 steps): the candidate continues
     production's head (its noun.x bias is still there), is scored and promoted."""
     from safetensors.torch import load_file
 
     from jobs.registry import Registry
 
-    v = task_versions(tmp_path / "versions")
+    v = versions
     write_split(tmp_path / "heldout.jsonl", 30, 10)
     write_split(tmp_path / "val.jsonl", 6, 2, start=300)
     write_split(tmp_path / "incoming/day-1.jsonl", 12, 4, start=100)  # 2 steps of 8
@@ -150,6 +155,33 @@ def test_real_finetune_round_continues_production_through_ray_train(ray_session,
     assert torch.allclose(bias, torch.tensor([5.0, -5.0]), atol=0.1)  # continued, not a fresh zero-bias head
     assert out["metrics"]["candidate"]["accuracy"] == pytest.approx(0.75)
     assert registry.get(f"{name}@production").version == out["candidate"]["version"]
+
+
+def test_continued_head_refuses_a_plain_checkpoint_and_new_classes(ray_session, versions, tmp_path):
+    """model.head: continue (what a round sets) fails before Ray Train starts, naming the key."""
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import build_model
+    from jobs.config import RecipeError
+    from jobs.finetune import finetune
+    from jobs.finetune_config import load_finetune_recipe
+
+    cfg, model = build_model("bert", "tiny", {"vocab_size": 400, "nsp": False, "n_layer": 1}, seed=0)
+    plain = save_checkpoint(tmp_path / "plain", model, "bert", cfg, tokenizer_dir=versions["x"].parent / "tok")
+    train = write_split(tmp_path / "train.jsonl", 6, 2)
+
+    def run(init: str, split: Path):
+        recipe = load_finetune_recipe(REPO / "configs/finetune/tiny-lexname.yaml", [
+            f"model.init={init}", "model.head=continue", f"data.train={split}", "data.validation=null", "data.test=null",
+            "train.patience=null", f"output_dir={tmp_path / 'runs'}", "scaling.num_workers=1", "train.batch_size=8"])
+        with pytest.raises(RecipeError) as e:
+            finetune(recipe, progress=False, log=lambda *_: None)
+        return str(e.value)
+
+    assert "model.head: continue needs a fine-tuned classification checkpoint" in run(str(plain), train)
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join(lines[:-1] + [json.dumps({"sentence1": "a new class", "label": "noun.z"})]) + "\n")
+    msg = run(str(versions["x"]), train)
+    assert msg.startswith("data.train: labels ['noun.z'] are not classes of model.init's head") and "model.head: fresh" in msg
 
 
 def test_finetune_gates_name_task_metrics(tmp_path, monkeypatch):
