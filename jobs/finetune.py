@@ -157,7 +157,15 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
         family, files = init.family, tokenizer_files(init.tokenizer_dir)
         model_fields = dataclasses.asdict(init.config)
+        init_task = init.task
         del init
+    continuing = recipe.model.head == "continue"
+    if continuing:
+        from jobs.config import RecipeError
+
+        if init_task is None or init_task.kind != recipe.task.kind:
+            raise RecipeError(f"model.head: continue needs a fine-tuned {recipe.task.kind} checkpoint as model.init; {init_uri} "
+                              + ("has no task head" if init_task is None else f"is fine-tuned for {init_task.kind}") + " (use model.head: fresh)")
 
     init_ray(verbose)
     train_table = fs.read_split(recipe.data.train, recipe.data.format, ep)
@@ -166,6 +174,14 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     labels: tuple[str, ...] = ()
     if recipe.task.kind in ("classification", "token-classification"):
         labels = tuple(_checked(fs.label_set, "data.train", train_table, cfg).names)
+        if continuing:  # the head's classes, in its order; the new data may hold only some of them
+            unknown = sorted(set(labels) - set(init_task.labels))
+            if unknown:
+                from jobs.config import RecipeError
+
+                raise RecipeError(f"data.train: labels {unknown[:12]} are not classes of model.init's head {init_task.labels[:12]}; "
+                                  "a continued head cannot learn new classes: fine-tune with model.head: fresh")
+            labels = tuple(init_task.labels)
         log(f"labels: {len(labels)} from the training split: {list(labels)[:12]}{' ...' if len(labels) > 12 else ''}")
     cfg = fs.with_labels(cfg, fs.LabelSet(labels) if labels else None)
     train_check = _checked(fs.check_split, "data.train", train_table, files, cfg)
@@ -217,6 +233,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             "family": family,
             "model": model_fields,
             "init_uri": init_uri,
+            "continue_head": continuing,
             "task": task_config_fields(recipe, family, labels),
             "data_config": dataclasses.asdict(cfg),
             "tokenizer_files": files,
@@ -413,7 +430,13 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     seed_worker_rng(t.seed, rank)  # dropout
     with tempfile.TemporaryDirectory(prefix="ctx-init-") as tmp:  # every worker, every restart: never left behind
         pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), ep))
-    load_backbone(model, pretrained.model)
+    if config.get("continue_head"):  # model.head: continue: the fine-tuned model as it was, head included
+        result = model.load_state_dict(pretrained.model.state_dict(), strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(f"model.head: continue: {config['init_uri']}'s task model does not fit this recipe's (task.*, model.features, "
+                             f"model.task_model): missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    else:
+        load_backbone(model, pretrained.model)
     del pretrained
     if family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
         model.set_char_table(elmo_char_table(tok_dir, model_cfg.max_chars))

@@ -50,6 +50,10 @@ class FtModelSection(_Section):
     features: Features | None = None  # which layers feed the task model; None = fine-tune end to end on the paper's vector
     task_model: Literal["linear", "bilstm"] = "linear"  # on features: a linear layer, or a 2-layer BiLSTM (ELMo, BERT's NER table)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)  # None = the family's
+    # fresh: a new head on init's backbone (the papers' fine-tuning). continue: init is a fine-tuned
+    # checkpoint of this task kind and the run goes on from all of it, head and label set included
+    # (scheduled fine-tuning rounds); training labels its head does not know are refused.
+    head: Literal["fresh", "continue"] = "fresh"
 
     @field_validator("init")
     @classmethod

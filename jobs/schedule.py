@@ -3,11 +3,14 @@
 A round (``run_round``, the same function for ``--once`` in the calling process and inside the
 detached scheduler actor):
 
-1. continues pretraining from the registered model's ``@production`` version (``model.init``) on
-   the shards new under ``trigger.watch`` since the last round (or the recipe's data on a cron
-   round without a watch);
-2. scores candidate and production on the same held-out batches (masked-token accuracy and
-   perplexity, the same masks for both), optionally the word-in-context test, and measures how far
+1. continues pretraining (``train.kind: pretrain``) or fine-tuning (``finetune``) from the
+   registered model's ``@production`` version (``model.init``) on the files new under
+   ``trigger.watch`` since the last round (or the recipe's data on a cron round without a watch);
+   for a fine-tuning round the new files (JSONL/Parquet/... records of the task) are its
+   ``data.train``; its validation split still picks the best checkpoint;
+2. scores candidate and production on the same held-out data (pretraining: masked-token accuracy
+   and perplexity, the same masks for both; fine-tuning: the task metrics of ``score_split`` on the
+   same labelled split), optionally the word-in-context test, and measures how far
    the embedding space moved: overlap of each probe text's k nearest neighbours and linear CKA
    (``pipelines/drift.py``) of vectors computed by the server's own pooling code;
 3. registers the candidate (MLflow, ``jobs/registry.py``) with its metrics, decisions and parent,
@@ -32,13 +35,14 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from jobs.schedule_config import DRIFT_METRICS, ScheduleConfig, decide
+from jobs.schedule_config import DRIFT_METRICS, ScheduleConfig, Trigger, decide
 from pipelines import storage
 
 HISTORY = "rounds.jsonl"
@@ -106,8 +110,12 @@ class ScheduleState:
 
 def running_round(state: ScheduleState) -> dict[str, Any] | None:
     """The round in progress, if one is (a line still "running" that is not stale)."""
-    for r in reversed(state.rounds()):
-        if r.get("status") == "running" and time.time() - float(r.get("started_ts", 0)) < STALE_ROUND_S:
+    return running_in(state.rounds(), time.time())
+
+
+def running_in(rounds: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+    for r in reversed(rounds):
+        if r.get("status") == "running" and now - float(r.get("started_ts", 0)) < STALE_ROUND_S:
             return r
     return None
 
@@ -125,8 +133,12 @@ def new_shards(cfg: ScheduleConfig, state: ScheduleState) -> list[str]:
     """Shards under ``trigger.watch`` not trained on by an earlier round (none if the prefix is empty)."""
     if cfg.trigger.watch is None:
         return []
+    if cfg.train.kind == "finetune":  # task records: the formats a fine-tuning split is read in
+        from pipelines.finetune_stream import SPLIT_SUFFIXES as suffixes
+    else:
+        suffixes = storage.CORPUS_SUFFIXES
     try:
-        found = storage.list_files(cfg.trigger.watch, cfg.endpoint_url)
+        found = storage.list_files(cfg.trigger.watch, cfg.endpoint_url, suffixes=suffixes)
     except storage.StorageError as e:
         if "matches no" in str(e):  # an empty or not yet created prefix: nothing new
             return []
@@ -185,6 +197,8 @@ def probe_texts(cfg: ScheduleConfig) -> list[str]:
         fs, path = storage.filesystem(ev.probes, cfg.endpoint_url)
         with fs.open_input_stream(path) as f:
             lines = f.read().decode("utf-8").splitlines()
+    elif cfg.train.kind == "finetune":
+        lines = split_texts(cfg)
     else:
         lines = sample_text(storage.list_files(ev.held_out, cfg.endpoint_url), 2_000_000, cfg.recipe["data"]["format"],
                             cfg.recipe["data"]["text_field"], cfg.endpoint_url)
@@ -200,14 +214,48 @@ def probe_texts(cfg: ScheduleConfig) -> list[str]:
     return texts
 
 
+def split_texts(cfg: ScheduleConfig) -> list[str]:
+    """The texts of a fine-tuning round's held-out records, in order: the recipe's text field
+    (else sentence1, text, sentence, question, the fields a task reads first), or a token list joined."""
+    from pipelines.finetune_stream import read_split
+
+    task, fmt = cfg.recipe["task"], cfg.recipe["data"]["format"]
+    table = read_split(cfg.evaluate.held_out, fmt, cfg.endpoint_url)
+    fields = [f for f in (task.get("text_field"), "sentence1", "text", "sentence", "question") if f]
+    out = []
+    for raw in table.column("_json").to_pylist():
+        record = json.loads(raw)
+        value = next((record[f] for f in fields if isinstance(record.get(f), str)), None)
+        if value is None and isinstance(record.get(task["tokens_field"]), list):
+            value = " ".join(str(t) for t in record[task["tokens_field"]])
+        if value:
+            out.append(value)
+    return out
+
+
+def task_metrics_of(checkpoint: Path, recipe, split: str, endpoint_url: str | None) -> dict[str, float]:
+    """A fine-tuned checkpoint's task metrics on ``split`` (``jobs.finetune.score_split``: the
+    validation code of ``ctx finetune``), named without the ``val_`` prefix: loss, accuracy, f1 ..."""
+    from jobs.finetune import score_split
+
+    return {k.removeprefix("val_"): float(v) for k, v in score_split(str(checkpoint), recipe, split, endpoint_url).items()}
+
+
 def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=print) -> tuple[dict[str, float], dict[str, float]]:
     """(candidate metrics, production metrics) on the same held-out data; the drift of the
-    candidate's space from production's is in the candidate's (production's own is 1)."""
+    candidate's space from production's is in the candidate's (production's own is 1). A
+    fine-tuning round's drift is of the backbones (the serving embedding path), as pretraining's."""
     from jobs.config import Recipe
+    from jobs.finetune_config import FinetuneRecipe
     from pipelines.drift import knn_overlap, linear_cka
 
-    recipe = Recipe.model_validate({**cfg.recipe, "data": {**cfg.recipe["data"], "eval_max_samples": cfg.evaluate.max_samples}})
-    shards = storage.list_files(cfg.evaluate.held_out, cfg.endpoint_url)
+    finetuning = cfg.train.kind == "finetune"
+    if finetuning:
+        recipe = FinetuneRecipe.model_validate(cfg.recipe)
+        shards: list[str] = []
+    else:
+        recipe = Recipe.model_validate({**cfg.recipe, "data": {**cfg.recipe["data"], "eval_max_samples": cfg.evaluate.max_samples}})
+        shards = storage.list_files(cfg.evaluate.held_out, cfg.endpoint_url)
     texts = probe_texts(cfg)
     work = Path(tempfile.mkdtemp(prefix="ctx-round-eval-"))
     try:
@@ -215,7 +263,10 @@ def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=prin
         vectors = {}
         for role, uri in (("candidate", candidate), ("production", production)):
             local = _local_checkpoint(uri, work / role, cfg.endpoint_url)
-            m = held_out_metrics(local, recipe, shards)
+            if finetuning:
+                m = task_metrics_of(local, recipe, cfg.evaluate.held_out, cfg.endpoint_url)
+            else:
+                m = held_out_metrics(local, recipe, shards)
             if cfg.evaluate.wic:
                 from jobs.wic import evaluate_wic
 
@@ -269,16 +320,27 @@ def roll_serve(app: dict[str, Any], model: str, uri: str) -> str | None:
 
 def _recipe_for_round(cfg: ScheduleConfig, n: int, init: str, shards: list[str]):
     from jobs.config import Recipe
+    from jobs.finetune_config import FinetuneRecipe
 
     data = json.loads(json.dumps(cfg.recipe))
     data["name"] = f"{cfg.name}-round-{n:04d}"
     if cfg.train.output_dir:
         data["output_dir"] = cfg.train.output_dir
-    data["model"] = {"family": data["model"]["family"], "preset": data["model"]["preset"], "init": init}
-    data["tokenizer"]["path"] = None  # the production version's own tokenizer (warm start)
     # The round registers the candidate itself, once judged, with the gate's verdict and its parent;
     # the run registering its own checkpoint too would make two versions of one candidate.
     data["registry"] = {**(data.get("registry") or {}), "enabled": False}
+    if cfg.train.kind == "finetune":
+        data["model"] = {**data["model"], "init": init}
+        if not any(o.startswith("model.head=") for o in cfg.train.set):  # continued, head and labels too, unless set
+            data["model"]["head"] = "continue"
+        if shards:
+            data["data"]["train"] = shards
+        # The round scores both versions on evaluate.held_out itself; the recipe's test split
+        # would be one more pass over data nothing reads.
+        data["data"]["test"] = None
+        return FinetuneRecipe.model_validate(data)
+    data["model"] = {"family": data["model"]["family"], "preset": data["model"]["preset"], "init": init}
+    data["tokenizer"]["path"] = None  # the production version's own tokenizer (warm start)
     if shards:
         data["data"]["input"] = shards
     return Recipe.model_validate(data)
@@ -318,17 +380,19 @@ def run_round(cfg: ScheduleConfig, trigger: str = "manual", log: Callable[[str],
         production = registry.get(f"{cfg.model}@production")
         record["production"] = {"version": production.version, "source": production.source}
         recipe = _recipe_for_round(cfg, n, production.source, shards)
-        result = (train or _pretrain)(recipe, log)
-        if not result.checkpoint_uri:
+        result = (train or (_finetune if cfg.train.kind == "finetune" else _pretrain))(recipe, log)
+        # a fine-tuning run's candidate is its best checkpoint by task.metric on its validation split
+        chosen = getattr(result, "best_checkpoint", None) or result.checkpoint_uri
+        if not chosen:
             raise RuntimeError(f"training run {result.run_uri} committed no checkpoint")
         record["run"] = result.run_uri
-        cand_m, prod_m = evaluate_pair(cfg, result.checkpoint_uri, production.source, log)
+        cand_m, prod_m = evaluate_pair(cfg, chosen, production.source, log)
         record["metrics"] = {"candidate": cand_m, "production": prod_m}
         promote, gates = decide(cfg.gates, cand_m, prod_m)
         record["gates"] = [{"metric": g.metric, "passed": g.passed, "reason": g.reason} for g in gates]
         tags = {"schedule": cfg.name, "round": str(n), "gate": "passed" if promote else "failed",
                 **{f"metric.{k}": f"{v:.6g}" for k, v in cand_m.items()}}
-        version = registry.register(cfg.model, result.checkpoint_uri, tags=tags, parent=production)
+        version = registry.register(cfg.model, chosen, tags=tags, parent=production)
         record["candidate"] = {"version": version.version, "source": version.source}
         if not promote:
             failed = [g.reason for g in gates if not g.passed]
@@ -365,6 +429,12 @@ def _pretrain(recipe, log):
     return pretrain(recipe, progress=False, log=log)
 
 
+def _finetune(recipe, log):
+    from jobs.finetune import finetune
+
+    return finetune(recipe, progress=False, log=log)
+
+
 def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
     """Recompute the stored embeddings with the new version, written beside the old ones under
     ``<reembed.output>/v<version>/`` (never over them), with ``jobs.embed.reembed`` (Ray Data)."""
@@ -387,9 +457,52 @@ def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
 
 
 def next_cron(expr: str, after: float) -> float:
+    """The first time of ``expr`` strictly after ``after`` (epoch seconds), read in UTC."""
     from croniter import croniter
 
     return float(croniter(expr, datetime.fromtimestamp(after, timezone.utc)).get_next(float))
+
+
+@dataclass(frozen=True)
+class NextStep:
+    """What the scheduler loop does now: start a round (``trigger``) or not, the cron time it waits
+    for next (carried to the next decision), and how long it sleeps before deciding again."""
+
+    trigger: str | None  # "cron", "watch" or None
+    cron_due: float | None
+    wait_s: float
+    why: str  # for the log and the tests: what was decided, in words
+
+
+def next_step(trigger: Trigger, now: float, cron_due: float | None, rounds: list[dict[str, Any]],
+              has_new_shards: Callable[[], bool]) -> NextStep:
+    """When is the next round due: the scheduler loop's one decision, a pure function of the time.
+
+    * cron (UTC): the first decision only sets ``cron_due`` (no catch-up of ticks before the
+      scheduler started); once ``now`` reaches it a "cron" round starts and ``cron_due`` moves to
+      the next tick after ``now`` (ticks missed meanwhile make no extra rounds);
+    * rounds never overlap: while a round runs (a fresh "running" line in ``rounds``, from this loop
+      or a ``--once`` elsewhere) nothing starts and a cron tick that falls meanwhile stays due:
+      it runs once, right after that round ends (however many ticks it covered);
+    * watch: new files under ``trigger.watch`` (``has_new_shards``, asked only when it matters)
+      start a "watch" round, but after a failed round only once ``retry_after_s`` has passed;
+    * the loop sleeps until the cron time or the next poll, whichever comes first (at most poll_s).
+    """
+    if trigger.cron is not None and cron_due is None:
+        cron_due = next_cron(trigger.cron, now)
+    wait = trigger.poll_s if cron_due is None else max(0.0, min(trigger.poll_s, cron_due - now))
+    busy = running_in(rounds, now)
+    if busy is not None:
+        return NextStep(None, cron_due, trigger.poll_s, f"round {busy['round']} is running; nothing starts beside it")
+    if cron_due is not None and now >= cron_due:
+        return NextStep("cron", next_cron(trigger.cron, now), 0.0, f"cron tick {datetime.fromtimestamp(cron_due, timezone.utc).isoformat()} is due")
+    if trigger.watch is not None:
+        retry = retry_wait(rounds, trigger.retry_after_s, now)
+        if retry > 0:
+            return NextStep(None, cron_due, min(wait, retry), f"the last round failed: new files start one in {retry:.0f} s")
+        if has_new_shards():
+            return NextStep("watch", cron_due, 0.0, f"new files under {trigger.watch}")
+    return NextStep(None, cron_due, wait, "nothing due")
 
 
 class Scheduler:
@@ -413,26 +526,23 @@ class Scheduler:
 
     def _loop(self) -> None:
         cfg = self.cfg
-        due = next_cron(cfg.trigger.cron, time.time()) if cfg.trigger.cron else None
+        cron_due: float | None = None
         state = ScheduleState(cfg.state_uri, cfg.endpoint_url)
         while not self._stop.is_set():
-            trigger = None
+            wait = cfg.trigger.poll_s
             try:
-                if due is not None and time.time() >= due:
-                    trigger, due = "cron", next_cron(cfg.trigger.cron, time.time())
-                elif (cfg.trigger.watch is not None and retry_wait(state.rounds(), cfg.trigger.retry_after_s, time.time()) <= 0
-                      and new_shards(cfg, state)):
-                    trigger = "watch"
-                if trigger:
-                    self.current = {"trigger": trigger, "since": _now()}
-                    record = run_round(cfg, trigger, log=self._log)
+                step = next_step(cfg.trigger, time.time(), cron_due, state.rounds(), lambda: bool(new_shards(cfg, state)))
+                cron_due, wait = step.cron_due, step.wait_s
+                if step.trigger:
+                    self.current = {"trigger": step.trigger, "since": _now()}
+                    self._log(f"scheduler: {step.why}")
+                    record = run_round(cfg, step.trigger, log=self._log)
                     self._log(f"round: {record.get('status')}: {record.get('reason', '')}")
-            except Exception as e:  # listing the prefix failed (storage down): try again at the next poll
+            except Exception as e:  # reading the state or listing the prefix failed (storage down): next poll
                 self._log(f"scheduler: {type(e).__name__}: {e}")
             finally:
                 self.current = None
-            wait = cfg.trigger.poll_s if cfg.trigger.watch is not None else max(1.0, (due or time.time() + 60) - time.time())
-            self._stop.wait(min(wait, cfg.trigger.poll_s))
+            self._stop.wait(wait)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.cfg.name, "started": self.started, "running": self.current,

@@ -10,6 +10,7 @@ names the file and the key. Nothing here imports Ray or torch.
       watch: s3://corpora/wiki/new/  # a round starts when new shards appear under this prefix
       poll_s: 60
     train:
+      kind: pretrain                 # or finetune: a configs/finetune/ recipe, task metrics as gates
       recipe: configs/bert-tiny.yaml # continued from @production (model.init) on the new shards
       set: [train.max_steps=1000]
       output_dir: s3://runs/schedules/bert-nightly/rounds
@@ -41,6 +42,18 @@ PRETRAIN_METRICS = ("eval_loss", "eval_ppl", "eval_acc", "knn_overlap", "cka", "
 LOWER_IS_BETTER = ("eval_loss", "eval_ppl", "loss")
 # Drift is measured between candidate and production: production's own value is 1 by definition.
 DRIFT_METRICS = ("knn_overlap", "cka")
+
+
+def round_metrics(kind: str, recipe: dict[str, Any]) -> tuple[str, ...]:
+    """The metrics a round of ``train.kind`` measures (what its gates may name). A fine-tuning
+    round reports what ``jobs.finetune.score_split`` gives for the recipe's task kind, without the
+    ``val_`` prefix (classification: loss, accuracy, f1, mcc), plus the drift of the backbones."""
+    if kind == "pretrain":
+        return PRETRAIN_METRICS
+    from jobs.finetune_config import TASK_METRICS
+
+    task = (recipe.get("task") or {}).get("kind", "classification")
+    return ("loss", *TASK_METRICS[task], *DRIFT_METRICS, "wic_accuracy")
 
 
 class ScheduleError(ValueError):
@@ -152,7 +165,9 @@ class Trigger(_Section):
 
 
 class TrainStep(_Section):
-    kind: Literal["pretrain"] = "pretrain"  # continued pretraining (fine-tuning rounds: not yet)
+    # pretrain: continued pretraining (configs/*.yaml); finetune: continued fine-tuning of a
+    # fine-tuned production version (configs/finetune/*.yaml), new split files as its data.train
+    kind: Literal["pretrain", "finetune"] = "pretrain"
     recipe: str  # the recipe YAML; its model.init is set to the production checkpoint each round
     set: list[str] = []  # --set overrides, e.g. train.max_steps=100
     output_dir: str | None = None  # where round runs go (default: the recipe's output_dir)
@@ -165,9 +180,11 @@ class TrainStep(_Section):
 
 
 class EvaluateStep(_Section):
-    held_out: str  # shards both versions are scored on (masked-token accuracy, perplexity)
-    max_samples: int = Field(256, ge=1)
-    probes: str | None = None  # a text file of probe texts, one a line (default: lines of held_out)
+    # pretrain: shards both versions are scored on (masked-token accuracy, perplexity);
+    # finetune: a labelled split of the recipe's task (JSONL/Parquet/...) scored with its task metrics
+    held_out: str
+    max_samples: int = Field(256, ge=1)  # pretrain only: held-out samples scored (a finetune round scores the whole split)
+    probes: str | None = None  # a text file of probe texts, one a line (default: lines of held_out; finetune: its records' texts)
     n_probes: int = Field(200, ge=3)
     k: int = Field(10, ge=1)  # the k of the neighbour overlap
     wic: str | None = None  # a WiC folder (validation.jsonl, test.jsonl): ctx eval wic on both versions
@@ -210,13 +227,17 @@ class ScheduleConfig(_Section):
             raise ValueError(f"name: {v!r}: use letters, digits, '.', '_', '-' (it names an actor and folders)")
         return v
 
-    @field_validator("gates")
-    @classmethod
-    def _gates(cls, v: dict[str, MetricGate]) -> dict[str, MetricGate]:
-        for metric in v:
-            if metric not in PRETRAIN_METRICS:
-                raise ValueError(f"{metric}: not a metric a round measures; use one of {list(PRETRAIN_METRICS)}")
-        return v
+    @model_validator(mode="after")
+    def _gates(self) -> "ScheduleConfig":
+        # A fine-tuning round's metrics depend on its recipe's task: checked once the recipe is read.
+        if self.train.kind == "finetune" and not self.recipe:
+            return self
+        measured = round_metrics(self.train.kind, self.recipe)
+        what = "pretraining round" if self.train.kind == "pretrain" else f"fine-tuning round ({self.recipe['task']['kind']})"
+        for metric in self.gates:
+            if metric not in measured:
+                raise ValueError(f"gates.{metric}: not a metric a {what} measures; use one of {list(measured)}")
+        return self
 
     @model_validator(mode="after")
     def _wic_gate(self) -> "ScheduleConfig":
@@ -247,6 +268,7 @@ def validate(data: dict[str, Any], where: str = "schedule config", base: Path | 
     """A schedule from a dict: the train recipe and serve config it names are read and validated
     too (relative paths from ``base``), so a bad key anywhere fails before anything starts."""
     from jobs.config import RecipeError, load_recipe
+    from jobs.finetune_config import load_finetune_recipe
     from jobs.serve_config import ConfigError, load_config
 
     try:
@@ -258,10 +280,13 @@ def validate(data: dict[str, Any], where: str = "schedule config", base: Path | 
         path = Path(cfg.train.recipe)
         path = path if path.is_absolute() else base / path
         try:
-            recipe = load_recipe(path, cfg.train.set)
+            recipe = (load_finetune_recipe if cfg.train.kind == "finetune" else load_recipe)(path, cfg.train.set)
         except RecipeError as e:
             raise ScheduleError(f"{where}: train.recipe: {e}") from None
-        cfg = cfg.model_copy(update={"recipe": recipe.model_dump(mode="json")})
+        try:  # validated again with the recipe: the gates are checked against what its task measures
+            cfg = ScheduleConfig.model_validate({**cfg.model_dump(mode="python"), "recipe": recipe.model_dump(mode="json")})
+        except ValidationError as e:
+            raise _errors(e, where) from None
     if cfg.serve is not None and not cfg.serve.app:
         path = Path(cfg.serve.config)
         path = path if path.is_absolute() else base / path
