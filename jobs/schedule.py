@@ -131,6 +131,13 @@ def retry_wait(rounds: list[dict[str, Any]], retry_after_s: float, now: float) -
 
 def new_shards(cfg: ScheduleConfig, state: ScheduleState) -> list[str]:
     """Shards under ``trigger.watch`` not trained on by an earlier round (none if the prefix is empty)."""
+    seen = set(state.seen())
+    return [s for s in watched_files(cfg) if s not in seen]
+
+
+def watched_files(cfg: ScheduleConfig) -> list[str]:
+    """Every shard (or, for fine-tuning rounds, split file) under ``trigger.watch``; none if the
+    prefix is empty or there is no watch."""
     if cfg.trigger.watch is None:
         return []
     if cfg.train.kind == "finetune":  # task records: the formats a fine-tuning split is read in
@@ -138,13 +145,11 @@ def new_shards(cfg: ScheduleConfig, state: ScheduleState) -> list[str]:
     else:
         suffixes = storage.CORPUS_SUFFIXES
     try:
-        found = storage.list_files(cfg.trigger.watch, cfg.endpoint_url, suffixes=suffixes)
+        return storage.list_files(cfg.trigger.watch, cfg.endpoint_url, suffixes=suffixes)
     except storage.StorageError as e:
         if "matches no" in str(e):  # an empty or not yet created prefix: nothing new
             return []
         raise
-    seen = set(state.seen())
-    return [s for s in found if s not in seen]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +384,10 @@ def run_round(cfg: ScheduleConfig, trigger: str = "manual", log: Callable[[str],
         registry = registry or _registry(cfg)
         production = registry.get(f"{cfg.model}@production")
         record["production"] = {"version": production.version, "source": production.source}
-        recipe = _recipe_for_round(cfg, n, production.source, shards)
+        # train.data_from: the new shards only, or everything under the watch (new shards still start the round)
+        data = shards if cfg.train.data_from == "new" else watched_files(cfg)
+        record["trained_on"] = len(data)
+        recipe = _recipe_for_round(cfg, n, production.source, data)
         result = (train or (_finetune if cfg.train.kind == "finetune" else _pretrain))(recipe, log)
         # a fine-tuning run's candidate is its best checkpoint by task.metric on its validation split
         chosen = getattr(result, "best_checkpoint", None) or result.checkpoint_uri

@@ -108,7 +108,8 @@ def test_decisions_failed_gated_promoted(versions, tmp_path):
     assert new_shards(gated, ScheduleState(gated.state_uri)) == []  # judged: not trained on again
 
     (incoming / "new-1.txt").write_text("a loan from the bank\n")
-    passing = validate({**base, "gates": {"eval_acc": {"min_absolute_change": -1.0}}}, base=REPO)
+    passing_gates = {"eval_acc": {"min_absolute_change": -1.0}}
+    passing = validate({**base, "gates": passing_gates}, base=REPO)
     out = run_round(passing, "watch", log=lambda *_: None, registry=registry, train=lambda r, log: _Trained(versions[1]))
     assert out["status"] == "promoted" and out["shards"] == [str(incoming / "new-1.txt")]
     assert registry.get(f"{name}@production").version == out["candidate"]["version"]
@@ -116,6 +117,14 @@ def test_decisions_failed_gated_promoted(versions, tmp_path):
     # nothing new now: a watch round is not even recorded
     assert run_round(passing, "watch", log=lambda *_: None, registry=registry)["status"] == "skipped"
     assert len(ScheduleState(passing.state_uri).rounds()) == 3
+
+    # train.data_from: all -- a new shard starts the round, which trains on everything under the watch
+    (incoming / "new-2.txt").write_text("the bank of the river\n")
+    everything = validate({**base, "train": {**base["train"], "data_from": "all"}, "gates": passing_gates}, base=REPO)
+    out = run_round(everything, "watch", log=lambda *_: None, registry=registry,
+                    train=lambda r, log: seen.append(r) or _Trained(versions[1]))
+    assert out["status"] == "promoted" and out["shards"] == [str(incoming / "new-2.txt")] and out["trained_on"] == 3
+    assert sorted(seen[-1].data.input) == sorted(str(incoming / f"new-{i}.txt") for i in range(3))
 
 
 @pytest.mark.slow
