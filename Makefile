@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - virtualenv, install, then tokenizer -> pretraining -> serving on the sample corpus
-#   make test   - virtualenv, install, then the whole test suite (what .ci/run calls)
+#   make test   - virtualenv, install, then the test suite (what .ci/run calls; make test-all adds the extended runs)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-all install bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# also the tests marked extended (pyproject.toml): every family, live multi-node elastic, FSDP run ...
+test-all: $(STAMP)
+	$(BIN)/python -m pytest tests -m ""
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masking.py

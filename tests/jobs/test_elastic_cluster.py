@@ -73,6 +73,7 @@ def run_cluster_scenario(spec: dict, workdir: Path, timeout: float) -> str:
     return text
 
 
+@pytest.mark.extended  # make test-all
 def test_run_grows_and_shrinks_with_the_cluster_and_trains_each_sample_once(tmp_path):
     corpus = write_corpus(Path(tempfile.mkdtemp(dir=tmp_path)))
     rec = recipe(corpus, tmp_path, *ELASTIC)

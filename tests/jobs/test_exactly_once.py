@@ -58,6 +58,7 @@ def test_worker_killed_mid_epoch_finishes_and_consumes_each_sample_once(ray_sess
     assert n > 8 * 40  # the epoch really was longer than the kill point
 
 
+@pytest.mark.extended  # make test-all
 def test_two_workers_then_one_consumes_each_sample_once(ray_session, corpus, tmp_path):
     run = tmp_path / "once"
     pretrain(recipe(corpus, tmp_path, "train.max_steps=30", "scaling.num_workers=2"), progress=False, log=lambda *_: None)

@@ -26,6 +26,7 @@ def run(out: Path, *extra: str) -> Path:
     return Path(pretrain(recipe, progress=False, log=lambda *_: None).checkpoint_uri)
 
 
+@pytest.mark.extended  # make test-all
 def test_same_seed_same_run_other_seed_other_weights(ray_session, tmp_path):
     a, b = run(tmp_path / "a"), run(tmp_path / "b")
     for f in sorted((a / "tokenizer").iterdir()):

@@ -128,6 +128,7 @@ def test_finetune_round_scores_task_metrics_gates_and_promotes(ray_session, vers
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-all
 def test_real_finetune_round_continues_production_through_ray_train(ray_session, versions, tmp_path):
     """One round with a real ctx finetune run (1 worker, 2 steps): the candidate continues
     production's head (its noun.x bias is still there), is scored and promoted."""

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # make test-all
 def test_fsdp_run_checkpoints_full_state_and_resumes(ray_session, tmp_path):
     common = [
         f"output_dir={tmp_path}", "name=fsdp", "scaling.strategy=fsdp", "scaling.num_workers=2",
