@@ -9,14 +9,19 @@
     POST /v1/fill-mask, /v1/generate                     pretrained masked / causal LM heads
     POST /tokenize                                       ids, tokens and offsets (jobs/serve_tasks.py)
     GET  /v1/models            served models with family, task, labels, routes, width, version and tokenizer hash
-    GET  /healthz              alive;  GET /readyz: every model answers a real forward pass
-    GET  /metrics              Prometheus: requests by route and status, latency, queue depth, batch sizes
+    GET  /healthz              alive;  GET /readyz: every pinned model answers a real forward pass
+    GET  /metrics              Prometheus: requests by route and status, latency, queue depth, batch sizes,
+                               multiplexed model loads and evictions
 
-Two kinds of deployment (Ray Serve docs, "Deploy Compositions of Models"):
-* ``EmbeddingModel``, one per served model: loads one resolved checkpoint (local path, ``file://``
+Three kinds of deployment (Ray Serve docs, "Deploy Compositions of Models" and "Model Multiplexing"):
+* ``EmbeddingModel``, one per pinned model: loads one resolved checkpoint (local path, ``file://``
   or ``s3://``) and its tokenizer, and groups concurrent sentence requests with ``@serve.batch``;
   what a batch collects runs sorted by length in forward passes of at most ``max_batch_tokens``
   padded tokens (``token_budget_groups``).
+* ``MultiplexedModels``, one for all the config's ``multiplexed.models``: a replica builds a model's
+  ``EmbeddingModel`` (the same class, so the same answers) on the model's first request, keeps at most
+  ``max_num_models_per_replica`` of them and evicts the least recently used (``@serve.multiplexed``);
+  Serve routes a request to a replica that has its model loaded when one does.
 * ``Gateway``, the FastAPI ingress: checks the API key, the body size and every character limit
   before anything is tokenized, routes requests by model name through bounded queues (429 with
   Retry-After when full), and turns every failure into ``{"error": {"message", "type", ...}}``;
@@ -65,7 +70,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobs.serve_config import APP_NAME, InputError, LimitError, Limits, ModelConfig, ServeConfig, validate
+from jobs.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
 from jobs.serve_tasks import REQUESTS, TaskRequest, TaskServing, cannot_serve, check_texts, read_recipe
 
 logger = logging.getLogger("ray.serve")
@@ -207,7 +212,7 @@ class EmbeddingModel(TaskServing):
     request fails alone; only forward passes are batched (sentence vectors here, task rows and masked-LM
     rows in ``TaskServing``)."""
 
-    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelConfig, limits: Limits,
+    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
                  registry_version: str | None = None):
         import torch
 
@@ -619,6 +624,91 @@ def _refusal(e: InputError) -> dict:
     return {"refused": (413 if isinstance(e, LimitError) else 400, str(e))}
 
 
+class ModelLoadError(RuntimeError):
+    """A multiplexed model that could not be loaded on a replica (its checkpoint is gone, changed or
+    broken): the Gateway answers 503 naming the model; the replica's log has the cause."""
+
+
+class Resident:
+    """What the multiplexed loader gives Ray Serve: one loaded model. Serve calls ``__del__`` when it
+    evicts the model (least recently used first) and Python again when the object is collected: only
+    the first call reports the eviction."""
+
+    def __init__(self, model: EmbeddingModel, on_evict):
+        self.model, self._on_evict = model, on_evict
+
+    def __del__(self):
+        on_evict, self._on_evict = self._on_evict, None
+        if on_evict is not None:
+            on_evict(self.model.name)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32)
+class MultiplexedModels:
+    """The multiplexed models' replicas (Ray Serve model multiplexing). The Gateway names the model of
+    each call (``handle.options(multiplexed_model_id=name)``); a replica loads it on first use, as an
+    ``EmbeddingModel`` built from the checkpoint resolved when the app was built (so every replica, and
+    every reload, serves that same version), and hands the call to it. Loads and evictions ride back
+    to the Gateway's /metrics on the next answer (``multiplexed_events``), as batch sizes do."""
+
+    def __init__(self, checkpoints: dict[str, tuple[str, str | None, str | None]], settings: MultiplexedConfig, limits: Limits):
+        self.checkpoints = checkpoints  # name -> (checkpoint folder, its version, registry version)
+        self.settings, self.limits = settings, limits
+        self.events: list[tuple[str, str, float]] = []  # ("load" | "evict", model, seconds) not yet reported
+
+        # Decorated here, not on the class: the limit comes from the config, and Serve reads it when decorating.
+        @serve.multiplexed(max_num_models_per_replica=settings.max_num_models_per_replica)
+        async def get_model(name: str) -> Resident:
+            return await self._load(name)
+
+        self._get_model = get_model
+
+    async def _load(self, name: str) -> Resident:
+        checkpoint, version, registry_version = self.checkpoints[name]
+        start = time.perf_counter()
+        try:  # in a thread: the replica keeps answering the models it has while this one loads
+            model = await asyncio.to_thread(
+                EmbeddingModel.func_or_class, name, checkpoint, version, self.settings, self.limits, registry_version
+            )
+        except Exception as e:
+            logger.error("multiplexed model %s: loading %s failed", name, checkpoint, exc_info=e)
+            raise ModelLoadError(f"model {name!r} could not be loaded: {type(e).__name__}: {e}") from None
+        self.events.append(("load", name, time.perf_counter() - start))
+        return Resident(model, self._evicted)
+
+    def _evicted(self, name: str) -> None:
+        self.events.append(("evict", name, 0.0))
+
+    async def _model(self) -> EmbeddingModel:
+        name = serve.get_multiplexed_model_id()
+        if name not in self.checkpoints:  # the Gateway checks first; a direct handle call gets this
+            raise InputError(f"model {name!r} is not a multiplexed model of this app ({', '.join(sorted(self.checkpoints))})")
+        return (await self._get_model(name)).model
+
+    def _report(self, out: dict) -> dict:
+        if self.events:
+            events, self.events = self.events, []
+            out = {**out, "multiplexed_events": events}
+        return out
+
+    # --- Ray seam: the EmbeddingModel handlers, for the model the request names ---
+
+    async def embed(self, *args: Any) -> dict:
+        return self._report(await (await self._model()).embed(*args))
+
+    async def token_embeddings(self, *args: Any) -> dict:
+        return self._report(await (await self._model()).token_embeddings(*args))
+
+    async def task(self, route: str, args: dict) -> dict:
+        return self._report(await (await self._model()).task(route, args))
+
+    async def info(self) -> dict[str, Any]:
+        return self._report((await self._model()).info())
+
+    async def forward_passes(self) -> list[tuple[int, int]]:
+        return await (await self._model()).forward_passes()
+
+
 # ----------------------------------------------------------------------------- HTTP API
 
 
@@ -783,6 +873,14 @@ class Metrics:
             "ctx_batch_size_padded_tokens", "rows x longest row per forward pass (what max_batch_tokens bounds)", ["model"],
             registry=self.registry, buckets=(8, 32, 128, 512, 2048, 8192, 16384, 32768),
         )
+        self.loads = Counter("ctx_multiplexed_model_loads", "multiplexed models loaded onto a replica", ["model"], registry=self.registry)
+        self.load_seconds = Histogram(
+            "ctx_multiplexed_model_load_seconds", "time to load a multiplexed model onto a replica", ["model"], registry=self.registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.evictions = Counter(
+            "ctx_multiplexed_model_evictions", "multiplexed models evicted from a replica (least recently used)", ["model"], registry=self.registry,
+        )
 
     def observe_batches(self, model: str, batches: list[tuple[int, int, int]]) -> None:
         """The (texts, real tokens, padded tokens) of each forward pass a request's texts started."""
@@ -790,6 +888,15 @@ class Metrics:
             self.batch_texts.labels(model).observe(n_texts)
             self.batch_tokens.labels(model).observe(n_tokens)
             self.batch_padded.labels(model).observe(n_padded)
+
+    def observe_multiplexed(self, events: list[tuple[str, str, float]]) -> None:
+        """Loads and evictions a multiplexed replica reports with an answer (``MultiplexedModels._report``)."""
+        for kind, model, seconds in events:
+            if kind == "load":
+                self.loads.labels(model).inc()
+                self.load_seconds.labels(model).observe(seconds)
+            else:
+                self.evictions.labels(model).inc()
 
     def route(self, path: str) -> str:
         return path if path in self.ROUTES else "other"  # bounded label values whatever clients send
@@ -926,7 +1033,7 @@ def http_api(gw: "Gateway") -> FastAPI:
 
     @api.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "models": sorted(gw.models)}
+        return {"status": "ok", "models": gw.config.names()}
 
     @api.get("/readyz", responses={503: {"description": "Not ready: {status, models} says which model is not"}})
     async def readyz() -> Response:
@@ -987,10 +1094,14 @@ def authorized(header: str | None, key_digests: list[bytes]) -> bool:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress()
 class Gateway:
-    """Routes requests by model name to the EmbeddingModel deployments' handles."""
+    """Routes requests by model name to the EmbeddingModel deployments' handles, and a multiplexed
+    model's to the MultiplexedModels deployment with its name as the multiplexed model id."""
 
-    def __init__(self, models: dict[str, DeploymentHandle], config: ServeConfig):
-        self.models, self.config = models, config
+    def __init__(self, models: dict[str, DeploymentHandle], config: ServeConfig, multiplexed: DeploymentHandle | None = None):
+        self.pinned, self.config = dict(models), config
+        self.models = dict(models)
+        if multiplexed is not None:  # one handle (one router, one bounded queue), one id per model
+            self.models.update({name: multiplexed.options(multiplexed_model_id=name) for name in config.multiplexed.models})
         self.key_digests = [bytes.fromhex(h) for h in config.auth.api_key_sha256]
         self.metrics = Metrics()
         self.draining = False
@@ -1025,6 +1136,8 @@ class Gateway:
         response = getattr(handle, method).remote(*args)
         try:
             out = await asyncio.wait_for(_result(response), timeout_s)
+            if isinstance(out, dict) and "multiplexed_events" in out:
+                self.metrics.observe_multiplexed(out.pop("multiplexed_events"))
             if isinstance(out, dict) and "refused" in out:
                 status, message = out["refused"]
                 raise ApiError(status, message, code="request_too_large" if status == 413 else None)
@@ -1033,6 +1146,11 @@ class Gateway:
             raise ApiError(413, _cause_message(e), code="request_too_large") from None
         except InputError as e:
             raise ApiError(400, _cause_message(e)) from None
+        except ModelLoadError:  # the replica logged why; the checkpoint's path and error stay out of the answer
+            raise ApiError(
+                503, f"model {model!r} could not be loaded on a replica (the server log says why); retry later or tell the operator",
+                "unavailable", code="model_load_failed", headers=retry,
+            ) from None
         except BackPressureError:
             raise ApiError(
                 429, f"model {model!r} has a full queue; retry after {retry['Retry-After']} s", "rate_limit_error",
@@ -1055,7 +1173,8 @@ class Gateway:
 
     async def _model_info(self, name: str) -> dict:
         if name not in self._info:  # fixed for the app's life: every replica serves the same checkpoint
-            self._info[name] = await self._call(name, "info", timeout_s=10)
+            # A multiplexed model may have to be loaded first: give it the request timeout.
+            self._info[name] = await self._call(name, "info", timeout_s=None if self.config.is_multiplexed(name) else 10)
         return self._info[name]
 
     # --- routes ---
@@ -1136,9 +1255,12 @@ class Gateway:
         return AsciiJSON(body, headers=_stamp_headers(out))
 
     async def list_models(self) -> Response:
+        """Every model with its details; a multiplexed model not asked for yet is loaded once to read
+        them (they are kept for the app's life)."""
         data = []
         for name in sorted(self.models):
-            entry = {"id": name, "object": "model", "created": self.created, "owned_by": "ctxmodels"}
+            entry = {"id": name, "object": "model", "created": self.created, "owned_by": "ctxmodels",
+                     "multiplexed": self.config.is_multiplexed(name)}
             try:
                 info = await self._model_info(name)
                 entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "version", "registry_version", "tokenizer_hash", "routes")})
@@ -1148,10 +1270,11 @@ class Gateway:
         return AsciiJSON({"object": "list", "data": data})
 
     async def readyz(self) -> Response:
-        """200 when every model answers a real forward pass (one replica each), else 503 naming which not."""
+        """200 when every pinned model answers a real forward pass (one replica each), else 503 naming
+        which not. Multiplexed models are loaded on demand: probing them would load (and evict) them."""
         if self.draining:
             return AsciiJSON({"status": "stopping"}, status_code=503)
-        names = sorted(self.models)
+        names = sorted(self.pinned)
         results = await asyncio.gather(*(self._call(n, "ready", timeout_s=30) for n in names), return_exceptions=True)
         models, ready = {}, True
         for name, r in zip(names, results):
@@ -1160,7 +1283,10 @@ class Gateway:
                 models[name] = {"ready": False, "error": r.message if isinstance(r, ApiError) else type(r).__name__}
             else:
                 models[name] = {"ready": True, **r}
-        return AsciiJSON({"status": "ready" if ready else "not ready", "models": models}, status_code=200 if ready else 503)
+        body = {"status": "ready" if ready else "not ready", "models": models}
+        if self.config.multiplexed is not None:
+            body["multiplexed"] = sorted(self.config.multiplexed.models)
+        return AsciiJSON(body, status_code=200 if ready else 503)
 
     # --- Ray seam: called by `ctx serve` through the app's handle on stop ---
 
@@ -1193,34 +1319,29 @@ def _stamp_headers(out: dict) -> dict[str, str]:
 
 
 def build_app(config: ServeConfig) -> serve.Application:
-    """A Serve application: one EmbeddingModel deployment per model plus the Gateway.
+    """A Serve application: one EmbeddingModel deployment per pinned model, one MultiplexedModels
+    deployment for the multiplexed ones, plus the Gateway.
 
-    Each model's URI is resolved here, once: every replica loads that checkpoint folder, pinned by
-    its version (a run folder that gets a newer checkpoint later is not picked up until the app is
-    built again). ``models:/NAME@alias`` is looked up in the registry ($MLFLOW_TRACKING_URI) here too:
-    a promotion after that reaches the app when it is built again."""
+    Each model's URI, pinned or multiplexed, is resolved here, once: every replica loads that checkpoint
+    folder, pinned by its version (a run folder that gets a newer checkpoint later is not picked up
+    until the app is built again). ``models:/NAME@alias`` is looked up in the registry
+    ($MLFLOW_TRACKING_URI) here too: a promotion after that reaches the app when it is built again."""
     from ray.serve.config import BackpressureConfig
-
-    from jobs.registry import resolve as resolve_model
 
     overload = BackpressureConfig(status_code=429, retry_after_s=config.retry_after_s)
     handles = {}
     for i, (name, m) in enumerate(config.models.items()):
-        source, registered = resolve_model(m.uri)
-        checkpoint = resolve_checkpoint(source)
-        version = checkpoint_version(checkpoint)
+        checkpoint, version, registry_version = _resolve(m.uri)
         deployment_name = f"EmbeddingModel-{i}-" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
-        scaling: dict[str, Any] = {"num_replicas": m.num_replicas}
-        if m.autoscaling is not None:
-            scaling = {"autoscaling_config": m.autoscaling.model_dump()}
-        handles[name] = EmbeddingModel.options(
-            name=deployment_name,
-            max_ongoing_requests=m.max_ongoing_requests,
-            max_queued_requests=m.max_queued_requests,
-            backpressure_config=overload,
-            ray_actor_options={"num_cpus": m.num_cpus, "num_gpus": m.num_gpus},
-            **scaling,
-        ).bind(name, checkpoint, version, m, config.limits, registered.ref if registered else None)
+        handles[name] = EmbeddingModel.options(name=deployment_name, **_deployment_options(m, overload)).bind(
+            name, checkpoint, version, m, config.limits, registry_version
+        )
+    multiplexed = None
+    if config.multiplexed is not None:
+        checkpoints = {name: _resolve(uri) for name, uri in config.multiplexed.models.items()}
+        multiplexed = MultiplexedModels.options(name="MultiplexedModels", **_deployment_options(config.multiplexed, overload)).bind(
+            checkpoints, config.multiplexed, config.limits
+        )
     g = config.gateway
     return Gateway.options(
         num_replicas=1,  # `ctx serve` drains it through the app's handle, which reaches one replica
@@ -1228,7 +1349,30 @@ def build_app(config: ServeConfig) -> serve.Application:
         max_queued_requests=g.max_queued_requests,
         backpressure_config=overload,
         ray_actor_options={"num_cpus": g.num_cpus},
-    ).bind(handles, config)
+    ).bind(handles, config, multiplexed)
+
+
+def _resolve(uri: str) -> tuple[str, str | None, str | None]:
+    """(checkpoint folder, its version, registry version "NAME/N" or None) of a model's URI."""
+    from jobs.registry import resolve as resolve_model
+
+    source, registered = resolve_model(uri)
+    checkpoint = resolve_checkpoint(source)
+    return checkpoint, checkpoint_version(checkpoint), registered.ref if registered else None
+
+
+def _deployment_options(m: ModelSettings, overload) -> dict[str, Any]:
+    """Serve's options for a model deployment: replicas or autoscaling, its queue, its resources."""
+    scaling: dict[str, Any] = {"num_replicas": m.num_replicas}
+    if m.autoscaling is not None:
+        scaling = {"autoscaling_config": m.autoscaling.model_dump()}
+    return {
+        "max_ongoing_requests": m.max_ongoing_requests,
+        "max_queued_requests": m.max_queued_requests,
+        "backpressure_config": overload,
+        "ray_actor_options": {"num_cpus": m.num_cpus, "num_gpus": m.num_gpus},
+        **scaling,
+    }
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
@@ -1308,7 +1452,7 @@ def run(
             serve.start(http_options=http, logging_config=logging_config)
             handle = serve.run(application, name=config.app_name, route_prefix="/", logging_config=logging_config)
             if not signals.stop.is_set():
-                print(f"serving {', '.join(sorted(config.models))} on http://{config.host}:{config.port} (SIGTERM or Ctrl-C stops)", flush=True)
+                print(f"serving {', '.join(config.names())} on http://{config.host}:{config.port} (SIGTERM or Ctrl-C stops)", flush=True)
             while not signals.stop.wait(0.5):
                 pass
             stop(config.app_name, handle, drain_timeout_s=config.drain_timeout_s, force=signals.force)

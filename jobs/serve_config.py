@@ -12,6 +12,12 @@
           min_replicas: 1
           max_replicas: 4
           target_ongoing_requests: 8
+    multiplexed:                                 # many models in one deployment (Ray Serve model multiplexing):
+      max_num_models_per_replica: 2              # loaded on a replica at its first request, the least recently
+      num_replicas: 1                            # used one evicted beyond this many
+      models:
+        customer-a: s3://bucket/runs/ft-a        # resolved once when the app is built, as the pinned models
+        customer-b: models:/ft-b@production
     defaults:                                    # every model's settings unless it sets its own
       max_batch_size: 32                         # texts in one forward pass
       max_batch_tokens: 16384                    # and at most this many padded tokens (rows x longest)
@@ -106,6 +112,25 @@ class ModelConfig(ModelSettings):
     uri: str = Field(min_length=1)  # checkpoint, Hugging Face folder or training run folder (local, file://, s3://)
 
 
+class MultiplexedConfig(ModelSettings):
+    """Models served by one deployment with Ray Serve's model multiplexing: a replica loads a model on its
+    first request for it and keeps at most ``max_num_models_per_replica``, evicting the least recently used.
+    The settings (replicas, autoscaling, batching, resources, queue) are the deployment's, shared by its models."""
+
+    models: dict[str, str]  # name -> URI, as a pinned model's uri
+    max_num_models_per_replica: int = Field(3, ge=1)  # Serve's @serve.multiplexed argument (its default is 3 too)
+
+    @field_validator("models")
+    @classmethod
+    def _some(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("give at least one model as {name: uri}")
+        for name, uri in v.items():
+            if not uri:
+                raise ValueError(f"model {name!r}: the uri is empty")
+        return v
+
+
 class GatewaySettings(BaseModel):
     """The FastAPI ingress. One replica: it only routes and encodes, and `ctx serve` drains it on stop."""
 
@@ -138,7 +163,8 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: dict[str, ModelConfig]
+    models: dict[str, ModelConfig] = {}  # pinned: always loaded, a deployment each
+    multiplexed: MultiplexedConfig | None = None  # loaded on demand, one deployment for all of them
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     defaults: ModelSettings = ModelSettings()
@@ -152,10 +178,16 @@ class ServeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _models_take_the_defaults(cls, data: Any) -> Any:
-        """``models`` as {name: uri | {uri, settings}} or "a=uri,b=uri"; each model starts from ``defaults``."""
+        """``models`` as {name: uri | {uri, settings}} or "a=uri,b=uri"; each model, and the multiplexed
+        deployment, starts from ``defaults``."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        defaults = data.get("defaults") or {}
+        if isinstance(defaults, BaseModel):
+            defaults = defaults.model_dump(exclude_unset=True)
+        if isinstance(data.get("multiplexed"), dict) and isinstance(defaults, dict):
+            data["multiplexed"] = {**defaults, **data["multiplexed"]}
         models = data.get("models")
         if isinstance(models, str):  # "a=uri,b=uri" from `serve run ... models=...`
             pairs = [p.strip() for p in models.split(",") if p.strip()]
@@ -164,9 +196,6 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"models: expected NAME=URI[,NAME=URI...], got {bad[0]!r}")
             models = dict(p.split("=", 1) for p in pairs)
         if isinstance(models, dict):
-            defaults = data.get("defaults") or {}
-            if isinstance(defaults, BaseModel):
-                defaults = defaults.model_dump(exclude_unset=True)
             merged = {}
             for name, m in models.items():
                 if isinstance(m, str):
@@ -177,15 +206,25 @@ class ServeConfig(BaseModel):
             data["models"] = merged
         return data
 
-    @field_validator("models")
-    @classmethod
-    def _names(cls, v: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
-        if not v:
-            raise ValueError("give at least one model as {name: uri}")
-        for name in v:
+    @model_validator(mode="after")
+    def _names(self) -> ServeConfig:
+        multiplexed = list(self.multiplexed.models) if self.multiplexed is not None else []
+        if not self.models and not multiplexed:
+            raise ValueError("models: give at least one model as {name: uri} (or under multiplexed.models)")
+        for name in [*self.models, *multiplexed]:
             if not _valid_name(name):
                 raise ValueError(f"model name {name!r}: use letters, digits and . _ / : - (at most 128 characters)")
-        return v
+        both = sorted(set(self.models) & set(multiplexed))
+        if both:
+            raise ValueError(f"model {both[0]!r} is under both models and multiplexed.models: a name is served one way")
+        return self
+
+    def names(self) -> list[str]:
+        """Every model served, pinned and multiplexed."""
+        return sorted([*self.models, *(self.multiplexed.models if self.multiplexed is not None else ())])
+
+    def is_multiplexed(self, model: str) -> bool:
+        return self.multiplexed is not None and model in self.multiplexed.models
 
     @model_validator(mode="after")
     def _keys_off_loopback(self) -> ServeConfig:
@@ -198,7 +237,8 @@ class ServeConfig(BaseModel):
         return self
 
     def timeout_s(self, model: str) -> float:
-        return self.models[model].request_timeout_s or self.limits.request_timeout_s
+        settings = self.multiplexed if self.is_multiplexed(model) else self.models[model]
+        return settings.request_timeout_s or self.limits.request_timeout_s
 
     @classmethod
     def from_models(cls, models: dict[str, str], **settings: Any) -> ServeConfig:
@@ -285,7 +325,8 @@ class ConfigError(ValueError):
 def deploy_config(config: ServeConfig) -> dict[str, Any]:
     """The Serve config ``serve deploy`` reads: Serve's HTTP options plus one application that runs
     ``app_builder`` with this config as its args (API keys only as their SHA-256)."""
-    args = config.model_dump(mode="json", exclude={"host", "port", "defaults"})  # models hold their merged settings
+    exclude = {"host", "port", "defaults"} | ({"multiplexed"} if config.multiplexed is None else set())
+    args = config.model_dump(mode="json", exclude=exclude)  # models (and multiplexed) hold their merged settings
     args["models"] = {name: {"uri": m.pop("uri"), **m} for name, m in args["models"].items()}
     return {
         # The proxy's own timeout is a backstop behind the Gateway's per-request one.

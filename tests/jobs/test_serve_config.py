@@ -49,6 +49,11 @@ def test_models_take_the_defaults_and_settings_go_where_they_belong():
         ({"models": {"bad name!": "/x"}}, ["bad name!"]),
         ({"models": {"m": "/x"}, "auth": {"api_key_sha256": ["secret"]}}, ["api_key_sha256", "SHA-256"]),
         ({"models": {"m": "/x"}, "host": "0.0.0.0"}, ["0.0.0.0", "API key", "--insecure-no-auth"]),
+        ({"models": {"a": "/x"}, "multiplexed": {"models": {"a": "/y"}}}, ["'a'", "both models and multiplexed.models"]),
+        ({"multiplexed": {"models": {}}}, ["multiplexed.models", "at least one model"]),
+        ({"multiplexed": {"models": {"m": "/x"}, "max_num_models_per_replica": 0}}, ["multiplexed.max_num_models_per_replica", "greater than or equal to 1"]),
+        ({"multiplexed": {"models": {"m": "/x"}, "max_models": 2}}, ["multiplexed.max_models", "extra"]),
+        ({"multiplexed": {"models": {"bad name!": "/x"}}}, ["bad name!"]),
     ],
 )
 def test_bad_configs_name_the_key(data, words):
@@ -106,6 +111,37 @@ def test_serve_build_writes_a_config_serve_deploy_accepts(tmp_path, minilm_dir, 
     assert "k" * 32 not in out.read_text()  # only the hash is written
     # what app_builder receives validates again (on the cluster it resolves the checkpoints)
     assert sc.validate(args).models["minilm"].uri == str(minilm_dir)
+
+
+def test_multiplexed_models_take_the_defaults_and_build_into_a_config_serve_deploy_accepts(tmp_path, minilm_dir):
+    from ray.serve.schema import ServeDeploySchema
+
+    from jobs.serve import app_builder
+
+    cfg = sc.validate({
+        "models": {"pinned": "/x/p"},
+        "multiplexed": {"max_num_models_per_replica": 2, "autoscaling": {"max_replicas": 3}, "models": {"a": "/x/a", "b": "s3://bucket/runs/b"}},
+        "defaults": {"max_batch_size": 16, "num_cpus": 0.5, "request_timeout_s": 20},
+    })
+    mux = cfg.multiplexed
+    assert mux.max_num_models_per_replica == 2 and mux.max_batch_size == 16 and mux.num_cpus == 0.5 and mux.autoscaling.max_replicas == 3
+    assert cfg.names() == ["a", "b", "pinned"] and cfg.is_multiplexed("a") and not cfg.is_multiplexed("pinned")
+    assert cfg.timeout_s("a") == 20.0
+    assert sc.validate({"multiplexed": {"models": {"a": "/x/a"}}}).multiplexed.max_num_models_per_replica == 3  # Serve's default
+
+    deploy = sc.deploy_config(cfg)
+    ServeDeploySchema.model_validate(deploy)
+    args = deploy["applications"][0]["args"]
+    assert args["multiplexed"]["models"] == {"a": "/x/a", "b": "s3://bucket/runs/b"} and args["multiplexed"]["max_batch_size"] == 16
+    assert sc.validate(args).multiplexed == mux  # app_builder's args validate to the same deployment
+    assert "multiplexed" not in sc.deploy_config(sc.validate({"models": {"m": "/x"}}))["applications"][0]["args"]
+
+    # Multiplexed URIs resolve when the app is built, as pinned ones: a wrong one fails then, not at a request.
+    run = tmp_path / "run"
+    _tiny_checkpoint(run / "checkpoint_000001", minilm_dir)
+    assert type(app_builder({"multiplexed": {"models": {"m": str(run)}}})).__name__ == "Application"
+    with pytest.raises(Exception, match="does not exist"):
+        app_builder({"models": {"p": str(run)}, "multiplexed": {"models": {"m": str(tmp_path / "nope")}}})
 
 
 def test_serve_build_refuses_a_bad_config_naming_file_and_key(tmp_path, capsys):
