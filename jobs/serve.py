@@ -649,7 +649,11 @@ class MultiplexedModels:
     each call (``handle.options(multiplexed_model_id=name)``); a replica loads it on first use, as an
     ``EmbeddingModel`` built from the checkpoint resolved when the app was built (so every replica, and
     every reload, serves that same version), and hands the call to it. Loads and evictions ride back
-    to the Gateway's /metrics on the next answer (``multiplexed_events``), as batch sizes do."""
+    to the Gateway's /metrics on the next answer (``multiplexed_events``), as batch sizes do.
+
+    ``@serve.batch`` keeps one queue per decorated method, so the models of a replica share
+    EmbeddingModel's batch queues (and this deployment's batch settings); Serve splits what a queue
+    collects by the requests' multiplexed model id, so a forward pass never mixes two models."""
 
     def __init__(self, checkpoints: dict[str, tuple[str, str | None, str | None]], settings: MultiplexedConfig, limits: Limits):
         self.checkpoints = checkpoints  # name -> (checkpoint folder, its version, registry version)

@@ -1,6 +1,7 @@
 """Multiplexed models over real HTTP (Ray Serve model multiplexing, jobs/serve.py MultiplexedModels):
-one replica that holds one model at a time (``max_num_models_per_replica: 1``), so every switch between
-models evicts one and loads another, beside a pinned model serving the same checkpoint as one of them.
+one replica that holds two models at a time (``max_num_models_per_replica: 2``), so going round three
+models evicts one and loads another at every request, beside a pinned model serving the same
+checkpoint as one of them.
 
 Each answer is checked against what the checkpoint computes in this process (mean pooling of the
 backbone's hidden states, a classifier's logits) and against the pinned model; versions say which
@@ -69,7 +70,8 @@ def client(ray_session, built):
     with serving({
         "models": {"pin": str(built["a"][0])},
         "multiplexed": {
-            "max_num_models_per_replica": 1,
+            "max_num_models_per_replica": 2,
+            "batch_wait_timeout_s": 0.05,  # concurrent requests for two loaded models meet in one batch
             "models": {name: str(built[name][0]) for name in ("a", "b", "c", "d")},
         },
         "defaults": {"num_cpus": 0.25, "max_batch_size": 8},
@@ -176,28 +178,32 @@ def test_task_routes_and_the_models_list_work_for_multiplexed_models(client, bui
 # ----------------------------------------------------------------------------- eviction and reloading
 
 
-def test_alternating_requests_evict_and_reload_the_same_checkpoints(client, built, tok):
-    """One model per replica: a, b, a, b evicts and loads at every switch; the answers and versions do
-    not change, and the pinned model, the same checkpoint as a, keeps answering the same."""
-    expected = {name: _mean_vectors(built[name][2], tok, TEXTS) for name in ("a", "b")}
+def test_going_round_three_models_evicts_and_reloads_the_same_checkpoints(client, built, tok):
+    """Two models per replica, least recently used evicted: after a, b the replica holds [a, b], and
+    c, a, b, c each evict the oldest and load; the answers and versions do not change, and the pinned
+    model, the same checkpoint as a, keeps answering the same."""
+    expected = {name: _mean_vectors(built[name][2], tok, TEXTS) for name in ("a", "b", "c")}
+    _embed(client, "a"), _embed(client, "b")
     before = _counts(client)
-    for name in ("a", "b", "a", "b"):
+    for name in ("c", "a", "b", "c"):
         got, version = _embed(client, name)
         np.testing.assert_allclose(got, expected[name], atol=TOL)
         assert version == _version(built[name][1])
         pinned, _ = _embed(client, "pin")
         np.testing.assert_allclose(pinned, expected["a"], atol=TOL)
     after = _counts(client)
-    assert _delta(before, after, "loads", "b") == 2 and _delta(before, after, "loads", "a") in (1, 2)
-    assert _delta(before, after, "evictions", "a") == 2  # after the first and the second a
-    assert _delta(before, after, "loads", "pin") == 0  # pinned models are never loaded on demand
+    loads = {n: _delta(before, after, "loads", n) for n in ("a", "b", "c", "pin")}
+    evictions = {n: _delta(before, after, "evictions", n) for n in ("a", "b", "c", "pin")}
+    assert loads == {"a": 1, "b": 1, "c": 2, "pin": 0}  # pinned models are never loaded on demand
+    assert evictions == {"a": 2, "b": 1, "c": 1, "pin": 0}
 
 
 def test_concurrent_requests_for_different_models_get_their_own_model(client, built, tok):
-    """Requests for three models at once on a one-model replica: each answer is its own model's (a
-    batch never mixes models, eviction never answers with the wrong one)."""
+    """Requests for two loaded models at once (EmbeddingModel's batch queue is shared by the models of
+    a replica), then for three (evicting while others run): each answer is its own model's."""
     expected = {name: _mean_vectors(built[name][2], tok, TEXTS[:1]) for name in ("a", "b", "c")}
-    names = ["a", "b", "c"] * 3
+    _embed(client, "a"), _embed(client, "b")
+    names = ["a", "b"] * 6 + ["a", "b", "c"] * 3
 
     def one(name: str) -> tuple[str, np.ndarray, str]:
         return (name, *_embed(client, name, TEXTS[:1]))
@@ -213,7 +219,7 @@ def test_the_run_folder_was_resolved_when_the_app_was_built(client, built, minil
     loads: the build resolved b once, to checkpoint_000001."""
     run, first, _ = built["b"]
     _bert(run / "checkpoint_000002", minilm_dir, seed=9)
-    _embed(client, "a")  # b is evicted
+    _embed(client, "a"), _embed(client, "c")  # b is evicted
     before = _counts(client)
     _, version = _embed(client, "b")
     assert _delta(before, _counts(client), "loads", "b") == 1
@@ -226,7 +232,7 @@ def test_the_run_folder_was_resolved_when_the_app_was_built(client, built, minil
 def test_a_model_that_fails_to_load_gets_a_503_naming_it_and_the_others_still_answer(client, built, tok, minilm_dir):
     """d's checkpoint is rewritten after the build: the replica refuses to load a different version
     (a 503 naming the model, promptly, every time), and the other models keep answering."""
-    _embed(client, "a")  # d is not loaded
+    _embed(client, "a"), _embed(client, "b")  # d is not loaded
     _bert(built["d"][1], minilm_dir, seed=5)  # rewritten in place: other weights, another version
     for _ in range(2):
         r = client.post("/v1/embeddings", json={"model": "d", "input": "x"}, timeout=60)
