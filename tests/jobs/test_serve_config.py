@@ -226,6 +226,9 @@ def test_the_example_config_validates():
     cfg = sc.load_config(REPO / "configs" / "serve" / "minilm.yaml")
     assert cfg.models["minilm"].autoscaling.max_replicas == 4 and cfg.models["bert-tiny"].max_batch_size == 32
     assert cfg.models["minilm"].max_batch_tokens == 16384 and cfg.models["bert-tiny"].max_batch_tokens == 8192
+    cfg = sc.load_config(REPO / "configs" / "serve" / "multiplexed.yaml")
+    assert list(cfg.models) == ["minilm"] and cfg.multiplexed.max_num_models_per_replica == 2
+    assert sorted(cfg.multiplexed.models) == ["ner", "pairs", "sentiment"] and cfg.multiplexed.autoscaling.max_replicas == 4
 
 
 def test_token_budget_groups_sort_by_length_and_respect_both_bounds():
