@@ -92,3 +92,12 @@ def test_errors_name_the_key(tmp_path, monkeypatch, change, key):
     with pytest.raises(ScheduleError) as e:
         load_schedule(path)
     assert key in str(e.value)
+
+
+def test_a_multiplexed_model_is_not_rolled_and_the_error_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    app = tmp_path / "app.yaml"
+    app.write_text(yaml.safe_dump({"models": {"bert": "runs/bert-tiny"}, "multiplexed": {"models": {"ft": "runs/ft"}}}))
+    with pytest.raises(ScheduleError) as e:
+        load_schedule(_write(tmp_path, **{"serve.config": str(app), "serve.model": "ft"}))
+    assert "serve.model" in str(e.value) and "'ft' is a multiplexed model" in str(e.value) and "['bert']" in str(e.value)
