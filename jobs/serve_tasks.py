@@ -30,7 +30,8 @@ recipe defaults of ``jobs.finetune_config``. Over-long inputs are a 400 unless t
 ``TaskServing`` is the replica half (a base class of ``jobs.serve.EmbeddingModel``); the request
 models and the pure decoding functions are the Gateway half. Rows of a task model go through one
 ``@serve.batch`` forward pass, so concurrent requests share it; generation runs one request at a time
-(every new token depends on the previous one).
+(every new token depends on the previous one); GPT / GPT-2 and Transformer-XL keep what they read
+(key-value cache, recurrence memory) so each new token costs one position, XLNet re-reads the sequence.
 """
 
 # No `from __future__ import annotations`: FastAPI reads these request classes from route annotations.
@@ -51,6 +52,10 @@ from jobs.serve_config import InputError, LimitError, Limits
 
 MLM_FAMILIES = ("bert", "roberta", "spanbert", "albert")  # pretrained with a masked-LM head
 LM_FAMILIES = ("gpt", "transformer-xl", "xlnet")  # pretrained to predict the next token (XLNet: any order)
+# Families whose generation reads each new token once (decode_step: GPT's key-value cache, Transformer-XL's
+# memory). XLNet reads the prompt bidirectionally (only the placeholder is hidden), so every new token
+# changes the states of all earlier ones: nothing computed for a step can be reused by the next.
+CACHED_FAMILIES = ("gpt", "transformer-xl")
 MLM_HEAD = {"bert": "mlm", "roberta": "mlm", "spanbert": "mlm", "albert": "mlm_head"}  # the head's module name
 EMBEDDING_ROUTES = ("/v1/embeddings", "/v1/token-embeddings")
 TASK_ROUTES: dict[str, tuple[str, ...]] = {
@@ -466,23 +471,35 @@ def pick_token(logits, temperature: float, top_k: int | None, top_p: float | Non
 
 
 def generate_ids(family: str, model, prompt: list[int], max_tokens: int, stop_id: int, placeholder_id: int,
-                 temperature: float, top_k: int | None, top_p: float | None, seed: int, device) -> tuple[list[int], str]:
+                 temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
+                 use_cache: bool = True) -> tuple[list[int], str]:
     """New token ids after ``prompt`` and why generation ended: "stop" (the model wrote ``stop_id``,
-    the end of a pretraining row) or "length" (``max_tokens``). One forward pass over the whole
-    sequence per token (no cache): the same numbers as scoring the sequence in one pass."""
+    the end of a pretraining row) or "length" (``max_tokens``).
+
+    GPT / GPT-2 (a key-value cache) and Transformer-XL (its recurrence memory, unbounded) read the
+    prompt once, then one new token per step (``decode_step``); ``use_cache=False``, and XLNet always,
+    run the whole sequence again for every token (``next_token_logits``). Both give the same scores
+    (to float rounding), hence the same greedy tokens and the same draws from the seeded generator."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+    cached = use_cache and family in CACHED_FAMILIES
+    state, unread = None, ids  # the cache / memory, and the tokens it has not read yet
     new: list[int] = []
-    for _ in range(max_tokens):
-        with torch.inference_mode():
-            logits = next_token_logits(family, model, ids, placeholder_id)
-        token = pick_token(logits, temperature, top_k, top_p, generator)
-        if token == stop_id:
-            return new, "stop"
-        new.append(token)
-        ids = torch.cat([ids, ids.new_full((1, 1), token)], dim=1)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            if cached:
+                logits, state = model.decode_step(unread, state)
+                logits = logits[0]  # (V,)
+            else:
+                logits = next_token_logits(family, model, ids, placeholder_id)
+            token = pick_token(logits, temperature, top_k, top_p, generator)
+            if token == stop_id:
+                return new, "stop"
+            new.append(token)
+            unread = ids.new_full((1, 1), token)  # (1, 1)
+            ids = torch.cat([ids, unread], dim=1)
     return new, "length"
 
 
