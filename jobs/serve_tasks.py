@@ -2,9 +2,10 @@
 
     POST /v1/classify    fine-tuned classification or regression: one text or [text, text_pair]
                          pairs -> labels with probabilities (best first), or the regression value
-    POST /v1/tag         fine-tuned token classification: a tag per whitespace-separated word with its
-                         character offsets, and the entities they form (pipelines.metrics.entities:
-                         conlleval's rules, or strict IOB2 / IOBES)
+    POST /v1/tag         fine-tuned token classification: texts (a tag per whitespace-separated word) or
+                         pre-split word lists (a tag per given word), each word with its index and
+                         character offsets, and the entities they form over word indexes
+                         (pipelines.metrics.entities: conlleval's rules, or strict IOB2 / IOBES)
     POST /v1/answer      fine-tuned span QA: answer text, character offsets, score (S_i + E_j), and
                          no-answer for SQuAD 2.0 models (pipelines.qa.decode_qa, windows merged)
     POST /v1/rerank      TEI's shape: {query, texts, raw_scores, return_text} -> [{index, score, text}],
@@ -197,13 +198,59 @@ class TextsRequest(TaskRequest):
         return _as_list(self.input)
 
 
-class TagRequest(TextsRequest):
-    # words are the whitespace-separated runs of each text
+def check_word_lists(value: Any) -> Any:
+    """Pre-split texts: a non-empty list of non-empty lists of words, each a string with a character
+    that is not whitespace. The error names the first bad item, ``[i]`` or ``[i][j]``."""
+    example = 'e.g. [["John", "lives", "in", "Paris"]]'
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of word lists ({example}), got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"must not be empty: give at least one word list ({example})")
+    for i, ws in enumerate(value):
+        if not isinstance(ws, list):
+            raise ValueError(f"item [{i}] must be a list of words ({example}), got {type(ws).__name__}")
+        if not ws:
+            raise ValueError(f"item [{i}] is an empty word list: give at least one word")
+        for j, w in enumerate(ws):
+            if not isinstance(w, str):
+                raise ValueError(f"item [{i}][{j}] must be a string, got {type(w).__name__}")
+            if not w.strip():
+                raise ValueError(f"item [{i}][{j}] is empty or only whitespace: every word must have a character to tag")
+    return value
+
+
+class TagRequest(TaskRequest):
+    """Texts (``input``; words are their whitespace-separated runs) or pre-split texts (``words``, as
+    CoNLL ``tokens``); exactly one. Offsets of pre-split words index their texts joined by single spaces."""
+
+    input: str | list[str] | None = None
+    words: list[list[str]] | None = None
     scheme: Literal["IOB2", "IOBES"] | None = None  # None: conlleval's lenient grouping (what ctx eval scores)
     truncate: bool = False
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        return v if v is None else check_texts(v, allow_str=True)
+
+    @field_validator("words", mode="before")
+    @classmethod
+    def _words(cls, v: Any) -> Any:
+        return v if v is None else check_word_lists(v)
+
+    @model_validator(mode="after")
+    def _one_of_input_and_words(self) -> "TagRequest":
+        if (self.input is None) == (self.words is None):
+            which = "both were given" if self.input is not None else "neither was given"
+            raise ValueError(f"give exactly one of input (texts, split at whitespace) and words (pre-split texts: lists of words); {which}")
+        return self
+
+    def texts(self) -> list[str]:
+        return _as_list(self.input) if self.words is None else [" ".join(ws) for ws in self.words]
+
     def payload(self) -> dict[str, Any]:
-        return {"texts": self.texts(), "scheme": self.scheme, "truncate": self.truncate}
+        texts = None if self.input is None else _as_list(self.input)
+        return {"texts": texts, "words": self.words, "scheme": self.scheme, "truncate": self.truncate}
 
 
 class AnswerRequest(TaskRequest):
@@ -340,25 +387,26 @@ def rerank_scores(logits: np.ndarray, kind: str, raw: bool) -> np.ndarray:
     return margin if raw else 1.0 / (1.0 + np.exp(-margin))
 
 
-def word_tags(logits: np.ndarray, word_ids: np.ndarray, texts: list[str], labels: list[str], scheme: str | None) -> list[dict]:
-    """Token logits (N, T, L) -> per text its words (whitespace runs) with tag, probability and
-    character span, and the entities (pipelines.metrics.entities) with the mean of their words' scores.
+def word_tags(logits: np.ndarray, word_ids: np.ndarray, texts: list[str], word_spans: np.ndarray, word_splits: np.ndarray,
+              labels: list[str], scheme: str | None) -> list[dict]:
+    """Token logits (N, T, L) -> per text its words with index, tag, probability and character span in
+    ``texts[i]``, and the entities (pipelines.metrics.entities) over word indexes with the mean of their
+    words' scores. Word w of text i spans ``word_spans[word_splits[i] + w]``.
 
     A word is tagged by its first sub-token, as BERT's NER (and ``ctx eval``) reads it; a word cut
     off by truncation is left out."""
-    from pipelines.alignment import pool_words, whitespace_words
+    from pipelines.alignment import pool_words
     from pipelines.metrics import entities
 
-    spans, splits = whitespace_words(texts)  # (W, 2) character spans of every text's words
-    n_words = int(np.diff(splits).max(initial=0))
+    n_words = int(np.diff(word_splits).max(initial=0))
     probs, present = pool_words(softmax(logits), word_ids, max(n_words, 1), "first")  # (N, W, L), (N, W)
     out = []
     for i, text in enumerate(texts):
         words = []
-        for w in np.flatnonzero(present[i, : splits[i + 1] - splits[i]]):
-            s, e = (int(x) for x in spans[splits[i] + w])
+        for w in np.flatnonzero(present[i, : word_splits[i + 1] - word_splits[i]]):
+            s, e = (int(x) for x in word_spans[word_splits[i] + w])
             k = int(probs[i, w].argmax())
-            words.append({"word": text[s:e], "start": s, "end": e, "tag": labels[k], "score": float(probs[i, w, k])})
+            words.append({"index": int(w), "word": text[s:e], "start": s, "end": e, "tag": labels[k], "score": float(probs[i, w, k])})
         try:
             types, first, last = entities([[w["tag"] for w in words]], scheme)
         except ValueError as e:  # a label the strict scheme does not allow
@@ -368,7 +416,7 @@ def word_tags(logits: np.ndarray, word_ids: np.ndarray, texts: list[str], labels
             s, e = words[a]["start"], words[b]["end"]
             score = float(np.mean([w["score"] for w in words[a : b + 1]]))
             found.append({"type": ty, "text": text[s:e], "start": s, "end": e, "score": score, "words": [a, b]})
-        out.append({"index": i, "words": words, "entities": found, "truncated": len(words) < int(splits[i + 1] - splits[i])})
+        out.append({"index": i, "words": words, "entities": found, "truncated": len(words) < int(word_splits[i + 1] - word_splits[i])})
     return out
 
 
@@ -648,10 +696,17 @@ class TaskServing:
         order = np.argsort(-scores, kind="stable")
         return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})} for i in order]
 
-    async def _tag(self, texts: list[str], scheme: str | None, truncate: bool) -> dict:
-        records = {"tokens": [t.split() for t in texts]}
-        logits, cols = await self._task_rows(records, {"tokens_field": "tokens", "id_field": None}, truncate)
-        data = word_tags(logits, cols["word_ids"], texts, list(self.task_config.labels), scheme)
+    async def _tag(self, texts: list[str] | None, words: list[list[str]] | None, scheme: str | None, truncate: bool) -> dict:
+        from pipelines.alignment import joined_words, whitespace_words
+
+        what = "input" if words is None else "words"
+        if words is None:  # offsets index the texts as sent
+            words = [t.split() for t in texts]
+            spans, splits = whitespace_words(texts)
+        else:  # offsets index each word list joined by single spaces, the text the model reads
+            texts, spans, splits = joined_words(words)
+        logits, cols = await self._task_rows({"tokens": words}, {"tokens_field": "tokens", "id_field": None}, truncate, what)
+        data = word_tags(logits, cols["word_ids"], texts, spans, splits, list(self.task_config.labels), scheme)
         return {"object": "list", "scheme": scheme, "data": data, "usage": _usage(cols)}
 
     async def _answer(self, questions: list[str], contexts: list[str], truncate: bool) -> dict:
