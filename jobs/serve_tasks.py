@@ -470,7 +470,8 @@ def mlm_logits_at(family: str, model, input_ids, attention_mask, selected):
 
 
 def next_token_logits(family: str, model, input_ids, placeholder_id: int):
-    """Scores (V,) of the token after ``input_ids`` (1, T), read as each family was pretrained.
+    """Scores (V,) of the token after ``input_ids`` (1, T), read as each family was pretrained, from one
+    pass over the whole sequence (generation's uncached path; ``decode_step`` is the cached one).
 
     GPT and Transformer-XL: the last position's output (one segment, no memory). XLNet (Yang et al.
     2019, sec. 2.3; Hugging Face ``XLNetLMHeadModel`` generation): a placeholder at position T that no
