@@ -8,11 +8,19 @@ before each sub-layer, a final LayerNorm, residual projections initialised with 
 
 Parity checked (tests/ctxmodels/test_gpt.py) against Hugging Face transformers 5.x
 ``OpenAIGPTLMHeadModel`` (norm="post") and ``GPT2LMHeadModel`` (norm="pre"): weights copied
-through ``ctxmodels.hf.CONVERTERS["gpt"]``, logits and every hidden state equal to 1e-4.
+through ``ctxmodels.hf.CONVERTERS["gpt"]``, logits and every hidden state equal to 1e-4, and
+greedy continuations with the key-value cache equal to ``GPT2LMHeadModel.generate``'s.
+
+Incremental decoding (``GPTForPreTraining.decode_step``): each layer's keys and values of the
+positions already read are kept in a ``KVCache``, so a new token is one position through the
+model, attending to the cached keys, at position ``cache.length`` (as Hugging Face's
+``past_key_values``). Causal attention makes the earlier positions' keys and values independent
+of what follows, so the step's scores are those of the last position of a full forward pass.
 
 Shape legend
     B  batch size
-    T  sequence length (<= max_seq_len)
+    T  sequence length (<= max_seq_len); in decoding, the new positions
+    S  positions already in the key-value cache (decoding)
     C  d_model
     H  n_head
     D  head size, C // H
@@ -23,7 +31,7 @@ Shape legend
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
@@ -99,6 +107,39 @@ def causal_padding_mask(attention_mask: Tensor) -> Tensor:
     return causal & (real_keys | itself)  # (B, 1, T, T)
 
 
+@dataclass
+class LayerCache:
+    """One layer's keys and values of the S positions read so far; None before the first."""
+
+    k: Tensor | None = None  # (B, H, S, D)
+    v: Tensor | None = None  # (B, H, S, D)
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new positions' k, v (B, H, T, D); returns all of them, (B, H, S + T, D)."""
+        if self.k is not None:
+            k = torch.cat([self.k, k], dim=2)  # (B, H, S + T, D)
+            v = torch.cat([self.v, v], dim=2)  # (B, H, S + T, D)
+        self.k, self.v = k, v
+        return k, v
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for incremental decoding; ``decode_step`` extends it in place."""
+
+    layers: list[LayerCache] = field(default_factory=list)  # n_layer entries
+
+    @classmethod
+    def empty(cls, n_layer: int) -> KVCache:
+        return cls([LayerCache() for _ in range(n_layer)])
+
+    @property
+    def length(self) -> int:
+        """S, the positions already read: the position of the next token."""
+        k = self.layers[0].k if self.layers else None
+        return 0 if k is None else k.shape[2]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -108,13 +149,16 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """x (B, T, C); attn_mask (B, 1, T, T) bool, or None for plain causal attention."""
+    def forward(self, x: Tensor, attn_mask: Tensor | None, cache: LayerCache | None = None) -> Tensor:
+        """x (B, T, C); attn_mask (B or 1, 1, T, S + T) bool, or None for plain causal attention over
+        the T positions; ``cache``: the keys and values of S earlier positions, extended here."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        if cache is not None:
+            k, v = cache.extend(k, v)  # (B, H, S + T, D)
         p = self.attn_dropout if self.training else 0.0
         if attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H, T, D)
@@ -147,11 +191,11 @@ class Block(nn.Module):
         self.ln_mlp = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None, cache: LayerCache | None = None) -> Tensor:
         if self.pre_norm:  # GPT-2
-            x = x + self.attn(self.ln_attn(x), attn_mask)
+            x = x + self.attn(self.ln_attn(x), attn_mask, cache)
             return x + self.mlp(self.ln_mlp(x))
-        x = self.ln_attn(x + self.attn(x, attn_mask))  # GPT-1
+        x = self.ln_attn(x + self.attn(x, attn_mask, cache))  # GPT-1
         return self.ln_mlp(x + self.mlp(x))
 
 
@@ -207,6 +251,29 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.hidden_states(input_ids, attention_mask)[-1]  # (B, T, C)
 
+    def decode(self, input_ids: Tensor, cache: KVCache) -> Tensor:
+        """Last hidden states (B, T, C) of ``input_ids``, the tokens at positions S..S+T-1 after the
+        S that ``cache`` holds; their keys and values are appended to ``cache``.
+
+        Rows have no padding (every row has read the same S positions). The first call reads the
+        prompt (S = 0, plain causal attention); later calls usually one new token each.
+        """
+        B, T = input_ids.shape
+        S = cache.length
+        if S + T > self.config.max_seq_len:
+            raise ValueError(
+                f"GPT decoding would reach position {S + T - 1} but max_seq_len is {self.config.max_seq_len}: "
+                "positions are learned up to there only"
+            )
+        pos = torch.arange(S, S + T, device=input_ids.device)  # (T,)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))  # (B, T, C)
+        attn_mask = None  # S = 0: square causal attention
+        if S:  # query t (position S + t) sees keys 0..S+t
+            attn_mask = torch.ones(T, S + T, dtype=torch.bool, device=x.device).tril(S)[None, None]  # (1, 1, T, S + T)
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            x = block(x, attn_mask, layer_cache)
+        return self.ln_f(x)  # (B, T, C)
+
 
 class GPTForPreTraining(nn.Module):
     """Next-token prediction; the output projection is the token embedding matrix (tied)."""
@@ -234,6 +301,17 @@ class GPTForPreTraining(nn.Module):
         """(B, T, V) scores; position t predicts token t + 1."""
         h = self.backbone.hidden_states(input_ids, attention_mask)[-1]  # (B, T, C)
         return F.linear(h, self.backbone.tok_emb.weight)  # (B, T, V)
+
+    def decode_step(self, input_ids: Tensor, cache: KVCache | None = None) -> tuple[Tensor, KVCache]:
+        """Scores (B, V) of the token after ``input_ids`` (B, T), which continue what ``cache`` read
+        (None: nothing yet, ``input_ids`` is the prompt), and the cache, extended in place.
+
+        The same scores as ``logits(whole sequence)[:, -1]``, for T positions of work instead of S + T.
+        """
+        if cache is None:
+            cache = KVCache.empty(self.config.n_layer)
+        h = self.backbone.decode(input_ids, cache)  # (B, T, C)
+        return F.linear(h[:, -1], self.backbone.tok_emb.weight), cache  # (B, V)
 
     def forward(
         self,

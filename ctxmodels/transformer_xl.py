@@ -18,6 +18,12 @@ What differs from the paper's WikiText-103 setup, on purpose:
   authors' scripts (``--untie_r=True``) and in XLNet;
 - the evaluation-only ``same_length`` trick is not implemented; ``clamp_len`` is.
 
+Incremental decoding (``TransfoXLForPreTraining.decode_step``, what serving's generation runs): the
+same recurrence, with a memory that keeps every position read so far (no ``mem_len`` cut), so each
+step feeds only the new token and attends to the stored layer inputs of the ones before it. Causal
+attention makes those states independent of later tokens, so the step's scores equal the last
+position's of one pass over the whole sequence without memory.
+
 Memory contract with the data pipeline: batches are stream-ordered (row r of batch b+1 continues
 row r of batch b) and carry ``reset_memory`` (1 where a row starts a new stream). The pretraining
 model keeps, per layer, the last ``mem_len`` hidden states of every row as detached state between
@@ -450,6 +456,17 @@ class TransfoXLForPreTraining(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         return F.linear(self.drop(h), self.backbone.word_emb.weight, self.out_bias)  # (B, T, V)
+
+    def decode_step(self, input_ids: Tensor, memory: Memory | None = None) -> tuple[Tensor, Memory]:
+        """Scores (B, V) of the token after ``input_ids`` (B, T), which continue the positions
+        ``memory`` holds (None: nothing yet, ``input_ids`` is the prompt), and the memory extended by
+        them. Rows have no padding. The training stream's memory (``self.memory``) is not touched.
+        """
+        hiddens = self.backbone(input_ids, memory)  # L + 1 x (B, T, D)
+        M = 0 if memory is None else memory.length
+        valid = torch.ones_like(input_ids, dtype=torch.bool)  # (B, T)
+        memory = extend_memory(memory, hiddens[:-1], valid, mem_len=M + input_ids.shape[1])  # keeps all
+        return self.logits(hiddens[-1][:, -1]), memory  # (B, V)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, attention_mask: Tensor | None = None,
                 reset_memory: Tensor | None = None, token_type_ids: Tensor | None = None) -> PretrainOutput:

@@ -68,7 +68,8 @@ class Limits(BaseModel):
     # tokens x layers x width of one /v1/token-embeddings answer: 4M floats is ~16 MB as base64, ~50 MB as JSON
     max_token_embedding_values: int = Field(4 * 2**20, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)  # a request still running then is cancelled: 504
-    # /v1/generate's max_tokens: each new token is one forward pass over the whole sequence (no KV cache)
+    # /v1/generate's max_tokens: a forward pass per new token (one position with GPT's KV cache or
+    # Transformer-XL's memory; the whole sequence again for XLNet)
     max_new_tokens: int = Field(256, gt=0)
 
 

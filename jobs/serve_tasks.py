@@ -2,9 +2,10 @@
 
     POST /v1/classify    fine-tuned classification or regression: one text or [text, text_pair]
                          pairs -> labels with probabilities (best first), or the regression value
-    POST /v1/tag         fine-tuned token classification: a tag per whitespace-separated word with its
-                         character offsets, and the entities they form (pipelines.metrics.entities:
-                         conlleval's rules, or strict IOB2 / IOBES)
+    POST /v1/tag         fine-tuned token classification: texts (a tag per whitespace-separated word) or
+                         pre-split word lists (a tag per given word), each word with its index and
+                         character offsets, and the entities they form over word indexes
+                         (pipelines.metrics.entities: conlleval's rules, or strict IOB2 / IOBES)
     POST /v1/answer      fine-tuned span QA: answer text, character offsets, score (S_i + E_j), and
                          no-answer for SQuAD 2.0 models (pipelines.qa.decode_qa, windows merged)
     POST /v1/rerank      TEI's shape: {query, texts, raw_scores, return_text} -> [{index, score, text}],
@@ -30,7 +31,8 @@ recipe defaults of ``jobs.finetune_config``. Over-long inputs are a 400 unless t
 ``TaskServing`` is the replica half (a base class of ``jobs.serve.EmbeddingModel``); the request
 models and the pure decoding functions are the Gateway half. Rows of a task model go through one
 ``@serve.batch`` forward pass, so concurrent requests share it; generation runs one request at a time
-(every new token depends on the previous one).
+(every new token depends on the previous one); GPT / GPT-2 and Transformer-XL keep what they read
+(key-value cache, recurrence memory) so each new token costs one position, XLNet re-reads the sequence.
 """
 
 # No `from __future__ import annotations`: FastAPI reads these request classes from route annotations.
@@ -51,6 +53,10 @@ from jobs.serve_config import InputError, LimitError, Limits
 
 MLM_FAMILIES = ("bert", "roberta", "spanbert", "albert")  # pretrained with a masked-LM head
 LM_FAMILIES = ("gpt", "transformer-xl", "xlnet")  # pretrained to predict the next token (XLNet: any order)
+# Families whose generation reads each new token once (decode_step: GPT's key-value cache, Transformer-XL's
+# memory). XLNet reads the prompt bidirectionally (only the placeholder is hidden), so every new token
+# changes the states of all earlier ones: nothing computed for a step can be reused by the next.
+CACHED_FAMILIES = ("gpt", "transformer-xl")
 MLM_HEAD = {"bert": "mlm", "roberta": "mlm", "spanbert": "mlm", "albert": "mlm_head"}  # the head's module name
 EMBEDDING_ROUTES = ("/v1/embeddings", "/v1/token-embeddings")
 TASK_ROUTES: dict[str, tuple[str, ...]] = {
@@ -192,13 +198,59 @@ class TextsRequest(TaskRequest):
         return _as_list(self.input)
 
 
-class TagRequest(TextsRequest):
-    # words are the whitespace-separated runs of each text
+def check_word_lists(value: Any) -> Any:
+    """Pre-split texts: a non-empty list of non-empty lists of words, each a string with a character
+    that is not whitespace. The error names the first bad item, ``[i]`` or ``[i][j]``."""
+    example = 'e.g. [["John", "lives", "in", "Paris"]]'
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of word lists ({example}), got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"must not be empty: give at least one word list ({example})")
+    for i, ws in enumerate(value):
+        if not isinstance(ws, list):
+            raise ValueError(f"item [{i}] must be a list of words ({example}), got {type(ws).__name__}")
+        if not ws:
+            raise ValueError(f"item [{i}] is an empty word list: give at least one word")
+        for j, w in enumerate(ws):
+            if not isinstance(w, str):
+                raise ValueError(f"item [{i}][{j}] must be a string, got {type(w).__name__}")
+            if not w.strip():
+                raise ValueError(f"item [{i}][{j}] is empty or only whitespace: every word must have a character to tag")
+    return value
+
+
+class TagRequest(TaskRequest):
+    """Texts (``input``; words are their whitespace-separated runs) or pre-split texts (``words``, as
+    CoNLL ``tokens``); exactly one. Offsets of pre-split words index their texts joined by single spaces."""
+
+    input: str | list[str] | None = None
+    words: list[list[str]] | None = None
     scheme: Literal["IOB2", "IOBES"] | None = None  # None: conlleval's lenient grouping (what ctx eval scores)
     truncate: bool = False
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        return v if v is None else check_texts(v, allow_str=True)
+
+    @field_validator("words", mode="before")
+    @classmethod
+    def _words(cls, v: Any) -> Any:
+        return v if v is None else check_word_lists(v)
+
+    @model_validator(mode="after")
+    def _one_of_input_and_words(self) -> "TagRequest":
+        if (self.input is None) == (self.words is None):
+            which = "both were given" if self.input is not None else "neither was given"
+            raise ValueError(f"give exactly one of input (texts, split at whitespace) and words (pre-split texts: lists of words); {which}")
+        return self
+
+    def texts(self) -> list[str]:
+        return _as_list(self.input) if self.words is None else [" ".join(ws) for ws in self.words]
+
     def payload(self) -> dict[str, Any]:
-        return {"texts": self.texts(), "scheme": self.scheme, "truncate": self.truncate}
+        texts = None if self.input is None else _as_list(self.input)
+        return {"texts": texts, "words": self.words, "scheme": self.scheme, "truncate": self.truncate}
 
 
 class AnswerRequest(TaskRequest):
@@ -335,25 +387,26 @@ def rerank_scores(logits: np.ndarray, kind: str, raw: bool) -> np.ndarray:
     return margin if raw else 1.0 / (1.0 + np.exp(-margin))
 
 
-def word_tags(logits: np.ndarray, word_ids: np.ndarray, texts: list[str], labels: list[str], scheme: str | None) -> list[dict]:
-    """Token logits (N, T, L) -> per text its words (whitespace runs) with tag, probability and
-    character span, and the entities (pipelines.metrics.entities) with the mean of their words' scores.
+def word_tags(logits: np.ndarray, word_ids: np.ndarray, texts: list[str], word_spans: np.ndarray, word_splits: np.ndarray,
+              labels: list[str], scheme: str | None) -> list[dict]:
+    """Token logits (N, T, L) -> per text its words with index, tag, probability and character span in
+    ``texts[i]``, and the entities (pipelines.metrics.entities) over word indexes with the mean of their
+    words' scores. Word w of text i spans ``word_spans[word_splits[i] + w]``.
 
     A word is tagged by its first sub-token, as BERT's NER (and ``ctx eval``) reads it; a word cut
     off by truncation is left out."""
-    from pipelines.alignment import pool_words, whitespace_words
+    from pipelines.alignment import pool_words
     from pipelines.metrics import entities
 
-    spans, splits = whitespace_words(texts)  # (W, 2) character spans of every text's words
-    n_words = int(np.diff(splits).max(initial=0))
+    n_words = int(np.diff(word_splits).max(initial=0))
     probs, present = pool_words(softmax(logits), word_ids, max(n_words, 1), "first")  # (N, W, L), (N, W)
     out = []
     for i, text in enumerate(texts):
         words = []
-        for w in np.flatnonzero(present[i, : splits[i + 1] - splits[i]]):
-            s, e = (int(x) for x in spans[splits[i] + w])
+        for w in np.flatnonzero(present[i, : word_splits[i + 1] - word_splits[i]]):
+            s, e = (int(x) for x in word_spans[word_splits[i] + w])
             k = int(probs[i, w].argmax())
-            words.append({"word": text[s:e], "start": s, "end": e, "tag": labels[k], "score": float(probs[i, w, k])})
+            words.append({"index": int(w), "word": text[s:e], "start": s, "end": e, "tag": labels[k], "score": float(probs[i, w, k])})
         try:
             types, first, last = entities([[w["tag"] for w in words]], scheme)
         except ValueError as e:  # a label the strict scheme does not allow
@@ -363,7 +416,7 @@ def word_tags(logits: np.ndarray, word_ids: np.ndarray, texts: list[str], labels
             s, e = words[a]["start"], words[b]["end"]
             score = float(np.mean([w["score"] for w in words[a : b + 1]]))
             found.append({"type": ty, "text": text[s:e], "start": s, "end": e, "score": score, "words": [a, b]})
-        out.append({"index": i, "words": words, "entities": found, "truncated": len(words) < int(splits[i + 1] - splits[i])})
+        out.append({"index": i, "words": words, "entities": found, "truncated": len(words) < int(word_splits[i + 1] - word_splits[i])})
     return out
 
 
@@ -417,7 +470,8 @@ def mlm_logits_at(family: str, model, input_ids, attention_mask, selected):
 
 
 def next_token_logits(family: str, model, input_ids, placeholder_id: int):
-    """Scores (V,) of the token after ``input_ids`` (1, T), read as each family was pretrained.
+    """Scores (V,) of the token after ``input_ids`` (1, T), read as each family was pretrained, from one
+    pass over the whole sequence (generation's uncached path; ``decode_step`` is the cached one).
 
     GPT and Transformer-XL: the last position's output (one segment, no memory). XLNet (Yang et al.
     2019, sec. 2.3; Hugging Face ``XLNetLMHeadModel`` generation): a placeholder at position T that no
@@ -466,23 +520,35 @@ def pick_token(logits, temperature: float, top_k: int | None, top_p: float | Non
 
 
 def generate_ids(family: str, model, prompt: list[int], max_tokens: int, stop_id: int, placeholder_id: int,
-                 temperature: float, top_k: int | None, top_p: float | None, seed: int, device) -> tuple[list[int], str]:
+                 temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
+                 use_cache: bool = True) -> tuple[list[int], str]:
     """New token ids after ``prompt`` and why generation ended: "stop" (the model wrote ``stop_id``,
-    the end of a pretraining row) or "length" (``max_tokens``). One forward pass over the whole
-    sequence per token (no cache): the same numbers as scoring the sequence in one pass."""
+    the end of a pretraining row) or "length" (``max_tokens``).
+
+    GPT / GPT-2 (a key-value cache) and Transformer-XL (its recurrence memory, unbounded) read the
+    prompt once, then one new token per step (``decode_step``); ``use_cache=False``, and XLNet always,
+    run the whole sequence again for every token (``next_token_logits``). Both give the same scores
+    (to float rounding), hence the same greedy tokens and the same draws from the seeded generator."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+    cached = use_cache and family in CACHED_FAMILIES
+    state, unread = None, ids  # the cache / memory, and the tokens it has not read yet
     new: list[int] = []
-    for _ in range(max_tokens):
-        with torch.inference_mode():
-            logits = next_token_logits(family, model, ids, placeholder_id)
-        token = pick_token(logits, temperature, top_k, top_p, generator)
-        if token == stop_id:
-            return new, "stop"
-        new.append(token)
-        ids = torch.cat([ids, ids.new_full((1, 1), token)], dim=1)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            if cached:
+                logits, state = model.decode_step(unread, state)
+                logits = logits[0]  # (V,)
+            else:
+                logits = next_token_logits(family, model, ids, placeholder_id)
+            token = pick_token(logits, temperature, top_k, top_p, generator)
+            if token == stop_id:
+                return new, "stop"
+            new.append(token)
+            unread = ids.new_full((1, 1), token)  # (1, 1)
+            ids = torch.cat([ids, unread], dim=1)
     return new, "length"
 
 
@@ -631,10 +697,17 @@ class TaskServing:
         order = np.argsort(-scores, kind="stable")
         return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})} for i in order]
 
-    async def _tag(self, texts: list[str], scheme: str | None, truncate: bool) -> dict:
-        records = {"tokens": [t.split() for t in texts]}
-        logits, cols = await self._task_rows(records, {"tokens_field": "tokens", "id_field": None}, truncate)
-        data = word_tags(logits, cols["word_ids"], texts, list(self.task_config.labels), scheme)
+    async def _tag(self, texts: list[str] | None, words: list[list[str]] | None, scheme: str | None, truncate: bool) -> dict:
+        from pipelines.alignment import joined_words, whitespace_words
+
+        what = "input" if words is None else "words"
+        if words is None:  # offsets index the texts as sent
+            words = [t.split() for t in texts]
+            spans, splits = whitespace_words(texts)
+        else:  # offsets index each word list joined by single spaces, the text the model reads
+            texts, spans, splits = joined_words(words)
+        logits, cols = await self._task_rows({"tokens": words}, {"tokens_field": "tokens", "id_field": None}, truncate, what)
+        data = word_tags(logits, cols["word_ids"], texts, spans, splits, list(self.task_config.labels), scheme)
         return {"object": "list", "scheme": scheme, "data": data, "usage": _usage(cols)}
 
     async def _answer(self, questions: list[str], contexts: list[str], truncate: bool) -> dict:

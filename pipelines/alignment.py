@@ -190,12 +190,9 @@ def encode_texts(tok, texts: Sequence[str]) -> Aligned:
     return Aligned(texts, ids, offsets, word_ids, splits, word_spans, word_splits)
 
 
-def encode_words(tok, words: Sequence[Sequence[str]]) -> Aligned:
-    """Tokens of pre-split texts (CoNLL ``tokens``): each text is its words joined by single spaces.
-
-    Every word gets at least one token (``[UNK]`` spanning the word if the tokenizer produced
-    none), and every token lies inside its word, in order.
-    """
+def joined_words(words: Sequence[Sequence[str]]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Pre-split texts as the model reads them: each its words joined by single spaces, the character
+    spans (W, 2) of every word in its joined text, and row splits (N + 1,)."""
     lists = [list(ws) for ws in words]
     texts = [" ".join(ws) for ws in lists]
     lengths = np.fromiter((len(ws) for ws in lists), dtype=np.int64, count=len(lists))
@@ -210,6 +207,16 @@ def encode_words(tok, words: Sequence[Sequence[str]]) -> Aligned:
     word_row = np.repeat(np.arange(len(lists)), lengths)
     starts = ends_incl_space - (word_len + 1) - row_base[word_row]  # (W,)
     word_spans = np.stack([starts, starts + word_len], axis=1) if len(starts) else np.zeros((0, 2), dtype=np.int64)
+    return texts, word_spans, word_splits
+
+
+def encode_words(tok, words: Sequence[Sequence[str]]) -> Aligned:
+    """Tokens of pre-split texts (CoNLL ``tokens``): each text is its words joined by single spaces.
+
+    Every word gets at least one token (``[UNK]`` spanning the word if the tokenizer produced
+    none), and every token lies inside its word, in order.
+    """
+    texts, word_spans, word_splits = joined_words(words)
     ids, offsets, splits = tokenize_with_offsets(tok, texts)
     word_ids = _assign_words(texts, offsets, splits, word_spans, word_splits)
     al = Aligned(texts, ids, offsets, word_ids, splits, word_spans, word_splits)

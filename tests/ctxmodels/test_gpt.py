@@ -206,3 +206,51 @@ def test_left_padding_and_empty_rows_stay_finite(norm):
     assert all(torch.isfinite(h).all() for h in states) and torch.isfinite(out.loss)
     for h, a in zip(states, alone):  # rows do not leak into each other
         torch.testing.assert_close(h[2:], a, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_decode_step_with_the_cache_equals_the_full_forward(norm):
+    """The prompt, then one token (and once three) at a time: every step's scores are the full
+    forward's last-position scores, up to the last position max_seq_len allows."""
+    torch.manual_seed(0)
+    model = GPTForPreTraining(tiny(norm)).eval()
+    ids, _ = batch(B=3, T=24)
+    with torch.no_grad():
+        full = model.logits(ids)  # (B, T, V)
+        logits, cache = model.decode_step(ids[:, :5])
+        torch.testing.assert_close(logits, full[:, 4], atol=1e-5, rtol=0)
+        t = 5
+        while t < 24:
+            n = 3 if t == 10 else 1
+            logits, cache = model.decode_step(ids[:, t : t + n], cache)
+            t += n
+            assert cache.length == t
+            torch.testing.assert_close(logits, full[:, t - 1], atol=1e-5, rtol=0, msg=f"step to {t}")
+        with pytest.raises(ValueError, match="position 24 but max_seq_len is 24"):
+            model.decode_step(ids[:, :1], cache)
+
+
+def test_cached_greedy_continuation_equals_hugging_face_generate(tmp_path):
+    """A tiny GPT-2 of ours, exported to transformers: our cached greedy loop writes the tokens that
+    ``GPT2LMHeadModel.generate(do_sample=False, use_cache=True)`` writes, to the last position."""
+    torch.manual_seed(0)
+    model = GPTForPreTraining(tiny("pre", init_std=0.1)).eval()
+    hf_config, state_dict = to_hf(model, "gpt")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    safetensors_torch.save_file(state_dict, str(tmp_path / "model.safetensors"))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    hf.generation_config.eos_token_id = None  # generate to max_new_tokens, as our loop below
+    hf.generation_config.pad_token_id = 0
+    for prompt_len in (1, 6, 13):
+        prompt = torch.randint(0, 97, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+        n_new = 24 - prompt_len
+        with torch.no_grad():
+            ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False, use_cache=True)[0, prompt_len:].tolist()
+            ours, cache, unread = [], None, prompt
+            for _ in range(n_new):
+                logits, cache = model.decode_step(unread, cache)
+                ours.append(int(logits[0].argmax()))
+                unread = torch.tensor([[ours[-1]]])
+        assert ours == ref, prompt_len
+        assert len(set(ours)) > 1  # a continuation that says something about the cache, not one token repeated

@@ -253,3 +253,25 @@ def test_loss_falls_on_a_tiny_overfit():
         opt.step()
         losses.append(out.loss.item())
     assert sum(losses[-4:]) / 4 < 0.2 * sum(losses[:4]) / 4, losses
+
+
+@pytest.mark.parametrize("overrides", [{}, {"layer_norm": "pre"}, {"clamp_len": 6}])
+def test_decode_step_with_memory_equals_one_pass_without(overrides):
+    """Generation's recurrence: the prompt, then one token (and once four) at a time with a memory that
+    keeps everything; each step's scores are those of the last position of one pass over the whole
+    sequence without memory, and the training stream's memory is left alone."""
+    cfg = dataclasses.replace(TINY, **overrides)
+    model = TransfoXLForPreTraining(cfg, generator=torch.Generator().manual_seed(0)).eval()
+    ids = random_ids(2, 40, seed=3)
+    with torch.no_grad():
+        full = model.logits(model.backbone.hidden_states(ids)[-1])  # (B, T, V)
+        logits, memory = model.decode_step(ids[:, :7])
+        torch.testing.assert_close(logits, full[:, 6], atol=1e-5, rtol=0)
+        t = 7
+        while t < 40:
+            n = 4 if t == 20 else 1
+            logits, memory = model.decode_step(ids[:, t : t + n], memory)
+            t += n
+            assert memory.length == t  # longer than mem_len (32): nothing is cut while decoding
+            torch.testing.assert_close(logits, full[:, t - 1], atol=1e-5, rtol=0, msg=f"step to {t}")
+    assert model.memory is None

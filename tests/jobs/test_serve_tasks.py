@@ -263,6 +263,51 @@ def test_tag_words_offsets_and_entities_match_the_model(client, built, tok):
     assert strict["scheme"] == "IOB2" and [w["tag"] for w in strict["data"][0]["words"]] == [w["tag"] for w in body["data"][0]["words"]]
 
 
+def _without_scores(items: list[dict]) -> tuple[list[dict], list[float]]:
+    """(the answer's items with every score taken out, the scores): rows batched with others may differ in the last bits."""
+    scores = [w["score"] for it in items for w in it["words"] + it["entities"]]
+    bare = [{**it, "words": [{k: v for k, v in w.items() if k != "score"} for w in it["words"]],
+             "entities": [{k: v for k, v in e.items() if k != "score"} for e in it["entities"]]} for it in items]
+    return bare, scores
+
+
+def test_tag_pre_split_words_equal_the_same_text(client, built, tok):
+    """``words`` the tokenizer would split the same way give the text's answer; offsets of pre-split words
+    index the words joined by single spaces; a given word with a space inside is one word, tagged by its
+    first sub-token, as the model scores it."""
+    from jobs.serve_tasks import softmax
+    from pipelines.alignment import first_subtokens
+
+    texts = ["John Smith lives in New York near Lake Tahoe .", "Paris"]
+    words = [t.split() for t in texts]
+    by_text = _ok(client.post("/v1/tag", json={"model": "ner", "input": texts}))
+    by_words = _ok(client.post("/v1/tag", json={"model": "ner", "words": words}))
+    (a, a_scores), (b, b_scores) = _without_scores(by_text["data"]), _without_scores(by_words["data"])
+    assert b == a and by_words["usage"] == by_text["usage"]
+    np.testing.assert_allclose(b_scores, a_scores, atol=TOL)
+    assert [w["index"] for w in a[0]["words"]] == list(range(len(words[0])))
+
+    spaced = _ok(client.post("/v1/tag", json={"model": "ner", "input": ["John  Smith lives in  Paris"]}))["data"][0]
+    split = _ok(client.post("/v1/tag", json={"model": "ner", "words": [["John", "Smith", "lives", "in", "Paris"]]}))["data"][0]
+    assert [(w["word"], w["tag"]) for w in split["words"]] == [(w["word"], w["tag"]) for w in spaced["words"]]
+    assert [w["start"] for w in split["words"]] == [0, 5, 11, 17, 20] and [w["start"] for w in spaced["words"]] == [0, 6, 12, 18, 22]
+    assert [e["words"] for e in split["entities"]] == [e["words"] for e in spaced["entities"]]
+
+    odd = [["New York", "is", "big"], ["Lake", "Tahoe"]]
+    body = _ok(client.post("/v1/tag", json={"model": "ner", "words": odd}))
+    cols = _encode(tok, {"tokens": odd}, kind="token-classification", max_len=128, labels=tuple(NER_LABELS))
+    probs = softmax(_logits(built["ner"][1], cols))  # (N, T, L)
+    for ws, item, p, f in zip(odd, body["data"], probs, first_subtokens(cols["word_ids"])):
+        joined = " ".join(ws)
+        assert [(w["index"], w["word"]) for w in item["words"]] == list(enumerate(ws))
+        assert all(joined[w["start"] : w["end"]] == w["word"] for w in item["words"])
+        assert [w["tag"] for w in item["words"]] == [NER_LABELS[k] for k in p[f].argmax(-1)]
+        np.testing.assert_allclose([w["score"] for w in item["words"]], p[f].max(-1), atol=TOL)
+        for e in item["entities"]:
+            x, y = e["words"]
+            assert e["text"] == " ".join(ws[x : y + 1]) == joined[e["start"] : e["end"]]
+
+
 def test_answer_equals_decode_qa_over_windows_with_no_answer(client, built, tok):
     expected, cols = _qa_decode(built["qa"][1], tok, built["qa_recipe"]["task"]["null_threshold"])
     assert len(cols["input_ids"]) > len(QA_QUESTIONS)  # the contexts were read in several windows
@@ -414,6 +459,14 @@ def test_tokenize_gives_ids_tokens_and_offsets(client, tok):
         ("/v1/answer", {"model": "qa", "question": ["a", "b"], "context": "c"}, 422, ["question and context"]),
         ("/v1/answer", {"model": "qa", "question": "why " * 20, "context": "c"}, 400, ["question[0]", "max_query_len"]),
         ("/v1/tag", {"model": "ner", "input": "x", "scheme": "BIO"}, 422, ["scheme"]),
+        ("/v1/tag", {"model": "ner", "words": []}, 422, ["words", "must not be empty"]),
+        ("/v1/tag", {"model": "ner", "words": [["a"], []]}, 422, ["words", "item [1] is an empty word list"]),
+        ("/v1/tag", {"model": "ner", "words": [["John", 3]]}, 422, ["words", "item [0][1] must be a string, got int"]),
+        ("/v1/tag", {"model": "ner", "words": [["John", " "]]}, 422, ["words", "item [0][1] is empty or only whitespace"]),
+        ("/v1/tag", {"model": "ner", "words": ["John lives"]}, 422, ["words", "item [0] must be a list of words"]),
+        ("/v1/tag", {"model": "ner", "input": "x", "words": [["x"]]}, 422, ["exactly one of input", "both were given"]),
+        ("/v1/tag", {"model": "ner"}, 422, ["exactly one of input", "neither was given"]),
+        ("/v1/tag", {"model": "ner", "words": [["w"] * 200]}, 400, ["words[0]", "128 tokens", "truncate"]),
         ("/v1/rerank", {"model": "pair", "query": "q", "texts": []}, 422, ["texts", "empty"]),
         ("/v1/rerank", {"model": "pair", "query": "q", "texts": ["a"], "documents": ["b"]}, 422, ["documents", "unknown field"]),
         ("/tokenize", {"model": "pair", "input": 3}, 422, ["input"]),
