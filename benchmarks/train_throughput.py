@@ -1,7 +1,7 @@
 """Training-step throughput: our BERT against transformers' ``BertForMaskedLM``, side by side.
 
 Run: ``python benchmarks/train_throughput.py`` (2 to 4 minutes on 2 cores). Options: ``--threads``,
-``--rounds``, ``--dropout``, ``--adamw``, ``--device``, ``--precision``, ``--batch`` (see ``--help``).
+``--rounds``, ``--dropout``, ``--adamw``, ``--device``, ``--precision``, ``--preset``, ``--batch`` (see ``--help``).
 The last two lines are ``speedup_vs_transformers: X`` (our tokens/s over theirs) and ``mfu: X`` (ours).
 
 On a GPU (``--device cuda``): both models and batches on the device, ``--precision bf16`` runs both
@@ -82,9 +82,10 @@ LR, WEIGHT_DECAY, MAX_NORM = 1e-4, 0.01, 1.0
 VOCAB = VocabInfo(vocab_size=30522, pad_id=0, mask_id=103, cls_id=101, sep_id=102, special_ids=(0, 100, 101, 102, 103))
 
 
-def model_config(dropout: float) -> BertConfig:
-    """BERT-mini of the issue: 4 x 256, 4 heads, d_ff 1024, vocab 30522; MLM only."""
-    return replace(PRESETS["mini"], nsp=False, dropout=dropout, attn_dropout=dropout)
+def model_config(dropout: float, preset: str = "mini") -> BertConfig:
+    """BERT-mini of the issue: 4 x 256, 4 heads, d_ff 1024, vocab 30522; MLM only. ``--preset base``:
+    BERT-base (12 x 768), a size that keeps a GPU busy."""
+    return replace(PRESETS[preset], nsp=False, dropout=dropout, attn_dropout=dropout)
 
 
 def make_batches(n: int, seed: int, rows: int = BATCH) -> list[dict[str, torch.Tensor]]:
@@ -195,6 +196,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: both forwards under torch.autocast(bfloat16), CUDA only (default fp32)")
+    parser.add_argument("--preset", choices=("mini", "base"), default="mini", help="BERT size (default mini, 4 x 256)")
     parser.add_argument("--batch", type=int, default=BATCH, help=f"rows of {SEQ_LEN} tokens per step (default {BATCH})")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -204,12 +206,12 @@ def main() -> None:
     rows = args.batch
 
     torch.manual_seed(SEED)
-    ours = BertForPreTraining(model_config(args.dropout)).train()
+    ours = BertForPreTraining(model_config(args.dropout, args.preset)).train()
     hf = hf_twin(ours).train()
     batches = make_batches(N_BATCHES, SEED, rows)
     n_pred = [int((b["labels"] != -100).sum()) for b in batches]
     where = f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-    print(f"{where}, threads {torch.get_num_threads()}, batch {rows} x {SEQ_LEN}, dropout {args.dropout}, "
+    print(f"{where}, BERT-{args.preset}, threads {torch.get_num_threads()}, batch {rows} x {SEQ_LEN}, dropout {args.dropout}, "
           f"AdamW {args.adamw}, precision {args.precision}, masked positions per batch {n_pred}")
 
     loss_ours, loss_hf, grad_diff = check_same_objective(ours, hf, batches[0])
