@@ -1,8 +1,13 @@
-"""Training-step throughput on CPU: our BERT against transformers' ``BertForMaskedLM``, side by side.
+"""Training-step throughput: our BERT against transformers' ``BertForMaskedLM``, side by side.
 
 Run: ``python benchmarks/train_throughput.py`` (2 to 4 minutes on 2 cores). Options: ``--threads``,
-``--rounds``, ``--dropout``, ``--adamw`` (see ``--help``). The last two lines are
-``speedup_vs_transformers: X`` (our tokens/s over theirs) and ``mfu: X`` (ours).
+``--rounds``, ``--dropout``, ``--adamw``, ``--device``, ``--precision``, ``--preset``, ``--batch`` (see ``--help``).
+The last two lines are ``speedup_vs_transformers: X`` (our tokens/s over theirs) and ``mfu: X`` (ours).
+
+On a GPU (``--device cuda``): both models and batches on the device, ``--precision bf16`` runs both
+forwards and losses under ``torch.autocast(bfloat16)`` (fp32 weights and AdamW, as
+``jobs.parallel.autocast`` in training), every timed step ends with ``torch.cuda.synchronize``, and
+MFU is against the GPU's datasheet dense peak for that precision (``ctxmodels.flops.device_peak_flops``).
 
 The same network on both sides: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 30522, exact GELU,
 post-LN, the decoder tied to the word embeddings, dropout 0.1 on hidden states and attention
@@ -43,6 +48,8 @@ comparison without that effect.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -61,11 +68,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
-from ctxmodels.flops import measure_matmul_peak, train_flops_per_step  # noqa: E402
+from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
 
-BATCH, SEQ_LEN = 32, 128
+BATCH, SEQ_LEN = 32, 128  # rows per batch (--batch), tokens per row
 N_BATCHES = 3  # distinct batches, cycled; a round times each once per model
 ROUNDS = 7
 WARMUP_STEPS = 2  # per model, before the first round
@@ -75,22 +82,23 @@ LR, WEIGHT_DECAY, MAX_NORM = 1e-4, 0.01, 1.0
 VOCAB = VocabInfo(vocab_size=30522, pad_id=0, mask_id=103, cls_id=101, sep_id=102, special_ids=(0, 100, 101, 102, 103))
 
 
-def model_config(dropout: float) -> BertConfig:
-    """BERT-mini of the issue: 4 x 256, 4 heads, d_ff 1024, vocab 30522; MLM only."""
-    return replace(PRESETS["mini"], nsp=False, dropout=dropout, attn_dropout=dropout)
+def model_config(dropout: float, preset: str = "mini") -> BertConfig:
+    """BERT-mini of the issue: 4 x 256, 4 heads, d_ff 1024, vocab 30522; MLM only. ``--preset base``:
+    BERT-base (12 x 768), a size that keeps a GPU busy."""
+    return replace(PRESETS[preset], nsp=False, dropout=dropout, attn_dropout=dropout)
 
 
-def make_batches(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def make_batches(n: int, seed: int, rows: int = BATCH) -> list[dict[str, torch.Tensor]]:
     rng = np.random.default_rng(seed)
     batches = []
     for i in range(n):
-        ids = rng.integers(999, VOCAB.vocab_size, size=(BATCH, SEQ_LEN))  # ordinary word pieces
+        ids = rng.integers(999, VOCAB.vocab_size, size=(rows, SEQ_LEN))  # ordinary word pieces
         ids[:, 0], ids[:, -1] = VOCAB.cls_id, VOCAB.sep_id
         raw = dict(
             input_ids=ids,
-            attention_mask=np.ones((BATCH, SEQ_LEN), dtype=np.int64),
-            sample_id=np.arange(i * BATCH, (i + 1) * BATCH),
-            epoch=np.zeros(BATCH, dtype=np.int64),
+            attention_mask=np.ones((rows, SEQ_LEN), dtype=np.int64),
+            sample_id=np.arange(i * rows, (i + 1) * rows),
+            epoch=np.zeros(rows, dtype=np.int64),
         )
         masked = mask_tokens(raw, seed, MlmConfig(), VOCAB)
         batches.append({k: torch.from_numpy(masked[k]) for k in ("input_ids", "attention_mask", "labels")})
@@ -152,12 +160,14 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def make_step(model: nn.Module, fused_adamw: bool = True):
+def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nullcontext):
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=fused_adamw or None)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(batch: dict[str, torch.Tensor]) -> None:
-        model(**batch).loss.backward()
+        with autocast():
+            loss = model(**batch).loss
+        loss.backward()
         nn.utils.clip_grad_norm_(params, MAX_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -165,9 +175,13 @@ def make_step(model: nn.Module, fused_adamw: bool = True):
     return step
 
 
-def timed(step, batch) -> float:
+def timed(step, batch, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels are queued: the step ends when the GPU is done
     return time.perf_counter() - start
 
 
@@ -179,16 +193,26 @@ def main() -> None:
     parser.add_argument("--adamw", choices=("fused", "default"), default="fused",
                         help="AdamW implementation of both: fused (default), or what AdamW() picks without the "
                              "flag (on CPU a Python loop over the parameters)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: both forwards under torch.autocast(bfloat16), CUDA only (default fp32)")
+    parser.add_argument("--preset", choices=("mini", "base"), default="mini", help="BERT size (default mini, 4 x 256)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"rows of {SEQ_LEN} tokens per step (default {BATCH})")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.precision == "bf16" and device.type != "cuda":
+        raise SystemExit("--precision bf16 needs --device cuda (training autocasts to bf16 on CUDA only)")
+    rows = args.batch
 
     torch.manual_seed(SEED)
-    ours = BertForPreTraining(model_config(args.dropout)).train()
+    ours = BertForPreTraining(model_config(args.dropout, args.preset)).train()
     hf = hf_twin(ours).train()
-    batches = make_batches(N_BATCHES, SEED)
+    batches = make_batches(N_BATCHES, SEED, rows)
     n_pred = [int((b["labels"] != -100).sum()) for b in batches]
-    print(f"threads {torch.get_num_threads()}, batch {BATCH} x {SEQ_LEN}, dropout {args.dropout}, "
-          f"AdamW {args.adamw}, masked positions per batch {n_pred}")
+    where = f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    print(f"{where}, BERT-{args.preset}, threads {torch.get_num_threads()}, batch {rows} x {SEQ_LEN}, dropout {args.dropout}, "
+          f"AdamW {args.adamw}, precision {args.precision}, masked positions per batch {n_pred}")
 
     loss_ours, loss_hf, grad_diff = check_same_objective(ours, hf, batches[0])
     print(f"same objective: loss ours {loss_ours:.6f} transformers {loss_hf:.6f}; "
@@ -197,20 +221,26 @@ def main() -> None:
         raise SystemExit("the two models disagree: the comparison would be meaningless")
 
     cfg = ours.cfg
-    flops_ours = [train_flops_per_step("bert", cfg, BATCH, SEQ_LEN, n) for n in n_pred]
-    flops_hf = train_flops_per_step("bert", cfg, BATCH, SEQ_LEN, BATCH * SEQ_LEN)  # logits everywhere
+    flops_ours = [train_flops_per_step("bert", cfg, rows, SEQ_LEN, n) for n in n_pred]
+    flops_hf = train_flops_per_step("bert", cfg, rows, SEQ_LEN, rows * SEQ_LEN)  # logits everywhere
     seen = counted_flops(ours, batches[0])
     print(f"model FLOPs per step, ours: {flops_ours[0] / 1e9:.2f} G (FlopCounterMode: {seen / 1e9:.2f} G)")
     if abs(seen - flops_ours[0]) > 1e-6 * seen:
         raise SystemExit("ctxmodels.flops and FlopCounterMode disagree on our model's FLOPs")
 
+    # Checked on the CPU in fp32 above; from here on both run where and how they are timed.
+    ours.to(device), hf.to(device)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    autocast = contextlib.nullcontext
+    if args.precision == "bf16":
+        autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     fused = args.adamw == "fused"
-    sides = {"ours": make_step(ours, fused), "transformers": make_step(hf, fused)}
+    sides = {"ours": make_step(ours, fused, autocast), "transformers": make_step(hf, fused, autocast)}
     for step in sides.values():
         for i in range(WARMUP_STEPS):
             step(batches[i % N_BATCHES])
 
-    tokens_per_round = N_BATCHES * BATCH * SEQ_LEN
+    tokens_per_round = N_BATCHES * rows * SEQ_LEN
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     peaks: list[float] = []
     for r in range(args.rounds):
@@ -219,13 +249,16 @@ def main() -> None:
         for i, batch in enumerate(batches):
             order = list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]
             for name in order:
-                spent[name] += timed(sides[name], batch)
+                spent[name] += timed(sides[name], batch, device)
         for name in sides:
             seconds[name].append(spent[name])
-        peaks.append(measure_matmul_peak("cpu", torch.float32, n=2048, seconds=1.0))
+        if device.type == "cpu":  # the CPU is shared: its peak is measured under the same load
+            peaks.append(measure_matmul_peak("cpu", torch.float32, n=2048, seconds=1.0))
+        else:
+            peaks.append(device_peak_flops(device, torch.bfloat16 if args.precision == "bf16" else torch.float32))
         print(f"round {r + 1}/{args.rounds}: "
               + ", ".join(f"{name} {tokens_per_round / seconds[name][-1]:,.0f} tokens/s" for name in sides)
-              + f", matmul {peaks[-1] / 1e9:.1f} GFLOP/s")
+              + f", peak {peaks[-1] / 1e9:.1f} GFLOP/s")
 
     med = {name: statistics.median(s) for name, s in seconds.items()}
     tps = {name: tokens_per_round / med[name] for name in sides}
@@ -233,15 +266,18 @@ def main() -> None:
     peak = max(peaks)
     achieved = sum(flops_ours) / med["ours"]
     achieved_hf = N_BATCHES * flops_hf / med["transformers"]
-    print(f"ours:         {tps['ours']:,.0f} tokens/s, {med['ours'] / N_BATCHES * 1e3:.0f} ms/step, "
+    print(f"ours:         {tps['ours']:,.0f} tokens/s, {med['ours'] / N_BATCHES * 1e3:.1f} ms/step, "
           f"{achieved / 1e9:.1f} GFLOP/s (medians over {args.rounds} rounds)")
-    print(f"transformers: {tps['transformers']:,.0f} tokens/s, {med['transformers'] / N_BATCHES * 1e3:.0f} ms/step; "
-          f"its own products, logits at all {BATCH * SEQ_LEN} positions: {flops_hf / 1e9:.1f} GFLOP/step, "
+    print(f"transformers: {tps['transformers']:,.0f} tokens/s, {med['transformers'] / N_BATCHES * 1e3:.1f} ms/step; "
+          f"its own products, logits at all {rows * SEQ_LEN} positions: {flops_hf / 1e9:.1f} GFLOP/step, "
           f"{achieved_hf / 1e9:.1f} GFLOP/s")
     print(f"per-round speedups: {', '.join(f'{x:.2f}' for x in round_ratios)} "
           f"(median {statistics.median(round_ratios):.2f})")
-    print(f"matmul peak:  {peak / 1e9:.1f} GFLOP/s (fp32 2048^3 products, {torch.get_num_threads()} threads, "
-          f"best of {len(peaks)} rounds)")
+    if device.type == "cpu":
+        print(f"matmul peak:  {peak / 1e9:.1f} GFLOP/s (fp32 2048^3 products, {torch.get_num_threads()} threads, "
+              f"best of {len(peaks)} rounds)")
+    else:
+        print(f"peak:         {peak / 1e12:.1f} TFLOP/s ({args.precision}, the GPU's dense peak)")
     print(f"model FLOPs per step (ours, vocabulary projection at the masked positions only): "
           f"{statistics.mean(flops_ours) / 1e9:.2f} G")
     print(f"speedup_vs_transformers: {tps['ours'] / tps['transformers']:.2f}")

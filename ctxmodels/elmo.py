@@ -343,18 +343,17 @@ class ElmoForPreTraining(nn.Module):
         self.fwd_memory = None
 
     def _initial_state(self, reset_memory: torch.Tensor):
-        if self.fwd_memory is None:
+        if self.fwd_memory is None or bool((reset_memory != 0).all()):  # nothing carried over: zero state
             return None
         B = reset_memory.shape[0]
         if self.fwd_memory[0][0].shape[0] != B:
-            if bool((reset_memory != 0).all()):
-                return None
             raise ValueError(
                 f"reset_memory has {B} rows but the carried state has {self.fwd_memory[0][0].shape[0]}: "
                 "stream-ordered batches need a constant batch size (or reset_memory=1 on every row)"
             )
         keep = (reset_memory == 0)[:, None]  # (B, 1)
-        return [(torch.where(keep, h, 0.0), torch.where(keep, c, 0.0)) for h, c in self.fwd_memory]
+        # the state is a plain attribute, not a buffer: after model.to(device) it is still where it was made
+        return [(torch.where(keep, h.to(keep.device), 0.0), torch.where(keep, c.to(keep.device), 0.0)) for h, c in self.fwd_memory]
 
     def forward(
         self,

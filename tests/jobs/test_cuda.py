@@ -1,0 +1,115 @@
+"""The GPU path: every family trains on CUDA as it does on the CPU (skipped without a GPU; CI has none).
+
+Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Checked:
+- fp32 forward and backward on CUDA equal the CPU's (loss, every gradient), TF32 off;
+- under ``jobs.parallel.autocast`` (bf16, as ``train.precision: bf16`` trains) each family's loss is
+  finite and falls over steps of fused AdamW on one batch, the weights stay float32;
+- the fused masked-LM loss of ``ctxmodels.ops`` equals cross-entropy on CUDA, gradients included,
+  and under autocast falls back to the plain one.
+No Ray: jobs.parallel and ctxmodels only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxmodels import ops
+from ctxmodels.registry import FAMILIES, build_model
+from jobs.parallel import ParallelPlan, autocast
+from tests.ctxmodels.test_flops import family_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """fp32 products in fp32: TF32 (cuDNN's default for convolutions, ELMo's character CNN) would
+    make the CUDA numbers differ from the CPU's at 1e-3."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _tiny(family: str):
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128}, seed=0)
+    batch, _ = family_batch(family, cfg)
+    if "reset_memory" in batch:  # every call starts a new segment: no memory carried between calls
+        batch["reset_memory"] = torch.ones_like(batch["reset_memory"])
+    return cfg, model, batch
+
+
+def _on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp32_forward_and_backward_on_cuda_equal_the_cpu(family):
+    _, model, batch = _tiny(family)
+    model.eval()  # no dropout: the two devices draw different masks
+    loss_cpu = model(**batch).loss
+    loss_cpu.backward()
+    grads_cpu = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    model.to(CUDA)
+    loss_gpu = model(**_on(batch, CUDA)).loss
+    loss_gpu.backward()
+    assert loss_gpu.device.type == "cuda"
+    torch.testing.assert_close(loss_gpu.cpu(), loss_cpu.detach(), rtol=1e-5, atol=1e-5)
+    grads_gpu = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads_gpu.keys() == grads_cpu.keys() and grads_cpu
+    for name, g in grads_cpu.items():
+        torch.testing.assert_close(grads_gpu[name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_autocast_training_on_cuda_learns(family):
+    _, model, batch = _tiny(family)
+    model.to(CUDA).train()
+    batch = _on(batch, CUDA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    plan = ParallelPlan(precision="bf16")
+    losses = []
+    for _ in range(40):
+        with autocast(plan, CUDA):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))), f"{family}: non-finite bf16 losses {losses}"
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, f"{family}: bf16 loss did not fall on a repeated batch: {first:.3f} -> {last:.3f}"
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "autocast must keep fp32 master weights"
+
+
+def test_fused_masked_lm_loss_on_cuda_equals_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 700, 64, 3000  # several loss chunks and vocabulary blocks
+    h = torch.randn(n, d, generator=g).to(CUDA).requires_grad_()
+    w = (0.1 * torch.randn(v, d, generator=g)).to(CUDA).requires_grad_()
+    b = torch.randn(v, generator=g).to(CUDA).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g).to(CUDA)
+
+    loss, correct = ops.masked_lm_loss(h, w, b, target)
+    loss.backward()
+    fused = (loss.detach(), correct, h.grad.clone(), w.grad.clone(), b.grad.clone())
+    for t in (h, w, b):
+        t.grad = None
+    logits = torch.nn.functional.linear(h, w, b)
+    ref = torch.nn.functional.cross_entropy(logits, target)
+    ref.backward()
+    torch.testing.assert_close(fused[0], ref.detach(), rtol=1e-5, atol=1e-6)
+    assert int(fused[1]) == int((logits.argmax(-1) == target).sum())
+    for got, want in zip(fused[2:], (h.grad, w.grad, b.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # the plain version, in fp32 for the loss
+        loss_bf16, _ = ops.masked_lm_loss(h, w, b, target)
+    assert loss_bf16.dtype == torch.float32
+    torch.testing.assert_close(loss_bf16.detach(), ref.detach(), rtol=2e-2, atol=2e-2)
