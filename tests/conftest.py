@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM a process started with ``start_new_session=True`` (`ray start --block`, `mlflow
+    server`, `ctx schedule`), which then stops its children in order (a Ray head: ~3 s; signalling
+    the whole group at once leaves it waiting on its dead GCS); SIGKILL the group after ``grace_s``
+    to sweep anything left."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +37,6 @@ TINY = [  # ~10 steps of a small BERT on short sequences: what a round trains
     "train.checkpoint_every=10", "scaling.num_workers=1", "scaling.cpus_per_worker=0.5", "data.max_epochs=1",
 ]
 
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
 
 
 def _wait(what: str, ok, proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
@@ -84,7 +71,7 @@ def mlflow_server():
         _wait("mlflow server", lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, proc, log)
         yield url
     finally:
-        _stop_group(proc)
+        stop_process_group(proc)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -120,7 +107,7 @@ def ray_head(s3_server, mlflow_server):
         time.sleep(2)
         yield address, env
     finally:
-        _stop_group(proc)
+        stop_process_group(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -253,7 +240,7 @@ def test_scheduled_round_promotes_and_rolls_then_a_gated_round_changes_nothing(r
         stop.set()
         if thread.is_alive():
             thread.join(60)
-        _stop_group(server, grace_s=60)
+        stop_process_group(server, grace_s=60)
     # one switch, from the seed to round 1's version; round 2 left the app alone; never a failed request
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
     switches = [(a, b) for a, b in zip(versions, versions[1:]) if a != b]

@@ -17,7 +17,6 @@ import re
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from jobs.runlock import LOCK_FILE
 from jobs.submit import EXIT_CODES, build_entrypoint, follow_job, job_runtime_env, submit, submit_when_ready
 from pipelines import storage
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +79,7 @@ def ray_head():
         _wait_for_jobs_api(address, token, proc, log_path)
         yield address, token
     finally:
-        _stop_group(proc)
+        stop_process_group(proc)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -99,21 +98,6 @@ def _wait_for_jobs_api(address: str, token: str, proc: subprocess.Popen, log_pat
         time.sleep(0.5)
     pytest.fail(f"the Jobs API at {address} did not come up in 120 s:\n{log_path.read_text()[-3000:]}")
 
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the `ray start --block` process, which then stops the head's processes in order (~3 s;
-    signalling the whole group at once leaves it waiting on its dead GCS), then SIGKILL the group to
-    sweep anything left."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
 
 
 @pytest.fixture()
