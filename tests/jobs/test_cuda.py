@@ -5,7 +5,8 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
 - under ``jobs.parallel.autocast`` (bf16, as ``train.precision: bf16`` trains) each family's loss is
   finite and falls over steps of fused AdamW on one batch, the weights stay float32;
 - the fused masked-LM loss of ``ctxmodels.ops`` equals cross-entropy on CUDA, gradients included,
-  and under autocast falls back to the plain one.
+  and under autocast falls back to the plain one;
+- cached decoding (GPT's key-value cache, Transformer-XL's memory) on CUDA equals the CPU's full forward.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -113,3 +114,24 @@ def test_fused_masked_lm_loss_on_cuda_equals_cross_entropy():
         loss_bf16, _ = ops.masked_lm_loss(h, w, b, target)
     assert loss_bf16.dtype == torch.float32
     torch.testing.assert_close(loss_bf16.detach(), ref.detach(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["gpt", "transformer-xl"])
+def test_cached_decoding_on_cuda_equals_the_full_forward_on_the_cpu(family):
+    """/v1/generate's decoding: the prompt, then one token at a time with the key-value cache (GPT)
+    or the memory (Transformer-XL) on the GPU; each step's scores equal the CPU's full forward pass
+    at that position."""
+    cfg, model, _ = _tiny(family)
+    model.eval()
+    ids = torch.randint(5, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        if family == "gpt":
+            full = model.logits(ids)  # (B, T, V)
+        else:
+            full = model.logits(model.backbone(ids, None)[-1])  # (B, T, V): no memory, causal
+        model.to(CUDA)
+        logits, state = model.decode_step(ids[:, :4].to(CUDA))
+        torch.testing.assert_close(logits.cpu(), full[:, 3], rtol=1e-4, atol=1e-5)
+        for t in range(4, 20):
+            logits, state = model.decode_step(ids[:, t : t + 1].to(CUDA), state)
+            torch.testing.assert_close(logits.cpu(), full[:, t], rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} step {t}: {m}")
