@@ -1,4 +1,4 @@
-"""Training kernels for the encoder families: dropout, the masked-LM loss and row gathers, faster on CPU.
+"""Training kernels for the encoder families: dropout and the masked-LM loss, faster on CPU.
 
 These are ops, not model blocks: each computes what its plain PyTorch counterpart does (the same
 distribution; the same loss and gradients up to float rounding) with fewer passes over memory.
@@ -16,10 +16,6 @@ on this project's 2-core CPU machine showed where the plain versions lose time (
   ``masked_lm_loss`` computes the logits transposed, (V, n), for at most 256 rows at a time in one
   reused buffer, turns them into their gradient in place and multiplies that out at once: 0.45 s
   instead of 0.6 s for loss, gradients and accuracy, three products of 9.5 GFLOP included.
-* ``x.index_select(0, index)`` differentiates through a slow scatter on CPU: for (461, 384) rows
-  gathered from 896, its backward took 30 to 150 ms where ``index_add_`` takes 0.3 ms. Skipping
-  padding (``bert.Packing``) gathers and scatters rows like that several times per layer;
-  ``gather_rows`` and ``scatter_rows`` are the same gather and scatter with the fast backward.
 
 Reference: Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) likewise
 computes the loss's gradients during the forward pass, chunk by chunk, on GPUs.
@@ -84,48 +80,6 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)
-
-
-# ----------------------------------------------------------------------------------------------
-# Row gather and scatter
-# ----------------------------------------------------------------------------------------------
-
-
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
-        ctx.save_for_backward(index)
-        ctx.n_rows = x.shape[0]
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.n_rows, *grad.shape[1:]).index_add_(0, index, grad), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, n_rows: int) -> Tensor:
-        ctx.save_for_backward(index)
-        return x.new_zeros(n_rows, *x.shape[1:]).index_copy_(0, index, x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        (index,) = ctx.saved_tensors
-        return grad.index_select(0, index), None, None
-
-
-def gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x.index_select(0, index)``: (M, ...) -> (len(index), ...); an index may repeat. Its
-    gradient is summed into the rows with ``index_add_`` (see the module docstring)."""
-    return _GatherRows.apply(x, index)
-
-
-def scatter_rows(x: Tensor, index: Tensor, n_rows: int) -> Tensor:
-    """(len(index), ...) -> (n_rows, ...): row i of ``x`` at row ``index[i]``, zeros elsewhere.
-    ``index`` must not repeat (each target row is written once)."""
-    return _ScatterRows.apply(x, index, n_rows)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -318,26 +318,6 @@ def test_dropout_keeps_one_minus_p_and_preserves_the_mean():
     assert torch.equal(a, ops.dropout(x, 0.3))  # reproducible under torch.manual_seed
 
 
-def test_row_gather_and_scatter_equal_index_select_and_index_copy():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 3, generator=g, requires_grad=True)
-    up = torch.randn(5, 3, generator=g)
-    index = torch.tensor([4, 0, 4, 2, 5])  # repeats: their gradients add up
-    torch.testing.assert_close(ops.gather_rows(x, index), x.index_select(0, index))
-    (fast,) = torch.autograd.grad(ops.gather_rows(x, index), x, up)
-    (plain,) = torch.autograd.grad(x.index_select(0, index), x, up)
-    torch.testing.assert_close(fast, plain)
-
-    rows = torch.tensor([5, 1, 2, 0, 3])  # distinct
-    y = torch.randn(5, 3, generator=g, requires_grad=True)
-    up = torch.randn(7, 3, generator=g)
-    expected = torch.zeros(7, 3).index_copy(0, rows, y)
-    torch.testing.assert_close(ops.scatter_rows(y, rows, 7), expected)
-    (fast,) = torch.autograd.grad(ops.scatter_rows(y, rows, 7), y, up)
-    (plain,) = torch.autograd.grad(torch.zeros(7, 3).index_copy(0, rows, y), y, up)
-    torch.testing.assert_close(fast, plain)
-
-
 @pytest.mark.parametrize("padded", [False, True])
 def test_cpu_training_attention_equals_sdpa(padded):
     model = tiny(attn_dropout=1e-6)  # rounds to no dropped draw: the explicit path, nothing dropped
