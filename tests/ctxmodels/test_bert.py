@@ -463,3 +463,19 @@ def test_skipping_padding_changes_no_loss_logit_or_gradient(family, kind, attn_d
     assert skipped_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
     for name, grad in plain_grads.items():
         torch.testing.assert_close(skipped_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_full_rows_build_no_packing(monkeypatch):
+    """Pretraining packs full rows: a mask of all ones is dropped and nothing is gathered."""
+    def refuse(attention_mask):
+        raise AssertionError("Packing built for a batch without padding")
+
+    monkeypatch.setattr(bert, "Packing", refuse)
+    model = tiny(nsp=False).train()
+    batch = make_batch(model.cfg)
+    batch.pop("next_sentence_label")
+    padded = dict(batch)
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    model(**batch).loss.backward()
+    with pytest.raises(AssertionError, match="Packing built"):  # and the spy does see a padded batch
+        model(**padded)
