@@ -25,9 +25,11 @@ One timed step, both sides: forward with labels, ``loss.backward()``, ``clip_gra
 taking turns step by step (ABBA) so both run under the same machine load; rows/s are medians over
 rounds. The machine is shared: compare the ratios, not the absolute numbers.
 
-Where ours is faster (same math): token-wise layers skip padding (``ctxmodels.bert.Packing``),
-sequence classification runs only [CLS] through the last block (``BertModel.first_token_state``),
-CPU training attention with 16-bit dropout draws (``ctxmodels.ops``).
+Where ours is faster (same math): nothing is computed for padding (``ctxmodels.bert.Packing``:
+token-wise layers on the real tokens, attention on groups of rows of similar length, each padded
+only to its own longest), sequence classification runs only [CLS] through the last block
+(``BertModel.first_token_state``), CPU training attention with 16-bit dropout draws
+(``ctxmodels.ops``).
 """
 
 from __future__ import annotations

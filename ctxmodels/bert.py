@@ -18,7 +18,9 @@ head was read against facebookresearch/SpanBERT ``pretraining/fairseq/models/pai
 Speed (training on CPU, ``benchmarks/train_throughput.py``): the MLM loss runs the decoder only at
 the masked rows and never materialises their (N, V) logits (``ops.masked_lm_loss``), dropout
 draws 16-bit numbers (``ops.dropout``), and training attention with dropout is written out
-(``SelfAttention.attend_with_dropout``) instead of SDPA's CPU reference path. Same math throughout.
+(``SelfAttention.attend_with_dropout``) instead of SDPA's CPU reference path. Batches padded to
+their longest row (fine-tuning) compute nothing for padding (``Packing``): the token-wise layers
+run on the real tokens, attention on length groups. Same math throughout.
 
 Shape legend:
     B  batch size              T  sequence length          D  d_model
@@ -178,23 +180,24 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
         """``x`` (B, T, D), or (N, D) real tokens only when ``packing`` says where they sit."""
-        D = x.shape[-1]
         qkv = self.qkv(x)  # (B, T, 3D) or (N, 3D)
-        if packing is not None:
-            qkv = packing.unpack(qkv)  # (B, T, 3D), zeros at padding
-        B, T = qkv.shape[:2]
+        if packing is None:
+            return self.proj(self.attend(qkv, attn_mask))
+        ys = [self.attend(group, mask) for group, mask in packing.groups(qkv)]  # (b, t, D) per length group
+        return self.proj(packing.ungroup(ys))  # (N, D): padding queries are dropped before the output projection
+
+    def attend(self, qkv: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """(B, T, 3D) projected queries, keys and values -> (B, T, D) attention output."""
+        B, T, D = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         qkv = qkv.view(B, T, 3, self.n_head, D // self.n_head)  # (B, T, 3, H, Dh)
-        if self.training and self.attn_dropout > 0 and x.device.type == "cpu":
+        if self.training and self.attn_dropout > 0 and qkv.device.type == "cpu":
             y = self.attend_with_dropout(qkv, attn_mask)
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, Dh), views, no copy
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
             )  # (B, H, T, Dh)
-        y = y.transpose(1, 2).reshape(B, T, D)  # (B, T, H, Dh) -> (B, T, D)
-        if packing is not None:
-            y = packing.pack(y)  # (N, D): padding queries are dropped before the output projection
-        return self.proj(y)
+        return y.transpose(1, 2).reshape(B, T, D)  # (B, T, H, Dh) -> (B, T, D)
 
     def first_query(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
         """(B, D): the attention output at position 0 alone, every position as keys and values.
@@ -206,15 +209,21 @@ class SelfAttention(nn.Module):
         w_q, w_kv = self.qkv.weight[:D], self.qkv.weight[D:]  # rows: [query; key; value]
         b_q, b_kv = self.qkv.bias[:D], self.qkv.bias[D:]
         kv = F.linear(x, w_kv, b_kv)  # (B, T, 2D) or (N, 2D)
-        first = x[:, 0] if packing is None else packing.first(x)  # (B, D)
-        if packing is not None:
-            kv = packing.unpack(kv)  # (B, T, 2D)
-        B, T = kv.shape[:2]
+        q = F.linear(x[:, 0] if packing is None else packing.first(x), w_q, b_q)  # (B, D)
+        if packing is None:
+            return self.proj(self.attend_one(q, kv, attn_mask))
+        ys = [self.attend_one(q_g, kv_g, mask) for q_g, (kv_g, mask) in zip(packing.group_rows(q), packing.groups(kv))]
+        return self.proj(packing.ungroup_rows(ys))  # (B, D)
+
+    def attend_one(self, q: Tensor, kv: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """One query per sequence: q (B, D) over keys and values kv (B, T, 2D) -> (B, D)."""
+        B, T, D = kv.shape[0], kv.shape[1], q.shape[-1]
         H, Dh = self.n_head, D // self.n_head
         k, v = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, H, T, Dh)
-        q = F.linear(first, w_q, b_q).view(B, H, 1, Dh)  # (B, H, 1, Dh)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0)
-        return self.proj(y.reshape(B, D))  # (B, H, 1, Dh) -> (B, D)
+        y = F.scaled_dot_product_attention(
+            q.view(B, H, 1, Dh), k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
+        )  # (B, H, 1, Dh)
+        return y.reshape(B, D)
 
     def attend_with_dropout(self, qkv: Tensor, attn_mask: Tensor | None) -> Tensor:
         """What SDPA computes, spelled out for CPU training: with dropout, SDPA on CPU takes its
@@ -272,37 +281,121 @@ class BertBlock(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
+# What one more attention group costs, in query-key pairs of attention work: its own dozen or so
+# calls forward and backward (gathers, products, softmax, dropout). On the 2-core CPU, values from
+# 256 to 4096 timed alike on real fine-tuning batches (benchmarks/finetune_throughput.py); 0 (a
+# group per length) was 15% slower.
+GROUP_PAIRS = 1024
+
+
+def length_groups(lengths: list[int], group_pairs: int) -> list[int]:
+    """Cut sequence lengths sorted longest first into runs; returns the runs' sizes.
+
+    Each run is padded to its first (longest) length for attention, which then computes
+    ``size * length**2`` query-key pairs; the cut minimises the pairs of all runs plus
+    ``group_pairs`` per run (``GROUP_PAIRS`` in ``Packing``): dynamic programming over the places
+    where the length changes.
+    """
+    if any(a < b for a, b in zip(lengths, lengths[1:])):
+        raise ValueError("length_groups: lengths must be sorted longest first")
+    cuts = [i for i in range(len(lengths)) if i == 0 or lengths[i] != lengths[i - 1]] + [len(lengths)]
+    best = {0: 0}  # cut position -> least cost of the rows before it
+    prev: dict[int, int] = {}
+    for j in cuts[1:]:
+        best[j], prev[j] = min((best[i] + (j - i) * lengths[i] ** 2 + group_pairs, i) for i in cuts if i < j)
+    sizes, j = [], len(lengths)
+    while j > 0:
+        sizes.append(j - prev[j])
+        j = prev[j]
+    return sizes[::-1]
+
+
 class Packing:
-    """Where the real tokens of a padded (B, T) batch sit, to run token-wise layers on them alone.
+    """Where the real tokens of a padded (B, T) batch sit, to compute nothing for padding.
 
     Fine-tuning batches are padded to their longest row; the rows' real lengths vary, so a third
     to two thirds of the positions are often padding. Every layer but attention treats tokens
-    independently, so it can run on the (N, D) real tokens: N / (B * T) of the work. ``pack`` and
+    independently, so it runs on the (N, D) real tokens: N / (B * T) of the work. ``pack`` and
     ``unpack`` are one gather / scatter each (differentiable); the padded positions of an unpacked
-    tensor are zeros. (The idea of "unpadding" in NVIDIA's BERT and FlashAttention's varlen kernels,
-    here on CPU around the ordinary attention.)
+    tensor are zeros. Attention runs on length groups: the sequences sorted by length and cut into
+    groups (``length_groups``), each padded only to its own longest, its padding keys masked as
+    in the (B, T) layout. The scores then cost sum(b_g * T_g^2) query-key pairs instead of B * T^2,
+    and each real token's output is exactly what the (B, T) layout gives it. (The idea of
+    "unpadding" in NVIDIA's BERT and FlashAttention's varlen kernels, here on CPU around the
+    ordinary attention, and of length-bucketed batches.)
     """
 
-    def __init__(self, keep: Tensor, batch: int, seq_len: int):
-        self.keep, self.batch, self.seq_len = keep, batch, seq_len  # keep: (N,) flat indices into B * T
-        # (B,): where each sequence's position 0 sits among the packed rows
-        self.starts = torch.searchsorted(keep, torch.arange(batch, device=keep.device) * seq_len)
-
-    @classmethod
-    def of(cls, attention_mask: Tensor) -> "Packing":
+    def __init__(self, attention_mask: Tensor):
         B, T = attention_mask.shape
-        return cls(attention_mask.reshape(-1).nonzero().squeeze(1), B, T)
+        lengths = attention_mask.ne(0).sum(dim=1)  # (B,)
+        if not bool(lengths.all()):
+            empty = lengths.eq(0).nonzero().squeeze(1).tolist()
+            raise ValueError(f"attention_mask rows {empty} have no real token: every sequence needs one ([CLS])")
+        self.batch, self.seq_len = B, T
+        self.keep = attention_mask.reshape(-1).nonzero().squeeze(1)  # (N,) flat indices into B * T
+        # (B,): where each sequence's first real token sits among the packed rows; its other real
+        # tokens follow it in order
+        self.starts = torch.cumsum(lengths, dim=0) - lengths
+
+        # Attention groups, longest sequences first. A group's layout (b, t) holds slots; slot
+        # (i, j) reads packed row starts[i] + j, the sequence's j-th real token (attention does not
+        # care where padding sat), or, past its end, its first token: a finite value hidden as a
+        # key, whose own output is dropped (so it gets no gradient).
+        self.order = torch.argsort(lengths, descending=True, stable=True)  # (B,)
+        self.order_inverse = torch.argsort(self.order)  # (B,)
+        self.group_sizes = length_groups(lengths[self.order].tolist(), GROUP_PAIRS)
+        self.group_shapes: list[tuple[int, int]] = []  # (b, t) of each group
+        self.masks: list[Tensor | None] = []  # (b, 1, 1, t) True = may attend; None: no padding
+        slots, real = [], []
+        for rows in self.order.split(self.group_sizes):
+            t = int(lengths[rows[0]])
+            pos = torch.arange(t, device=attention_mask.device)  # (t,)
+            is_real = pos < lengths[rows, None]  # (b, t)
+            first = self.starts[rows, None]  # (b, 1)
+            slots.append(torch.where(is_real, first + pos, first).reshape(-1))  # (b * t,)
+            real.append(is_real.reshape(-1))
+            self.group_shapes.append((len(rows), t))
+            self.masks.append(None if bool(is_real.all()) else is_real[:, None, None, :])
+        self.slots = torch.cat(slots)  # (S,) packed row of every slot of every group
+        real_slots = torch.cat(real).nonzero().squeeze(1)  # (N,)
+        # (N,): the slot of each packed row (its own position in its group)
+        self.slot_of_row = torch.empty_like(self.keep).index_copy_(0, self.slots[real_slots], real_slots)
+
+    @property
+    def attention_pairs(self) -> int:
+        """Query-key pairs attention computes over the groups: sum of b * t^2."""
+        return sum(b * t * t for b, t in self.group_shapes)
 
     def pack(self, x: Tensor) -> Tensor:
         return x.reshape(self.batch * self.seq_len, x.shape[-1]).index_select(0, self.keep)  # (B, T, C) -> (N, C)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        full = x.new_zeros(self.batch * self.seq_len, x.shape[-1]).index_copy(0, self.keep, x)  # (B*T, C)
+        return full.view(self.batch, self.seq_len, x.shape[-1])  # (B, T, C)
 
     def first(self, x: Tensor) -> Tensor:
         """(N, C) packed -> (B, C): each sequence's first token (position 0 is never padding)."""
         return x.index_select(0, self.starts)
 
-    def unpack(self, x: Tensor) -> Tensor:
-        full = x.new_zeros(self.batch * self.seq_len, x.shape[-1]).index_copy(0, self.keep, x)  # (B*T, C)
-        return full.view(self.batch, self.seq_len, x.shape[-1])  # (B, T, C)
+    def groups(self, x: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+        """(N, C) packed -> per group (its slots (b, t, C), its key mask or None)."""
+        slots = x.index_select(0, self.slots)  # (S, C)
+        sizes = [b * t for b, t in self.group_shapes]
+        views = [g.view(b, t, x.shape[-1]) for g, (b, t) in zip(slots.split(sizes), self.group_shapes)]
+        return list(zip(views, self.masks))
+
+    def ungroup(self, ys: list[Tensor]) -> Tensor:
+        """Per group (b, t, C) -> (N, C) packed: each real token's slot; padding slots dropped."""
+        slots = torch.cat([y.reshape(-1, y.shape[-1]) for y in ys])  # (S, C)
+        return slots.index_select(0, self.slot_of_row)
+
+    def group_rows(self, x: Tensor) -> list[Tensor]:
+        """(B, C), one row per sequence -> per group (b, C), in the groups' order."""
+        return list(x.index_select(0, self.order).split(self.group_sizes))
+
+    def ungroup_rows(self, ys: list[Tensor]) -> Tensor:
+        """Per group (b, C) -> (B, C) in batch order."""
+        return torch.cat(ys).index_select(0, self.order_inverse)
 
 
 def init_bert_weights(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
@@ -326,6 +419,9 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.layers = nn.ModuleList(BertBlock(cfg) for _ in range(cfg.n_layer))
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model)
+        # On CPU (eager), padded batches compute nothing for padding (``Packing``); False runs the
+        # plain (B, T) layout, as on GPU. The results are the same: tests compare the two.
+        self.skip_padding = True
         init_bert_weights(self, cfg.init_std, generator)
 
     def hidden_states(
@@ -341,7 +437,7 @@ class BertModel(nn.Module):
         out = [x]
         if packing is not None:
             # Batches padded to their longest row: the projections, feed-forward layers and
-            # LayerNorms run on the real tokens only; attention sees the (B, T) layout.
+            # LayerNorms run on the real tokens only; attention on length groups (see Packing).
             x = packing.pack(x)  # (N, D)
         for block in self.layers:
             x = block(x, attn_mask, packing)
@@ -368,14 +464,14 @@ class BertModel(nn.Module):
         """(embedding output (B, T, D), attention mask for SDPA or None, Packing or None)."""
         attn_mask, packing = None, None
         # A mask of all ones (packed rows) is dropped on CPU, where it would cost passes over the
-        # (B, H, T, T) scores in every layer, and padding is skipped by the token-wise layers; on
+        # (B, H, T, T) scores in every layer, and padding is skipped (Packing); on
         # GPU either check would wait for the device, and under torch.compile it would break the graph.
         cpu_eager = attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
         if attention_mask is not None and not (cpu_eager and bool(attention_mask.all())):
             # True = may attend. Padding keys are hidden from every query; padding queries still see
             # the real tokens, so their rows stay finite (they are ignored downstream anyway).
             attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
-            packing = Packing.of(attention_mask) if cpu_eager else None
+            packing = Packing(attention_mask) if cpu_eager and self.skip_padding else None
         return self.embeddings(input_ids, token_type_ids), attn_mask, packing  # (B, T, D), ...
 
     def pool(self, last_hidden: Tensor) -> Tensor:

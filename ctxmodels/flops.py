@@ -71,17 +71,22 @@ class StepFlops:
 # ----------------------------------------------------------------------------------------------
 
 
-def _bert(c: StepFlops, cfg: Any, B: int, T: int, N: int, memory_len: int | None, real_tokens: int | None = None) -> None:
+def _bert(
+    c: StepFlops, cfg: Any, B: int, T: int, N: int, memory_len: int | None,
+    real_tokens: int | None = None, attention_pairs: int | None = None,
+) -> None:
     """ctxmodels/bert.py: post-LN encoder, MLM head on the N masked rows, NSP and SBO heads.
 
     ``real_tokens``: the batch's non-padding tokens when it is padded; on CPU the token-wise
-    products run on those alone (``bert.Packing``), attention on the whole (B, T) layout."""
+    products run on those alone, and attention on length groups (``bert.Packing``), which
+    compute ``attention_pairs`` query-key pairs (``Packing.attention_pairs``) instead of B * T^2."""
     D, F, BT = cfg.d_model, cfg.d_ff, B * T
     R = BT if real_tokens is None else real_tokens
+    P = B * T * T if attention_pairs is None else attention_pairs
     for _ in range(cfg.n_layer):
         c.add(mm(R, 3 * D, D))  # fused QKV
-        c.add(mm(BT, T, D))  # scores Q K^T, all heads: B * H * (T x Dh x T)
-        c.add(mm(BT, D, T))  # context P V
+        c.add(mm(P, 1, D))  # scores Q K^T, all heads: a D-long product per query-key pair
+        c.add(mm(P, D, 1))  # context P V: a D-wide sum over the pairs
         c.add(mm(R, D, D))  # output projection
         c.add(mm(R, F, D))  # feed-forward in
         c.add(mm(R, D, F))  # feed-forward out
@@ -218,7 +223,7 @@ FAMILY_FLOPS: dict[str, tuple[Callable[..., None], Callable[[int, int], int]]] =
 
 def step_flops(
     family: str, cfg: Any, batch_size: int, seq_len: int, n_predicted: int | None = None, memory_len: int | None = None,
-    real_tokens: int | None = None,
+    real_tokens: int | None = None, attention_pairs: int | None = None,
 ) -> StepFlops:
     """Forward and backward FLOPs of one training step; see ``train_flops_per_step``."""
     if family not in FAMILY_FLOPS:
@@ -230,12 +235,14 @@ def step_flops(
     if n < 0:
         raise ValueError(f"n_predicted must be >= 0, got {n_predicted}")
     c = StepFlops()
-    if real_tokens is None:
+    if real_tokens is None and attention_pairs is None:
         count(c, cfg, batch_size, seq_len, n, memory_len)
     elif count is _bert:
-        count(c, cfg, batch_size, seq_len, n, memory_len, real_tokens=real_tokens)
+        count(c, cfg, batch_size, seq_len, n, memory_len, real_tokens=real_tokens, attention_pairs=attention_pairs)
     else:
-        raise ValueError(f"real_tokens: family {family!r} runs every position of a padded batch; count it without real_tokens")
+        raise ValueError(
+            f"real_tokens / attention_pairs: family {family!r} runs every position of a padded batch; count it without them"
+        )
     return c
 
 
@@ -247,6 +254,7 @@ def train_flops_per_step(
     n_predicted: int | None = None,
     memory_len: int | None = None,
     real_tokens: int | None = None,
+    attention_pairs: int | None = None,
 ) -> float:
     """Model FLOPs of one forward + backward pass over a (batch_size, seq_len) batch.
 
@@ -256,10 +264,12 @@ def train_flops_per_step(
     but the one with no next token), ``B * ceil(T / 6)`` prediction slots for xlnet (its P).
     ``memory_len``: Transformer-XL / XLNet memory length; None means ``cfg.mem_len``.
     ``real_tokens``: non-padding tokens of a padded batch, for the BERT families, whose token-wise
-    layers skip padding on CPU; None counts every position.
+    layers skip padding on CPU; None counts every position. ``attention_pairs``: the query-key
+    pairs their attention computes then, on length groups (``bert.Packing.attention_pairs``);
+    None counts ``B * T^2``.
     The optimizer step is not included (it is elementwise).
     """
-    return step_flops(family, cfg, batch_size, seq_len, n_predicted, memory_len, real_tokens).total
+    return step_flops(family, cfg, batch_size, seq_len, n_predicted, memory_len, real_tokens, attention_pairs).total
 
 
 # ----------------------------------------------------------------------------------------------

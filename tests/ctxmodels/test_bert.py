@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ctxmodels import ops
-from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining, BertModel
+from ctxmodels import bert, ops
+from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining, BertModel, Packing, length_groups
 from ctxmodels.flops import train_flops_per_step
 from ctxmodels.features import mean_pool, token_embeddings
 from ctxmodels.outputs import PretrainOutput
@@ -335,8 +335,9 @@ def test_cpu_training_attention_equals_sdpa(padded):
 
 
 @pytest.mark.parametrize("train", [False, True])
-def test_flop_count_equals_flop_counter(train):
+def test_flop_count_equals_flop_counter(train, monkeypatch):
     """ctxmodels.flops counts the products this model runs: masked rows only through the decoder."""
+    monkeypatch.setattr(bert, "GROUP_PAIRS", 0)  # attention in two length groups (16 and 11 tokens)
     model = tiny(nsp=False).train(train)
     batch = make_batch(model.cfg)
     batch.pop("next_sentence_label")
@@ -345,7 +346,10 @@ def test_flop_count_equals_flop_counter(train):
     n_pred = int((batch["labels"] != -100).sum())
     real = int(batch["attention_mask"].sum())  # the padded row's padding skips the token-wise layers
     assert real < B * T
-    assert counter.get_total_flops() == train_flops_per_step("bert", model.cfg, B, T, n_pred, real_tokens=real)
+    pairs = Packing(batch["attention_mask"]).attention_pairs  # attention on length groups
+    assert pairs == 2 * 16**2 + 11**2
+    expected = train_flops_per_step("bert", model.cfg, B, T, n_pred, real_tokens=real, attention_pairs=pairs)
+    assert counter.get_total_flops() == expected
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -371,3 +375,108 @@ def test_packed_encoder_and_first_token_state_equal_the_plain_path(padded):
     (g_fast,) = torch.autograd.grad(first.square().sum(), model.backbone.embeddings.word.weight)
     (g_plain,) = torch.autograd.grad(plain[-1][:, 0].square().sum(), model.backbone.embeddings.word.weight)
     torch.testing.assert_close(g_fast, g_plain, atol=1e-4, rtol=1e-3)  # float rounding of two summation orders
+
+
+# ----------------------------------------------------------------------------------------------
+# Padding skipped on CPU (bert.Packing): token-wise layers on real tokens, attention in length groups
+# ----------------------------------------------------------------------------------------------
+
+
+def test_length_groups_trade_padding_against_calls():
+    lengths = [20, 19, 18, 5, 4, 1]
+    assert length_groups(lengths, 0) == [1, 1, 1, 1, 1, 1]  # groups cost nothing: no padding at all
+    assert length_groups(lengths, 10**9) == [6]  # groups cost everything: one, padded to the longest
+    # 3 * 20^2 + 3 * 5^2 + 2 * 100 = 1475 pairs; one group 2500, [2, 1, 3] 1499, each alone 1727
+    assert length_groups(lengths, 100) == [3, 3]
+    assert length_groups([7, 7, 7], 0) == [3]  # equal lengths are never cut apart
+    with pytest.raises(ValueError, match="sorted longest first"):
+        length_groups([1, 2], 0)
+
+
+def lengths_mask(lengths: list[int], T: int) -> torch.Tensor:
+    return (torch.arange(T) < torch.tensor(lengths)[:, None]).long()  # (B, T), right-padded
+
+
+def test_packing_groups_hold_every_real_token_once(monkeypatch):
+    monkeypatch.setattr(bert, "GROUP_PAIRS", 0)  # one group per distinct length
+    packing = Packing(lengths_mask([3, 1, 5, 5, 2], 5))
+    assert packing.group_shapes == [(2, 5), (1, 3), (1, 2), (1, 1)]
+    assert packing.attention_pairs == 2 * 25 + 9 + 4 + 1
+    x = torch.arange(16.0)[:, None]  # (N, 1): each packed row holds its own index
+    groups = packing.groups(x)
+    assert [m is None for _, m in groups] == [True, True, True, True]  # each group's rows are full
+    torch.testing.assert_close(groups[0][0][:, :, 0], torch.tensor([[4.0, 5, 6, 7, 8], [9, 10, 11, 12, 13]]))
+    assert torch.equal(packing.ungroup([g for g, _ in groups]), x)
+    rows = torch.arange(5.0)[:, None]  # (B, 1)
+    assert [g[:, 0].tolist() for g in packing.group_rows(rows)] == [[2.0, 3.0], [0.0], [4.0], [1.0]]
+    assert torch.equal(packing.ungroup_rows(packing.group_rows(rows)), rows)
+
+    monkeypatch.setattr(bert, "GROUP_PAIRS", 10**9)  # one group: the (B, T) layout, padding masked
+    (group, mask), = Packing(lengths_mask([3, 1, 5, 5, 2], 5)).groups(x)
+    assert group.shape == (5, 5, 1) and mask.shape == (5, 1, 1, 5) and int(mask.sum()) == 16
+    with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
+        Packing(lengths_mask([3, 0], 5))
+
+
+def random_lengths(B: int, T: int, seed: int) -> list[int]:
+    lengths = torch.randint(1, T + 1, (B,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [1, T, *lengths[4:], 1, T]  # length-1 rows and full rows among random ones
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert"])
+@pytest.mark.parametrize("kind", ["token-classification", "classification"])
+@pytest.mark.parametrize("attn_dropout", [0.0, 1e-6])  # SDPA; the explicit CPU training attention (drops nothing)
+@pytest.mark.parametrize("group_pairs", [0, 10**9])  # one group per length; one group padded to the longest
+@pytest.mark.parametrize("rows", ["random", "full"])
+def test_skipping_padding_changes_no_loss_logit_or_gradient(family, kind, attn_dropout, group_pairs, rows, monkeypatch):
+    """A training step with padding skipped equals the plain (B, T) step (``skip_padding=False``,
+    the GPU path): the loss, the logits a caller reads, every parameter's gradient."""
+    from ctxmodels.registry import make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+
+    monkeypatch.setattr(bert, "GROUP_PAIRS", group_pairs)
+    cfg = make_config(family, "tiny", {"dropout": 0.0, "attn_dropout": attn_dropout})
+    model = build_task_model(family, cfg, TaskConfig(kind=kind, num_labels=5), torch.Generator().manual_seed(0)).train()
+    Bn, Tn = 9, 12
+    lengths = random_lengths(Bn, Tn, seed=3) if rows == "random" else [Tn] * Bn
+    g = torch.Generator().manual_seed(4)
+    mask = lengths_mask(lengths, Tn)
+    ids = torch.randint(5, cfg.vocab_size, (Bn, Tn), generator=g).masked_fill(mask == 0, cfg.pad_token_id)
+    types = (torch.arange(Tn) >= 4).long().expand(Bn, Tn) * mask if cfg.type_vocab_size > 1 else None
+    if kind == "token-classification":
+        labels = torch.randint(0, 5, (Bn, Tn), generator=g).masked_fill(mask == 0, -100)
+    else:
+        labels = torch.randint(0, 5, (Bn,), generator=g)
+    batch = dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+
+    def step(skip_padding: bool):
+        model.backbone.skip_padding = skip_padding
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    skipped, skipped_grads = step(True)
+    plain, plain_grads = step(False)
+    torch.testing.assert_close(skipped.loss, plain.loss, atol=1e-5, rtol=1e-5)
+    real = mask.bool() if kind == "token-classification" else slice(None)  # padding's logits are read by no one
+    torch.testing.assert_close(skipped.logits[real], plain.logits[real], atol=1e-5, rtol=1e-5)
+    assert skipped_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(skipped_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_full_rows_build_no_packing(monkeypatch):
+    """Pretraining packs full rows: a mask of all ones is dropped and nothing is gathered."""
+    def refuse(attention_mask):
+        raise AssertionError("Packing built for a batch without padding")
+
+    monkeypatch.setattr(bert, "Packing", refuse)
+    model = tiny(nsp=False).train()
+    batch = make_batch(model.cfg)
+    batch.pop("next_sentence_label")
+    padded = dict(batch)
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    model(**batch).loss.backward()
+    with pytest.raises(AssertionError, match="Packing built"):  # and the spy does see a padded batch
+        model(**padded)
