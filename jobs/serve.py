@@ -1252,6 +1252,7 @@ class Gateway:
         if route not in info["routes"]:
             raise ApiError(400, cannot_serve(req.model, info, route), code="unsupported_task")
         out = await self._call(req.model, "task", route, req.payload())
+        self.metrics.observe_batches(req.model, out["batches"])
         body = out["body"]
         if isinstance(body, dict):  # /v1/rerank answers TEI's bare list: its version is in the headers
             body = {"model": req.model, "model_version": out["version"], "registry_version": out["registry_version"],

@@ -97,9 +97,9 @@ class ModelSettings(BaseModel):
     num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
     autoscaling: Autoscaling | None = None
     max_batch_size: int = Field(32, ge=1)  # texts in one forward pass
-    # Padded tokens (rows x longest row) in one forward pass. The texts a batch collects are sorted by
-    # length and split into forward passes under this budget, so short texts are not padded to a long
-    # one's length; a text longer than the budget runs alone (keep it >= the models' max_len).
+    # Padded tokens (rows x longest row) in one forward pass. The texts (or task rows) a batch collects
+    # are sorted by length and split into forward passes under this budget, so short texts are not
+    # padded to a long one's length; a text longer than the budget runs alone (keep it >= the models' max_len).
     max_batch_tokens: int = Field(16384, ge=1)
     batch_wait_timeout_s: float = Field(0.01, ge=0)
     num_cpus: float = Field(1.0, ge=0)

@@ -29,10 +29,13 @@ recipe defaults of ``jobs.finetune_config``. Over-long inputs are a 400 unless t
 ``"truncate": true`` (then cut as training cuts them); QA contexts are never cut, they are windowed.
 
 ``TaskServing`` is the replica half (a base class of ``jobs.serve.EmbeddingModel``); the request
-models and the pure decoding functions are the Gateway half. Rows of a task model go through one
-``@serve.batch`` forward pass, so concurrent requests share it; generation runs one request at a time
-(every new token depends on the previous one); GPT / GPT-2 and Transformer-XL keep what they read
-(key-value cache, recurrence memory) so each new token costs one position, XLNet re-reads the sequence.
+models and the pure decoding functions are the Gateway half. Rows of a task model (and masked-LM rows)
+are collected by one ``@serve.batch``, so concurrent requests share forward passes; as for embeddings, a
+batch runs sorted by length in passes of at most ``max_batch_tokens`` padded tokens, each padded only to
+its own longest row (``jobs.serve.token_budget_groups``), and every answer is put back in request order.
+Generation runs one request at a time (every new token depends on the previous one); GPT / GPT-2 and
+Transformer-XL keep what they read (key-value cache, recurrence memory) so each new token costs one
+position, XLNet re-reads the sequence.
 """
 
 # No `from __future__ import annotations`: FastAPI reads these request classes from route annotations.
@@ -592,7 +595,8 @@ def task_settings(family: str, task: Any, recipe: dict | None, model_max_len: in
 
 class TaskServing:
     """Task routes of one model replica; a base class of ``jobs.serve.EmbeddingModel``, whose
-    ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits`` and ``_encode`` it uses."""
+    ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
+    ``max_batch_tokens``, ``recent_passes``, ``_encode`` and ``_pad`` it uses."""
 
     def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.task_config = loaded.task
@@ -619,42 +623,84 @@ class TaskServing:
             "/v1/classify": self._classify, "/v1/tag": self._tag, "/v1/answer": self._answer, "/v1/rerank": self._rerank,
             "/v1/fill-mask": self._fill_mask, "/v1/generate": self._generate, "/tokenize": self._tokenize,
         }[route]
-        return {"body": await handler(**args), **self._stamp()}
+        body, passes = await handler(**args)
+        return {"body": body, "batches": passes, **self._stamp()}
 
     # --- forward passes ---
 
-    def _rows_forward(self, rows: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
-        """Task model: logits per row ((L,), or (T, L) padded back to the row width with -1e4).
+    def _row_size(self, row: dict[str, np.ndarray]) -> tuple[int, int]:
+        """(sequences, real tokens of its longest) of one row: task rows come right-padded to the
+        fine-tuning width (a symmetric pair holds both orders, (2, T)); masked-LM rows are unpadded."""
+        if self.task_config is None:
+            return 1, len(row["input_ids"])
+        mask = row["attention_mask"].reshape(-1, row["attention_mask"].shape[-1])  # (K, T)
+        return len(mask), int(mask.sum(-1).max())
+
+    def _rows_forward(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
+        """Each row's output in the given order, with the (rows, real tokens, padded tokens) of each
+        forward pass riding on one of its rows. The rows run sorted by length in passes of at most
+        max_batch_size rows and max_batch_tokens padded tokens (``jobs.serve.token_budget_groups``, as
+        the embeddings' passes), each pass padded only to its own longest row.
+
+        Task model: logits per row ((L,), or (T, L) padded back to the row's width with -1e4).
         Pretrained masked LM: probabilities (M, V) at each row's mask ``positions``."""
+        from jobs.serve import token_budget_groups
+
+        sizes = [self._row_size(r) for r in rows]
+        out: list[tuple[np.ndarray, tuple[int, int, int] | None]] = [None] * len(rows)  # type: ignore[list-item]
+        # A row of K sequences costs K x its length: the budget counts the sequences a pass really reads.
+        for group in token_budget_groups([k * n for k, n in sizes], self.max_batch_size, self.max_batch_tokens):
+            width = max(sizes[i][1] for i in group)
+            results, size = self._group_forward([rows[i] for i in group], width)
+            for b, i in enumerate(group):
+                out[i] = (results[b], size if b == 0 else None)
+        return out
+
+    def _group_forward(self, rows: list[dict[str, np.ndarray]], width: int) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+        """One forward pass over ``rows`` padded to ``width`` tokens: their outputs (``_rows_forward``)
+        and the pass's (rows, real tokens, padded tokens)."""
         import torch
 
-        from jobs.finetune import task_inputs
-
         if self.task_config is not None:
-            batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])).to(self.device) for k in rows[0]}
+            # Cut to the group's longest row: right padding past it is masked anyway.
+            batch = {k: torch.from_numpy(np.stack([r[k][..., :width] for r in rows])).to(self.device) for k in rows[0]}  # (B, [K,] T)
             with torch.inference_mode():
-                logits = self.model(**task_inputs(batch)).logits.float().cpu().numpy()
+                logits = self.model(**batch).logits.float().cpu().numpy()
             if self.task_config.kind in ("token-classification", "question-answering"):
-                width = rows[0]["input_ids"].shape[-1]
-                logits = np.pad(logits, ((0, 0), (0, width - logits.shape[1]), (0, 0)), constant_values=-1e4)  # (B, L, C)
-            return list(logits)
-        ids, mask = self._pad([r["input_ids"] for r in rows])
-        selected = torch.zeros_like(ids, dtype=torch.bool)  # (B, T)
-        for b, r in enumerate(rows):
-            selected[b, torch.from_numpy(r["positions"])] = True
-        with torch.inference_mode():
-            probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, selected).float(), dim=-1).cpu().numpy()  # (N, V)
-        counts = np.cumsum([len(r["positions"]) for r in rows])[:-1]
-        return np.split(probs, counts)
+                full = rows[0]["input_ids"].shape[-1]
+                logits = np.pad(logits, ((0, 0), (0, full - logits.shape[1]), (0, 0)), constant_values=-1e4)  # (B, L, C)
+            outputs, mask = list(logits), batch["attention_mask"]
+        else:
+            ids, mask = self._pad([r["input_ids"] for r in rows])  # (B, T), T = width
+            selected = torch.zeros_like(ids, dtype=torch.bool)  # (B, T)
+            for b, r in enumerate(rows):
+                selected[b, torch.from_numpy(r["positions"])] = True
+            with torch.inference_mode():
+                probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, selected).float(), dim=-1).cpu().numpy()  # (N, V)
+            outputs = np.split(probs, np.cumsum([len(r["positions"]) for r in rows])[:-1])
+        n_seq = mask.numel() // mask.shape[-1]  # B, or B x K
+        self.recent_passes.append((n_seq, width))
+        return outputs, (len(rows), int(mask.sum()), n_seq * width)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def _rows_batch(self, rows: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    async def _rows_batch(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
         return await asyncio.to_thread(self._rows_forward, rows)
 
-    async def _task_rows(self, records: dict, fields: dict[str, Any], truncate: bool, what: str = "input") -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    async def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+        """Every row through the batched forward pass: (its output, in the given order; the (rows, tokens,
+        padded tokens) of the passes these rows started). Rows are handed over shortest first, so a
+        request with more rows than a batch holds fills each batch with rows of similar length."""
+        order = sorted(range(len(rows)), key=lambda i: self._row_size(rows[i])[1])
+        done = await asyncio.gather(*(self._rows_batch(rows[i]) for i in order))
+        outputs: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
+        for i, (output, _) in zip(order, done):
+            outputs[i] = output
+        return outputs, [size for _, size in done if size is not None]
+
+    async def _task_rows(self, records: dict, fields: dict[str, Any], truncate: bool, what: str = "input") -> tuple[np.ndarray, dict[str, np.ndarray], list]:
         """Records encoded as the fine-tuning run encoded them (its TaskDataConfig with the request's
         field names in place of the recipe's), then every row through the batched forward pass;
-        returns (logits stacked over rows, the encoded columns)."""
+        returns (logits stacked over rows, the encoded columns, the passes' (rows, tokens, padded tokens))."""
         from pipelines.finetune import RecordError, encode_task
 
         cfg = dataclasses.replace(self.settings.data, **fields)
@@ -677,27 +723,28 @@ class TaskServing:
             raise LimitError(f"the request encodes to {n_tokens} tokens, more than {self.limits.max_tokens_per_request} (max_tokens_per_request): send fewer or shorter texts")
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in cols]
         rows = [{k: cols[k][i] for k in keys} for i in range(len(cols["input_ids"]))]
-        logits = await asyncio.gather(*(self._rows_batch(r) for r in rows))
-        return np.stack(logits), cols
+        logits, passes = await self._run_rows(rows)
+        return np.stack(logits), cols, passes
 
-    # --- routes ---
+    # --- routes: each answers (its body, the (rows, tokens, padded tokens) of the forward passes it started) ---
 
-    async def _classify(self, texts: list[str], pairs: list[str] | None, truncate: bool) -> dict:
+    async def _classify(self, texts: list[str], pairs: list[str] | None, truncate: bool) -> tuple[dict, list]:
         if self.settings.data.symmetric and pairs is None:
             raise InputError(f"model {self.name!r} compares text pairs (symmetric): send input as [[text, text_pair], ...]")
         records = {"text": texts, **({"text_pair": pairs} if pairs is not None else {})}
         cfg_fields = {"text_field": "text", "pair_field": "text_pair" if pairs is not None else None, "id_field": None}
-        logits, cols = await self._task_rows(records, cfg_fields, truncate)
-        return {"object": "list", "task": self.task_config.kind, "data": class_results(logits, self.task_config.kind, list(self.task_config.labels)), "usage": _usage(cols)}
+        logits, cols, passes = await self._task_rows(records, cfg_fields, truncate)
+        data = class_results(logits, self.task_config.kind, list(self.task_config.labels))
+        return {"object": "list", "task": self.task_config.kind, "data": data, "usage": _usage(cols)}, passes
 
-    async def _rerank(self, query: str, texts: list[str], raw_scores: bool, return_text: bool, truncate: bool) -> list[dict]:
+    async def _rerank(self, query: str, texts: list[str], raw_scores: bool, return_text: bool, truncate: bool) -> tuple[list[dict], list]:
         records = {"text": [query] * len(texts), "text_pair": texts}
-        logits, _ = await self._task_rows(records, {"text_field": "text", "pair_field": "text_pair", "id_field": None}, truncate, "texts")
+        logits, _, passes = await self._task_rows(records, {"text_field": "text", "pair_field": "text_pair", "id_field": None}, truncate, "texts")
         scores = rerank_scores(logits, self.task_config.kind, raw_scores)
         order = np.argsort(-scores, kind="stable")
-        return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})} for i in order]
+        return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})} for i in order], passes
 
-    async def _tag(self, texts: list[str] | None, words: list[list[str]] | None, scheme: str | None, truncate: bool) -> dict:
+    async def _tag(self, texts: list[str] | None, words: list[list[str]] | None, scheme: str | None, truncate: bool) -> tuple[dict, list]:
         from pipelines.alignment import joined_words, whitespace_words
 
         what = "input" if words is None else "words"
@@ -706,34 +753,34 @@ class TaskServing:
             spans, splits = whitespace_words(texts)
         else:  # offsets index each word list joined by single spaces, the text the model reads
             texts, spans, splits = joined_words(words)
-        logits, cols = await self._task_rows({"tokens": words}, {"tokens_field": "tokens", "id_field": None}, truncate, what)
+        logits, cols, passes = await self._task_rows({"tokens": words}, {"tokens_field": "tokens", "id_field": None}, truncate, what)
         data = word_tags(logits, cols["word_ids"], texts, spans, splits, list(self.task_config.labels), scheme)
-        return {"object": "list", "scheme": scheme, "data": data, "usage": _usage(cols)}
+        return {"object": "list", "scheme": scheme, "data": data, "usage": _usage(cols)}, passes
 
-    async def _answer(self, questions: list[str], contexts: list[str], truncate: bool) -> dict:
+    async def _answer(self, questions: list[str], contexts: list[str], truncate: bool) -> tuple[dict, list]:
         from pipelines.qa import decode_qa
 
         records = {"question": questions, "context": contexts}
         fields = {"question_field": "question", "context_field": "context", "id_field": None}
-        logits, cols = await self._task_rows(records, fields, truncate, "question")
+        logits, cols, passes = await self._task_rows(records, fields, truncate, "question")
         s = self.settings
         features = {"example_index": cols["example_index"], "context_offsets": cols["context_offsets"]}
         predictions = decode_qa(logits[..., 0], logits[..., 1], features, contexts, s.max_answer_len, s.null_threshold)
-        return {"object": "list", "data": answer_results(predictions, s.null_threshold is not None), "usage": _usage(cols)}
+        return {"object": "list", "data": answer_results(predictions, s.null_threshold is not None), "usage": _usage(cols)}, passes
 
-    async def _fill_mask(self, texts: list[str], top_k: int, truncate: bool) -> dict:
+    async def _fill_mask(self, texts: list[str], top_k: int, truncate: bool) -> tuple[dict, list]:
         ids, offsets, _ = await asyncio.to_thread(self._encode, texts, truncate)
         mask_id, mask = self.tokenizer.mask_id, self.tokenizer.special_tokens["mask"]
         positions = [np.flatnonzero(row == mask_id) for row in ids]
         for i, pos in enumerate(positions):
             if len(pos) == 0:
                 raise InputError(f"input[{i}] has no mask token: write {mask!r} where model {self.name!r} should fill in a token")
-        probs = await asyncio.gather(*(self._rows_batch({"input_ids": row, "positions": pos}) for row, pos in zip(ids, positions)))
+        probs, passes = await self._run_rows([{"input_ids": row, "positions": pos} for row, pos in zip(ids, positions)])
         data = [{"index": i, "masks": fill_results(self.tokenizer, texts[i], offsets[i], positions[i], probs[i], top_k)} for i in range(len(texts))]
         n_tokens = sum(len(row) for row in ids)
-        return {"object": "list", "data": data, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+        return {"object": "list", "data": data, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, passes
 
-    async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> dict:
+    async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> tuple[dict, list]:
         tok = self.tokenizer
         ids = [tok.cls_id, *(int(i) for i in tok.encode_batch([prompt])[0])]  # a pretraining row opens with [CLS]
         if len(ids) + max_tokens > self.max_len:
@@ -748,9 +795,9 @@ class TaskServing:
         )
         choice = {"index": 0, "text": decode_ids(tok, new), "token_ids": new, "tokens": [tok.id_to_token(i) for i in new], "finish_reason": finish}
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}
-        return {"object": "text_completion", "choices": [choice], "seed": seed, "usage": usage}
+        return {"object": "text_completion", "choices": [choice], "seed": seed, "usage": usage}, []  # one request at a time: no batched passes
 
-    async def _tokenize(self, texts: list[str], add_special_tokens: bool) -> dict:
+    async def _tokenize(self, texts: list[str], add_special_tokens: bool) -> tuple[dict, list]:
         ids, offsets, tokens = await asyncio.to_thread(self.tokenizer.encode_for_model, texts, 2**31)
         n_tokens = sum(len(row) for row in ids)
         if n_tokens > self.limits.max_tokens_per_request:
@@ -761,7 +808,7 @@ class TaskServing:
              "n_tokens": len(ids[i][cut]), "fits": len(ids[i]) <= self.max_len}
             for i in range(len(texts))
         ]
-        return {"object": "list", "max_len": self.max_len, "data": data}
+        return {"object": "list", "max_len": self.max_len, "data": data}, []
 
 
 def _usage(cols: dict[str, np.ndarray]) -> dict[str, int]:

@@ -27,6 +27,7 @@ TOL = 1e-5
 V = {"vocab_size": 30522}  # MiniLM's vocabulary
 NER_LABELS = ["B-LOC", "B-PER", "I-LOC", "I-PER", "O"]
 MAX_NEW_TOKENS = 24
+BUDGET = 256  # max_batch_tokens: under two full-width rows (128), so mixed requests here run in several passes
 QA_RECIPE = {  # what ctx finetune writes into trainer_state.json; max_len small so contexts need windows
     "name": "qa", "model": {"init": "-"}, "data": {"train": "-"},
     "task": {"kind": "question-answering", "max_len": 48, "max_query_len": 12, "doc_stride": 8, "max_answer_len": 10, "version_2": True},
@@ -124,7 +125,7 @@ def client(ray_session, built):
     names = ("pair", "sts", "ner", "qa", "mlm", "gpt")
     with serving({
         "models": {n: str(built[n][0]) for n in names},
-        "defaults": {"num_cpus": 0.25, "max_batch_size": 8},
+        "defaults": {"num_cpus": 0.25, "max_batch_size": 8, "max_batch_tokens": BUDGET},
         "limits": {"max_new_tokens": MAX_NEW_TOKENS},
     }) as url, httpx.Client(base_url=url, timeout=120) as c:
         yield c
@@ -321,6 +322,27 @@ def test_answer_equals_decode_qa_over_windows_with_no_answer(client, built, tok)
             assert QA_CONTEXTS[d["index"]][d["start"] : d["end"]] == d["answer"]
     one = _ok(client.post("/v1/answer", json={"model": "qa", "question": QA_QUESTIONS[1], "context": QA_CONTEXTS[1]}))
     assert one["data"][0]["answer"] == expected[1]["text"]
+
+
+def test_task_passes_stay_under_the_token_budget_and_reach_the_metrics(client, built, tok):
+    """Rows of very different lengths (one at the full 128 tokens): every pass the replica ran is under
+    max_batch_tokens, the answers are the model's, and /metrics counts the passes of /v1/classify."""
+    from ray import serve
+
+    from jobs.serve_config import APP_NAME
+    from jobs.serve_tasks import softmax
+
+    texts = ["word " * 200, "short", "a somewhat longer sentence about the river bank", "x y"] * 2
+    body = _ok(client.post("/v1/classify", json={"model": "pair", "input": texts, "truncate": True}))
+    cols = _encode(tok, {"text": texts}, kind="classification", max_len=128, labels=("no", "yes"), text_field="text")
+    np.testing.assert_allclose([d["labels"][0]["score"] for d in body["data"]], softmax(_logits(built["pair"][1], cols)).max(-1), atol=TOL)
+
+    passes = serve.get_deployment_handle("EmbeddingModel-0-pair", app_name=APP_NAME).forward_passes.remote().result(timeout_s=30)
+    assert passes and all(rows * length <= BUDGET for rows, length in passes), passes
+    assert (2, 128) in passes  # the two full-width rows share a pass; the short rows are not padded to 128
+    metrics = client.get("/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith('ctx_batch_size_padded_tokens_count{model="pair"}'))
+    assert float(line.split()[-1]) >= 1, line
 
 
 def test_a_task_checkpoint_serves_embeddings_from_its_backbone(client, built, tok):
