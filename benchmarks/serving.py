@@ -174,6 +174,7 @@ def serve_ours(port: int, model_dir: Path, threads: int) -> None:
     from jobs import serve as ctx_serve
 
     temp_dir = tempfile.mkdtemp(prefix="ray-bench-")
+    ctx_serve.use_serve_env()  # as jobs.serve.run does before it starts a Ray: the HTTP proxy's settings too
     ray.init(address="local", num_cpus=CORES, object_store_memory=500_000_000, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR", _temp_dir=temp_dir)
     try:
