@@ -85,8 +85,9 @@ REGISTRY_HEADER = "X-Registry-Version"  # "NAME/N" when the model was given as m
 # Ray Serve's request path tuned for throughput: the settings RAY_SERVE_THROUGHPUT_OPTIMIZED=1 turns on in
 # Ray 2.60 (ray/serve/_private/constants.py), less direct ingress (replicas listening on ports of their own
 # instead of the HTTP proxy on host:port) and less silencing the replicas' stderr. Every request crosses
-# three processes (proxy -> Gateway -> model replica); on 2 cores these halved the CPU each one costs
-# (benchmarks/serving.py: 40 -> 80 texts/s). Replicas get them through their runtime_env on any cluster;
+# three processes (proxy -> Gateway -> model replica); on a loaded 2-core machine these cut the CPU a
+# single-text /v1/embeddings request costs across the three by 10-25% (27-30 -> 23-24 ms; benchmarks/serving.py
+# measured the throughput within its noise). Replicas get them through their runtime_env on any cluster;
 # the HTTP proxy only from the environment Ray starts with (``run`` sets them when it starts Ray).
 SERVE_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",  # handle calls by value over gRPC, not through the object store
