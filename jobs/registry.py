@@ -35,8 +35,10 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import random
 import re
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ from typing import Any
 DEFAULT_DB = Path.home() / ".ctxmodels" / "mlflow.db"
 MODELS_SCHEME = "models:/"
 LOG_SUFFIX = ".promotions"
+# A unique-key collision in the registry's SQL store, as SQLite, PostgreSQL and MySQL word it
+_KEY_COLLISION = re.compile(r"IntegrityError|UNIQUE constraint|duplicate key|Duplicate entry")
 LOG_TAG = "ctx.promotion_log_of"  # on the companion model: which model's promotions it holds
 PARENT_TAG = "ctx.parent"  # on a version: "NAME/N" of the version it started from
 # Model names end up inside MLflow filter strings ("name = '...'"): keep them to plain characters.
@@ -316,9 +320,28 @@ class Registry:
             entries = self.history(name)
             stacks, _ = replay(entries)
             for alias, stack in stacks.items():
-                self._call(f"set {name}@{alias}", self.client.set_registered_model_alias, name, alias, str(stack[-1]))
+                self._set_alias(name, alias, stack[-1])
             if self._last_seq(name) == max((e.seq for e in entries), default=0):
                 return {a: s[-1] for a, s in stacks.items()}
+
+    def _set_alias(self, name: str, alias: str, version: int, attempts: int = 6) -> None:
+        """Point ``name@alias`` at ``version``. MLflow's SQL store sets an alias by reading it, then
+        inserting or updating: two writers setting the same new alias at the same moment make the
+        second insert break the unique key (an IntegrityError the server answers as an internal
+        error; seen with two racing promoters on SQLite). Setting an alias is idempotent and
+        ``settle`` reads the log again afterwards, so such a collision is simply tried again."""
+        from mlflow.exceptions import MlflowException
+
+        for attempt in range(attempts):
+            try:
+                self.client.set_registered_model_alias(name, alias, str(version))
+                return
+            except MlflowException as e:
+                if attempt + 1 == attempts or not _KEY_COLLISION.search(str(e.message)):
+                    raise RegistryError(f"set {name}@{alias} at {self.uri}: {e.message}") from e
+            except OSError as e:
+                raise RegistryError(f"set {name}@{alias}: cannot reach the registry at {self.uri} ({e}); is the MLflow server up?") from e
+            time.sleep(random.uniform(0.05, 0.2) * 2**attempt)
 
     def _last_seq(self, name: str) -> int:
         """The newest log entry's number (one small request)."""

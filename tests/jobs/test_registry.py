@@ -228,3 +228,32 @@ def test_ctx_models_register_an_s3_checkpoint_by_hand(mlflow_server, s3_server, 
     v = reg.get(f"{name}/2")
     assert v.source == source and v.tags["ctx.parent"] == f"{name}/1" and v.tags["ctx.note"] == "after an outage"
     assert v.tags["ctx.tokenizer_hash"] == tokenizer_hash(tok)
+
+
+def test_an_alias_collision_in_the_store_is_tried_again(tmp_path):
+    """Two writers setting one new alias at once can break the SQL store's unique key on the server
+    (seen in the suite: an IntegrityError from SQLite); setting an alias again is safe, so it is
+    retried. Any other error is a RegistryError at once."""
+    from mlflow.exceptions import MlflowException
+
+    reg = Registry(f"sqlite:///{tmp_path / 'r.db'}")
+    calls = []
+
+    def flaky(name, alias, version):
+        calls.append(version)
+        if len(calls) < 3:
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: registered_model_aliases.name")
+
+    reg.client.set_registered_model_alias = flaky
+    reg._set_alias("m", "production", 2)
+    assert calls == ["2", "2", "2"]
+
+    def broken(name, alias, version):
+        calls.append(version)
+        raise MlflowException("Registered Model with name=m not found")
+
+    calls.clear()
+    reg.client.set_registered_model_alias = broken
+    with pytest.raises(RegistryError, match="set m@production .*not found"):
+        reg._set_alias("m", "production", 2)
+    assert calls == ["2"]
