@@ -89,6 +89,9 @@ def ray_head(s3_server, mlflow_server):
         "OMP_NUM_THREADS": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "MLFLOW_TRACKING_URI": mlflow_server,
+        # Ray 2.60's head drains for up to 30 s on SIGTERM while the detached scheduler holds a
+        # lease; the teardown has nothing to drain and would wait that out.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     }
     for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
