@@ -522,6 +522,17 @@ def pick_token(logits, temperature: float, top_k: int | None, top_p: float | Non
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def generation_prompt(tok, prompt: str) -> tuple[list[int], int, int]:
+    """(prompt ids, stop id, placeholder id) for ``generate_ids``. A pretraining row opens with [CLS]
+    and a document ends with [SEP]; with a GPT-2 tokenizer both are <|endoftext|>
+    (``pipelines.dataset.vocab_info``), which is also how GPT-2 opens an unconditional sample.
+    XLNet reads [MASK] where the next token goes; the other families never read the placeholder."""
+    start = tok.row_id("cls", "/v1/generate opens the prompt with it")
+    stop = tok.row_id("sep", "/v1/generate stops at it")
+    placeholder = tok.special_id("mask")
+    return [start, *(int(i) for i in tok.encode_batch([prompt])[0])], stop, stop if placeholder is None else placeholder
+
+
 def generate_ids(family: str, model, prompt: list[int], max_tokens: int, stop_id: int, placeholder_id: int,
                  temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
                  use_cache: bool = True) -> tuple[list[int], str]:
@@ -782,7 +793,7 @@ class TaskServing:
 
     async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> tuple[dict, list]:
         tok = self.tokenizer
-        ids = [tok.cls_id, *(int(i) for i in tok.encode_batch([prompt])[0])]  # a pretraining row opens with [CLS]
+        ids, stop, placeholder = generation_prompt(tok, prompt)
         if len(ids) + max_tokens > self.max_len:
             raise InputError(
                 f"the prompt has {len(ids)} tokens; with max_tokens {max_tokens} that is over the {self.max_len} tokens "
@@ -791,7 +802,7 @@ class TaskServing:
         if seed is None:
             seed = secrets.randbits(63)  # fresh entropy (never the global RNG), returned so the answer can be reproduced
         new, finish = await asyncio.to_thread(
-            generate_ids, self.family, self.model, ids, max_tokens, tok.sep_id, tok.mask_id, temperature, top_k, top_p, seed, self.device
+            generate_ids, self.family, self.model, ids, max_tokens, stop, placeholder, temperature, top_k, top_p, seed, self.device
         )
         choice = {"index": 0, "text": decode_ids(tok, new), "token_ids": new, "tokens": [tok.id_to_token(i) for i in new], "finish_reason": finish}
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}

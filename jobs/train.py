@@ -48,14 +48,14 @@ from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, S
     run_folder,
 )
 from pipelines import storage
-from pipelines.dataset import StreamSpec, build_dataset, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files
+from pipelines.dataset import StreamSpec, build_dataset, vocab_info, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files
 from pipelines.masking import MlmConfig
 from pipelines.objectives import Objective, objective
 from pipelines.permutation import PlmConfig
 from pipelines.position import DataPosition, load_position
 from pipelines.spans import NgramConfig, SpanConfig
 from pipelines.sources import sample_text
-from pipelines.tokenizers import load_tokenizer, train_tokenizer
+from pipelines.tokenizers import ROLES, MissingSpecialToken, load_tokenizer, train_tokenizer
 
 # Evaluation batches are masked as if they were this epoch: masks keyed by (data.seed, EVAL_EPOCH,
 # sample_id), the same at every evaluation and on every rerun, and not those of any training epoch
@@ -168,6 +168,19 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
     )
 
 
+def check_tokenizer_for_objective(tok, objective_name: str) -> None:
+    """A RecipeError before Ray starts when the tokenizer lacks a special token that the objective's
+    rows need: [MASK] for the masking objectives, [CLS]/[SEP]/[PAD] unless a GPT-2 tokenizer's
+    <|endoftext|> stands in (``pipelines.dataset.vocab_info``), every role for ELMo's characters."""
+    try:
+        vocab_info(tok, objective_name)
+        if objective(objective_name).uses_chars:
+            for role in ROLES:
+                tok.require(role, f"data.objective {objective_name!r} gives it its own characters")
+    except MissingSpecialToken as e:
+        raise RecipeError(f"tokenizer: {e}") from None
+
+
 def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=print) -> PretrainResult:
     """Pretrain under the run folder's lock (jobs/runlock.py), taken before anything is read from
     the run, so a second driver on the same output fails at once instead of resuming from the same
@@ -192,6 +205,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     tok_dir = init[1] if init and not recipe.tokenizer.path else ensure_tokenizer(recipe, shards, run, workdir, log)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
+    check_tokenizer_for_objective(tok, recipe.data.objective)  # and that its rows can be built
 
     resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
     first_epoch = 0

@@ -81,7 +81,7 @@ class WordVectors:
         torch = self.torch
         ids, offsets, _ = self.tok.encode_for_model(texts, self.max_len)
         width = max(len(r) for r in ids)
-        batch = np.full((len(ids), width), self.tok.pad_id, dtype=np.int64)
+        batch = np.full((len(ids), width), self.tok.padding_id, dtype=np.int64)  # masked out: a GPT-2 tokenizer has no [PAD]
         mask = np.zeros((len(ids), width), dtype=np.int64)
         for i, row in enumerate(ids):
             batch[i, : len(row)] = row

@@ -127,6 +127,30 @@ def char_table(tok: Tokenizer, max_chars: int) -> np.ndarray:
     return build_char_table(tokens, max_chars, {role: getattr(tok, f"{role}_id") for role in ROLES})
 
 
+def vocab_info(tok: Tokenizer, objective_name: str) -> VocabInfo:
+    """The special ids of ``objective_name``'s rows. [CLS], [SEP] and [PAD] are ``tok.row_id``: a
+    GPT-2 tokenizer's <|endoftext|> stands in for them, so its rows are ``eot doc eot doc ...`` as
+    GPT-2 was trained. An objective that writes [MASK] needs the tokenizer's own (else
+    ``MissingSpecialToken`` naming the objective); for the others the slot holds [SEP]'s id, which
+    they never place and which is special anyway."""
+    why = f"data.objective {objective_name!r} needs it"
+    sep = tok.row_id("sep", why)
+    if objective(objective_name).places_mask:
+        mask = tok.require("mask", f"data.objective {objective_name!r} writes it into its inputs (a tokenizer without one suits clm, clm-stream or plm)")
+    else:
+        mask = tok.special_id("mask")
+        mask = sep if mask is None else mask
+    return VocabInfo(
+        vocab_size=int(tok.vocab_size),
+        pad_id=tok.row_id("pad", why),
+        mask_id=int(mask),
+        cls_id=tok.row_id("cls", why),
+        sep_id=sep,
+        special_ids=tuple(int(t) for t in tok.special_ids),
+        word_start=tok.word_start,
+    )
+
+
 def transform_context(spec: StreamSpec, tok: Tokenizer) -> TransformContext:
     return TransformContext(
         seed=spec.seed,
@@ -134,7 +158,7 @@ def transform_context(spec: StreamSpec, tok: Tokenizer) -> TransformContext:
         span=spec.span,
         ngram=spec.ngram,
         plm=spec.plm,
-        vocab=VocabInfo.from_tokenizer(tok),
+        vocab=vocab_info(tok, spec.objective),
         char_table=char_table(tok, spec.char_max_chars) if objective(spec.objective).uses_chars else None,
     )
 
@@ -231,7 +255,8 @@ def _sentence_ids(tok: Tokenizer, docs: list[str]) -> list[list[np.ndarray]]:
 
 def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Packed rows of one shard, in shard order, with their sample ids."""
-    packer = Packer(spec.seq_len, tok.cls_id, tok.sep_id, tok.pad_id)
+    vocab = vocab_info(tok, spec.objective)
+    packer = Packer(spec.seq_len, vocab.cls_id, vocab.sep_id, vocab.pad_id)
     index = 0
 
     def emit(block: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
@@ -255,7 +280,7 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
 def pair_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """NSP or SOP sentence pairs of one shard, chunk by chunk of documents, with their sample ids."""
     build = build_nsp_pairs if kind == "nsp-pairs" else build_sop_pairs
-    vocab = VocabInfo.from_tokenizer(tok)
+    vocab = vocab_info(tok, spec.objective)
     index = 0
     for docs in _documents(uri, spec, stats):
         tokenized = _sentence_ids(tok, docs)
@@ -285,8 +310,9 @@ def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpe
             f"objective {spec.objective!r} cuts stream-ordered batches and needs their rows per worker "
             f"(StreamSpec.stream_rows = train.micro_batch_size), got {batch_rows}"
         )
+    vocab = vocab_info(tok, spec.objective)
     batcher = StreamBatcher(
-        batch_rows, spec.seq_len, pad_id=tok.pad_id, doc_sep_id=tok.sep_id,
+        batch_rows, spec.seq_len, pad_id=vocab.pad_id, doc_sep_id=vocab.sep_id,
         block_batches=spec.stream_block_batches, base_sample_id=key, epoch=epoch,
     )
     block_index = -1
@@ -313,7 +339,7 @@ def stream_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpe
         if not ids:
             continue
         ends = np.cumsum([d.size for d in ids])  # (D,): [SEP] after every document
-        yield from blocks(batcher.add(np.insert(np.concatenate(ids).astype(np.int64), ends, tok.sep_id)))
+        yield from blocks(batcher.add(np.insert(np.concatenate(ids).astype(np.int64), ends, vocab.sep_id)))
     yield from blocks(batcher.flush())
 
 

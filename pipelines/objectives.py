@@ -100,6 +100,7 @@ class Objective:
     main_loss: str | None = None  # the metric behind ``ppl``
     token_metrics: tuple[str, ...] = ()  # metric-name prefixes averaged per predicted token (``n_pred``)
     uses_chars: bool = False  # stage 2 needs the tokenizer's character table (ELMo)
+    places_mask: bool = False  # stage 2 writes [MASK] into inputs: the tokenizer must have one
     notes: str = field(default="", compare=False)
 
     def is_token_metric(self, name: str) -> bool:
@@ -121,23 +122,23 @@ CAUSAL_LM = ("lm_",)
 OBJECTIVES: dict[str, Objective] = {
     # BERT / RoBERTa: dynamic MLM masking of packed FULL-SENTENCES rows.
     "mlm": Objective(
-        rows="packed", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM,
+        rows="packed", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM, places_mask=True,
         families={"bert": {"nsp": False}, "roberta": {"nsp": False}, "albert": {"sop": False}},
     ),
     # BERT: sentence pairs, MLM + next-sentence prediction.
     "nsp": Objective(
-        rows="nsp-pairs", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM,
+        rows="nsp-pairs", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM, places_mask=True,
         families={"bert": {"nsp": True}},
     ),
     # ALBERT: ordered / swapped segment pairs + n-gram masking.
     "sop": Objective(
         rows="sop-pairs", transform=_ngram, predicted=lambda T, s: round(T * s.ngram.mask_ratio),
-        main_loss="mlm_loss", token_metrics=MASKED_LM, families={"albert": {"sop": True}},
+        main_loss="mlm_loss", token_metrics=MASKED_LM, places_mask=True, families={"albert": {"sop": True}},
     ),
     # SpanBERT: single segments, geometric spans, span boundary objective.
     "span": Objective(
         rows="packed", transform=_span, predicted=lambda T, s: round(T * s.span.mask_ratio),
-        main_loss="mlm_loss", token_metrics=SPAN_LM, families={"spanbert": {"sbo": True, "nsp": False}},
+        main_loss="mlm_loss", token_metrics=SPAN_LM, places_mask=True, families={"spanbert": {"sbo": True, "nsp": False}},
     ),
     # GPT: next token, independent rows.
     "clm": Objective(rows="packed", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM, families={"gpt": {}}),

@@ -80,6 +80,8 @@ _ALIASES = {
     "mask": ("[MASK]", "<mask>"),
     "eos": ("<|endoftext|>",),
 }
+# Roles whose place the end-of-text token takes in rows and prompts of a tokenizer without them.
+_STAND_IN_FOR = ("cls", "sep", "pad")
 _SPM_FILE, _HF_FILE, _VOCAB_FILE, _CONFIG_FILE = "spm.model", "tokenizer.json", "vocab.txt", "tokenizer_config.json"
 _BPE_VOCAB_FILE, _BPE_MERGES_FILE = "vocab.json", "merges.txt"  # GPT-2's files
 _MAX_CHARS_PER_WORD = 100  # BERT's WordpieceTokenizer: longer words become [UNK]
@@ -249,6 +251,16 @@ class Tokenizer:
                 f"Use a tokenizer that has one, or name a token of its vocabulary as '{role}_token' in {self.source}/{_CONFIG_FILE}"
             )
         return found
+
+    def row_id(self, role: str, why: str = "") -> int:
+        """The id that pretraining rows and generation prompts put in ``role``'s place: the role's
+        own token, else, for "cls", "sep" and "pad", the end-of-text token of a GPT-2 tokenizer (its
+        only special token: GPT-2 put it between documents and opens unconditional samples with it).
+        ``MissingSpecialToken`` naming the role (and ``why``) when there is neither."""
+        found = self.special_id(role)
+        if found is None and role in _STAND_IN_FOR:
+            found = self.special_id("eos")
+        return found if found is not None else self.require(role, why)
 
     pad_id = property(lambda self: self.require("pad"))
     unk_id = property(lambda self: self.require("unk"))

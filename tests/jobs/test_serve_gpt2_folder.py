@@ -2,8 +2,9 @@
 special token is <|endoftext|>, both built here) reads as the server reads a model (jobs/serve.py
 EmbeddingModel: load_checkpoint, the tokenizer's encode_for_model, right padding with
 ``padding_id``, the last layer, last-token or mean pooling): texts get GPT2Tokenizer's ids (no
-[CLS]/[SEP] to add) and transformers' GPT2Model vectors. In-process: a replica's constructor needs
-a Serve context."""
+[CLS]/[SEP] to add) and transformers' GPT2Model vectors. /v1/generate's prompt and stop token on
+such a folder, and pretraining's check of the tokenizer against the objective. In-process: a
+replica's constructor needs a Serve context."""
 
 from __future__ import annotations
 
@@ -66,3 +67,58 @@ def test_a_gpt2_folder_reads_as_transformers_gpt2(gpt2_folder):
             want = ref(**ref_tok(text, return_tensors="pt")).last_hidden_state[0]  # (T_b, D)
             np.testing.assert_allclose(hidden[b, len(ids[b]) - 1].numpy(), want[-1].numpy(), atol=1e-4)  # pooling "last"
             np.testing.assert_allclose(mean[b].numpy(), want.mean(0).numpy(), atol=1e-4)  # pooling "mean"
+
+
+def test_generate_on_a_gpt2_lm_folder_opens_and_stops_with_end_of_text_as_transformers_does(gpt2_folder, tmp_path):
+    """/v1/generate's prompt for a GPT-2 tokenizer (no [CLS]/[SEP]) opens with <|endoftext|> and
+    stops at it, as GPT-2 samples; greedy tokens from a GPT2LMHeadModel folder equal
+    ``generate(do_sample=False)`` of transformers on the same ids."""
+    import shutil
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from jobs.serve_tasks import generate_ids, generation_prompt
+    from pipelines.tokenizers import load_tokenizer
+
+    folder, ref = gpt2_folder
+    torch.manual_seed(1)
+    lm = transformers.GPT2LMHeadModel(ref.config).eval()
+    with torch.no_grad():  # wide weights: at the default init every step repeats one token
+        for p in lm.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    lm.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            shutil.copy(folder / name, tmp_path / name)
+    loaded = load_checkpoint(tmp_path)
+    tok = load_tokenizer(loaded.tokenizer_dir)
+    eot = tok.special_id("eos")
+    ids, stop, placeholder = generation_prompt(tok, "The river bank")
+    assert ids[0] == eot and stop == eot and ids[1:] == transformers.GPT2TokenizerFast.from_pretrained(folder)("The river bank")["input_ids"]
+    new, finish = generate_ids(loaded.family, loaded.model, ids, 20, stop, placeholder, 0.0, None, None, 0, torch.device("cpu"))
+    with torch.no_grad():
+        want = lm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=20,
+                           do_sample=False, eos_token_id=eot, pad_token_id=eot)[0, len(ids):].tolist()
+    if finish == "stop":  # transformers keeps the end-of-text token it stopped at; the answer does not
+        assert want[len(new)] == eot
+        want = want[: len(new)]
+    assert new == want and len(set(new)) > 1
+
+
+def test_pretraining_with_a_gpt2_tokenizer_is_checked_against_the_objective_before_ray(gpt2_folder, tmp_path, capsys, monkeypatch):
+    """A GPT-2 tokenizer folder suits the causal objectives (pipelines/dataset.py vocab_info);
+    masked-LM pretraining with it stops before Ray starts, naming the missing token and the objective."""
+    from jobs import train
+    from jobs.cli import main
+    from pipelines.tokenizers import load_tokenizer
+
+    folder, _ = gpt2_folder
+    tok = load_tokenizer(folder)
+    for name in ("clm", "clm-stream", "plm"):
+        train.check_tokenizer_for_objective(tok, name)  # <|endoftext|> stands in for [CLS]/[SEP]/[PAD]
+    monkeypatch.setattr(train, "init_ray", lambda *a: pytest.fail("Ray started"))
+    code = main(["pretrain", "--config", "configs/bert-tiny.yaml", "--set", f"tokenizer.path={folder}", "--set", f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no mask token" in err and "data.objective 'mlm' writes it" in err, err
+    code = main(["pretrain", "--config", "configs/elmo-tiny.yaml", "--set", f"tokenizer.path={folder}", "--set", f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no pad token" in err and "'bilm' gives it its own characters" in err, err

@@ -91,3 +91,59 @@ def test_ray_stream_equals_local_path(ray_session, tok_dir):
     sids = [k[1] for k in local if k[0] == 0][:200]
     differ = sum(not np.array_equal(local[(0, s)][1], local[(1, s)][1]) for s in sids)
     assert differ > 0.9 * len(sids)
+
+
+@pytest.fixture(scope="module")
+def gpt2_tok_dir(tmp_path_factory):
+    """A GPT-2 style tokenizer folder: byte-level BPE whose only special token is <|endoftext|>
+    (a tokenizer.json as transformers' GPT2TokenizerFast writes one), trained here."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator(list(sample_text(list(SHARDS[:1]), 200_000)), trainer)
+    d = tmp_path_factory.mktemp("gpt2tok")
+    hf.save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_a_gpt2_tokenizer_packs_causal_rows_with_end_of_text_between_documents(gpt2_tok_dir):
+    """GPT-2's tokenizer has no [CLS]/[SEP]/[PAD]: its <|endoftext|> opens each row, separates
+    documents and pads, as GPT-2 was trained; every token of the shard still comes once, in order.
+    An objective that writes [MASK] is refused, naming the objective."""
+    from pipelines.dataset import vocab_info
+    from pipelines.tokenizers import MissingSpecialToken, load_tokenizer
+
+    tok = load_tokenizer(gpt2_tok_dir)
+    eot = tok.special_id("eos")
+    assert eot is not None and tok.special_id("cls") is None and tok.special_id("pad") is None
+    vocab = vocab_info(tok, "clm")
+    assert (vocab.cls_id, vocab.sep_id, vocab.pad_id, vocab.mask_id) == (eot, eot, eot, eot)
+    with pytest.raises(MissingSpecialToken, match=r"no mask token.*data\.objective 'mlm' writes it"):
+        vocab_info(tok, "mlm")
+
+    spec = StreamSpec(shards=SHARDS, seq_len=128, objective="clm")
+    key = shard_keys(SHARDS)[0]
+    rows = list(pack_shard(tok, SHARDS[0], key, 0, spec))
+    ids = np.concatenate([b["input_ids"] for b in rows])  # (N, 128)
+    mask = np.concatenate([b["attention_mask"] for b in rows])
+    docs = [d for chunk in iter_documents(SHARDS[0]) for d in chunk]
+    sentences = [tok.encode_batch(d.split("\n")) for d in docs]
+    assert max(s.size for d in sentences for s in d) <= 126  # so no sentence may be cut
+    expected = [t for d, sents in enumerate(sentences) for s in sents for t in ([eot] if d and s is sents[0] else []) + s.tolist()]
+    at = 0
+    for row, m in zip(ids, mask):
+        n = int(m.sum())
+        assert row[0] == eot and row[n - 1] == eot and (row[n:] == eot).all()
+        piece = row[1 : n - 1].tolist()
+        if expected[at] == eot:
+            at += 1  # a row that starts a document drops the separator
+        assert piece == expected[at : at + len(piece)]
+        at += len(piece)
+    assert at == len(expected)  # every token once, in order, <|endoftext|> between documents
+    first = next(local_batches(spec, tok, batch_size=4, epoch=0, max_batches=1))
+    real = first["attention_mask"] == 1  # unshifted causal targets: the rows themselves, padding ignored
+    np.testing.assert_array_equal(first["labels"], np.where(real, first["input_ids"], -100))
