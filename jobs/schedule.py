@@ -295,20 +295,27 @@ def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=prin
 
 
 def serve_config_with(app: dict[str, Any], model: str, uri: str):
-    """The app's ServeConfig with ``model`` pointed at ``uri`` (everything else as it was)."""
+    """The app's ServeConfig with ``model``, pinned or multiplexed, pointed at ``uri`` (everything
+    else as it was)."""
     from jobs.serve_config import validate
 
-    models = dict(app["models"])
-    entry = models[model]
-    models[model] = {**entry, "uri": uri} if isinstance(entry, dict) else uri
-    return validate({**app, "models": models}, where="schedule serve.config")
+    multiplexed = app.get("multiplexed") or {}
+    if model in (multiplexed.get("models") or {}):
+        changed = {"multiplexed": {**multiplexed, "models": {**multiplexed["models"], model: uri}}}
+    else:
+        models = dict(app["models"])
+        entry = models[model]
+        changed = {"models": {**models, model: {**entry, "uri": uri} if isinstance(entry, dict) else uri}}
+    return validate({**app, **changed}, where="schedule serve.config")
 
 
 def roll_serve(app: dict[str, Any], model: str, uri: str) -> str | None:
     """Redeploy the running app under its name with ``model`` at ``uri``; returns the version the
     replicas now serve. Serve replaces the replicas whose arguments changed; requests wait in the
     handles' queues while a replica is replaced, and go to the new one (no failed request: the
-    schedule's e2e test). Ray seam."""
+    schedule's e2e test and tests/jobs/test_schedule_roll.py). For a multiplexed model that is the
+    MultiplexedModels deployment: its new replicas load each model again on its next request, the
+    rolled one from ``uri``. Ray seam."""
     from ray import serve
 
     from jobs import serve as ctx_serve

@@ -296,13 +296,8 @@ def validate(data: dict[str, Any], where: str = "schedule config", base: Path | 
             app = load_config(path)
         except ConfigError as e:
             raise ScheduleError(f"{where}: serve.config: {e}") from None
-        if app.is_multiplexed(cfg.serve.model):
-            raise ScheduleError(
-                f"{where}: serve.model: {cfg.serve.model!r} is a multiplexed model of {path}; a schedule rolls a pinned "
-                f"model (one under models:, it has {sorted(app.models)})"
-            )
-        if cfg.serve.model not in app.models:
-            raise ScheduleError(f"{where}: serve.model: {cfg.serve.model!r} is not a model of {path} (it has {sorted(app.models)})")
+        if cfg.serve.model not in app.names():  # pinned or multiplexed: roll_serve repoints either
+            raise ScheduleError(f"{where}: serve.model: {cfg.serve.model!r} is not a model of {path} (it has {app.names()})")
         cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"app": app.model_dump(mode="json", exclude={"defaults"})})})  # each model carries its settings already
     return cfg
 

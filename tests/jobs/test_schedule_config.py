@@ -94,10 +94,17 @@ def test_errors_name_the_key(tmp_path, monkeypatch, change, key):
     assert key in str(e.value)
 
 
-def test_a_multiplexed_model_is_not_rolled_and_the_error_says_so(tmp_path, monkeypatch):
+def test_a_multiplexed_model_can_be_rolled_and_an_unknown_one_is_named(tmp_path, monkeypatch):
+    from jobs.schedule import serve_config_with
+
     monkeypatch.chdir(REPO)
     app = tmp_path / "app.yaml"
-    app.write_text(yaml.safe_dump({"models": {"bert": "runs/bert-tiny"}, "multiplexed": {"models": {"ft": "runs/ft"}}}))
+    app.write_text(yaml.safe_dump({"models": {"bert": "runs/bert-tiny"}, "multiplexed": {"models": {"ft": "runs/ft", "other": "runs/o"}}}))
+    cfg = load_schedule(_write(tmp_path, **{"serve.config": str(app), "serve.model": "ft"}))
+    rolled = serve_config_with(cfg.serve.app, "ft", "runs/ft-v2")
+    assert rolled.multiplexed.models == {"ft": "runs/ft-v2", "other": "runs/o"} and rolled.models["bert"].uri == "runs/bert-tiny"
+    pinned = serve_config_with(cfg.serve.app, "bert", "runs/bert-v2")
+    assert pinned.models["bert"].uri == "runs/bert-v2" and pinned.multiplexed.models["ft"] == "runs/ft"
     with pytest.raises(ScheduleError) as e:
-        load_schedule(_write(tmp_path, **{"serve.config": str(app), "serve.model": "ft"}))
-    assert "serve.model" in str(e.value) and "'ft' is a multiplexed model" in str(e.value) and "['bert']" in str(e.value)
+        load_schedule(_write(tmp_path, **{"serve.config": str(app), "serve.model": "nope"}))
+    assert "serve.model" in str(e.value) and "'nope' is not a model" in str(e.value) and "['bert', 'ft', 'other']" in str(e.value)

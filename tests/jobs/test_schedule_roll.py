@@ -1,5 +1,6 @@
-"""Rolling the Serve app to a new version (jobs.schedule.roll_serve): a client sending requests
-throughout sees only 200s, and the version in the answers switches exactly once."""
+"""Rolling the Serve app to a new version (jobs.schedule.roll_serve), a pinned model and then a
+multiplexed one: a client sending requests throughout sees only 200s, and the version in each
+model's answers switches exactly once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import requests
 
 from ctxmodels.checkpoint import save_checkpoint
 from ctxmodels.registry import build_model
-from jobs.schedule import roll_serve
+from jobs.schedule import roll_serve, serve_config_with
 from jobs.serve import checkpoint_version
 from pipelines.sources import sample_text
 from pipelines.tokenizers import train_tokenizer
@@ -34,34 +35,45 @@ def tiny_versions(root: Path, n: int) -> list[Path]:
 
 @pytest.mark.slow
 def test_roll_has_no_failed_request_and_one_switch(ray_session, tmp_path):
+    """One app, a pinned model and a multiplexed one: the pinned one rolls, then the multiplexed
+    one; requests to both go on throughout."""
     old, new = tiny_versions(tmp_path, 2)
-    app = {"models": {"bert": {"uri": str(old), "num_cpus": 0.1}}, "gateway": {"num_cpus": 0.1}}
+    app = {"models": {"bert": {"uri": str(old), "num_cpus": 0.1}}, "multiplexed": {"models": {"mx": str(old)}, "num_cpus": 0.1},
+           "gateway": {"num_cpus": 0.1}}
     with serving(app) as url:
         from ray import serve
 
-        statuses, versions, stop = [], [], threading.Event()
+        statuses, versions, stop = [], {"bert": [], "mx": []}, threading.Event()
 
         def client():
             with requests.Session() as s:
                 while not stop.is_set():
-                    r = s.post(f"{url}/v1/embeddings", json={"model": "bert", "input": ["the river bank"]}, timeout=60)
-                    statuses.append(r.status_code)
-                    if r.status_code == 200:
-                        versions.append(r.json()["model_version"])
+                    for model in versions:
+                        r = s.post(f"{url}/v1/embeddings", json={"model": model, "input": ["the river bank"]}, timeout=60)
+                        statuses.append(r.status_code)
+                        if r.status_code == 200:
+                            versions[model].append(r.json()["model_version"])
 
         thread = threading.Thread(target=client)
         thread.start()
         try:
             time.sleep(1.0)
             status = serve.status().applications["ctx-embeddings"]
-            served = roll_serve({**app, "port": int(url.rsplit(":", 1)[1])}, "bert", str(new))
+            app = {**app, "port": int(url.rsplit(":", 1)[1])}
+            served = roll_serve(app, "bert", str(new))
+            time.sleep(1.0)
+            mx_at_bert_roll = len(versions["mx"])
+            served_mx = roll_serve(serve_config_with(app, "bert", str(new)).model_dump(mode="json", exclude={"defaults"}), "mx", str(new))
             time.sleep(1.0)
         finally:
             stop.set()
             thread.join(60)
         assert status.status == "RUNNING"
-        assert served == checkpoint_version(str(new))
+        assert served == served_mx == checkpoint_version(str(new))
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
-    switches = [(a, b) for a, b in zip(versions, versions[1:]) if a != b]
-    assert switches == [(checkpoint_version(str(old)), checkpoint_version(str(new)))], switches
-    assert versions.count(checkpoint_version(str(new))) >= 1
+    v_old, v_new = checkpoint_version(str(old)), checkpoint_version(str(new))
+    for model, seen in versions.items():
+        switches = [(a, b) for a, b in zip(seen, seen[1:]) if a != b]
+        assert switches == [(v_old, v_new)], (model, switches)
+        assert seen.count(v_new) >= 1
+    assert set(versions["mx"][:mx_at_bert_roll]) == {v_old}  # rolling the pinned model left the multiplexed one alone
