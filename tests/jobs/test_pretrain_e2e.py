@@ -1,7 +1,9 @@
 """The whole path on a real S3 endpoint (moto on loopback), through the same clients users use:
 
 shards in a bucket -> Ray Data -> 2 Ray Train workers -> checkpoint in the bucket -> a rerun
-resumes from it -> Ray Serve answers over HTTP with the trained model.
+resumes from it -> Ray Serve answers over HTTP with the trained model. On the way, the 2 workers
+evaluate on ``data.eval_input`` every ``train.eval_every`` steps and at the end, and log it
+(tests/jobs/test_pretrain_eval.py checks the numbers in-process).
 """
 
 import json
@@ -13,6 +15,7 @@ import pytest
 
 from tests.conftest import free_port
 from jobs.config import load_recipe
+from jobs.metrics import read_metrics
 from jobs.train import pretrain
 from pipelines import storage
 
@@ -42,16 +45,22 @@ def test_s3_pretrain_resume_and_serve(ray_session, s3_server, s3_bucket):
         "train.log_every=5",
         "train.checkpoint_every=10",
         "train.warmup_steps=5",
+        "data.eval_max_samples=64",  # of bert-tiny.yaml's eval_input, a local shard
         "scaling.num_workers=2",
         "scaling.cpus_per_worker=0.5",
     ]
     logs = []
-    first = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", common + ["train.max_steps=20"]), progress=False, log=logs.append)
+    first = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", common + ["train.max_steps=20", "train.eval_every=8"]), progress=False, log=logs.append)
     assert first.checkpoint_uri.startswith(f"s3://{s3_bucket}/runs/e2e/checkpoint_")
     assert trainer_state(first.checkpoint_uri)["step"] == 20
     assert storage.latest_complete_checkpoint(f"s3://{s3_bucket}/runs/e2e") == first.checkpoint_uri
     assert first.metrics["step"] == 20 and first.metrics["tokens_per_s"] > 0 and 0 <= first.metrics["mlm_acc"] <= 1
     assert any("training wordpiece" in line for line in logs)
+    rows = read_metrics(f"s3://{s3_bucket}/runs/e2e")
+    assert [r["step"] for r in rows] == [5, 8, 10, 15, 16, 20]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [8, 16, 20]  # every eval_every steps and at the end
+    assert all(r["eval_samples"] == 64 and 0 <= r["eval_acc"] <= 1 and r["eval_ppl"] > 1 for r in rows if "eval_loss" in r)
+    assert "eval_acc" in first.metrics
 
     logs.clear()
     second = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", common + ["train.max_steps=30"]), progress=False, log=logs.append)
