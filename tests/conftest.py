@@ -25,6 +25,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Texts whose vectors tests compare across implementations: two sentences, one character, accents,
+# CJK and an emoji, and a long run of one word.
+MIXED_TEXTS = [
+    "The river bank was muddy after the flood.",
+    "She deposited the cheque at the bank.",
+    "a",
+    "Zoë's café serves crème brûlée — and 東京 ramen! 🍜",
+    "word " * 40,
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

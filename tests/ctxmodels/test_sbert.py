@@ -16,16 +16,11 @@ from ctxmodels.checkpoint import load_checkpoint, save_checkpoint
 from ctxmodels.registry import build_model
 from jobs.cli import main
 from pipelines.tokenizers import load_tokenizer, train_tokenizer
+from tests.conftest import MIXED_TEXTS
 
 st = pytest.importorskip("sentence_transformers")
 
-TEXTS = [
-    "The river bank was muddy after the flood.",
-    "She deposited the cheque at the bank.",
-    "a",
-    "Zoë's café serves crème brûlée — and 東京 ramen! 🍜",
-    "word " * 40,
-]
+TEXTS = MIXED_TEXTS
 
 
 def server_vectors(checkpoint, texts: list[str], pooling: str, normalize: bool) -> np.ndarray:

@@ -15,13 +15,10 @@ from jobs.registry import Registry
 from jobs.serve import EmbeddingModel, checkpoint_version
 from jobs.serve_config import Limits, ModelConfig
 from pipelines import storage
+from tests.conftest import MIXED_TEXTS
 
 TEXTS = [
-    "The river bank was muddy after the flood.",
-    "She deposited the cheque at the bank.",
-    "a",
-    "Zoë's café serves crème brûlée — and 東京 ramen! 🍜",
-    "word " * 40,
+    *MIXED_TEXTS,
     "bank",
     "The bank raised its interest rates again this quarter, which worried the small savers.",
 ]
