@@ -48,7 +48,7 @@ from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, S
     run_folder,
 )
 from pipelines import storage
-from pipelines.dataset import StreamSpec, build_dataset, vocab_info, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files
+from pipelines.dataset import StreamSpec, build_dataset, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files, vocab_info
 from pipelines.masking import MlmConfig
 from pipelines.objectives import Objective, objective
 from pipelines.permutation import PlmConfig
