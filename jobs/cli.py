@@ -87,16 +87,22 @@ def _serve_config(args: argparse.Namespace):
     """The ServeConfig from --config and/or the flags (flags win); errors name the file and key."""
     from jobs import serve_config as sc
 
-    models: dict = {}
-    for item in args.model or []:
-        if "=" not in item:
-            raise SystemExit(f"--model {item!r}: expected NAME=URI")
-        name, uri = item.split("=", 1)
-        models[name] = uri
+    def pairs(flag: str, items: list[str]) -> dict[str, str]:
+        out = {}
+        for item in items or []:
+            if "=" not in item:
+                raise SystemExit(f"{flag} {item!r}: expected NAME=URI")
+            name, uri = item.split("=", 1)
+            out[name] = uri
+        return out
+
+    models, multiplexed = pairs("--model", args.model), pairs("--multiplexed", args.multiplexed)
     flags = {k: getattr(args, k) for k in ("host", "port") if getattr(args, k) is not None}
     defaults = {k: getattr(args, k) for k in ("num_replicas", "max_batch_size", "num_cpus", "num_gpus") if getattr(args, k) is not None}
     if models:
         flags["models"] = models
+    if multiplexed:  # added to a config's multiplexed.models, with its settings
+        flags["multiplexed"] = {"models": multiplexed}
     if defaults:
         flags["defaults"] = defaults
     keys = sc.read_api_keys(args.api_key_file) if args.api_key_file or os.environ.get(sc.API_KEYS_ENV) else []
@@ -109,8 +115,8 @@ def _serve_config(args: argparse.Namespace):
         flags["auth"] = auth
     if args.config:
         return sc.load_config(args.config, flags)
-    if not models:
-        raise SystemExit("ctx serve: give --model NAME=URI (repeatable) or --config serve.yaml")
+    if not models and not multiplexed:
+        raise SystemExit("ctx serve: give --model NAME=URI or --multiplexed NAME=URI (repeatable), or --config serve.yaml")
     return sc.validate(flags, where="ctx serve")
 
 
@@ -489,6 +495,8 @@ def _add_tokenizer_train(p: argparse.ArgumentParser) -> None:
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="serve.yaml: models, replicas, autoscaling, batching, limits, auth (see jobs/serve_config.py)")
     p.add_argument("--model", action="append", default=[], metavar="NAME=URI", help="checkpoint, HF or run folder (local or s3://); repeatable")
+    p.add_argument("--multiplexed", action="append", default=[], metavar="NAME=URI",
+                   help="a model loaded on its first request by the shared multiplexed deployment (Ray Serve model multiplexing); repeatable")
     p.add_argument("--host", default=None, help="default 127.0.0.1; any other host needs API keys or --insecure-no-auth")
     p.add_argument("--port", type=int, default=None, help="default 8000")
     p.add_argument("--num-replicas", type=int, default=None, help="replicas per model (default 1)")

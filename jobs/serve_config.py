@@ -299,12 +299,16 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Se
         raise ConfigError(f"{path}: cannot read it as YAML ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with a 'models' key, got {type(data).__name__}")
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict):
-            data[key] = {**(data.get(key) or {}), **value}
-        else:
-            data[key] = value
-    return validate(data, where=str(path))
+    return validate(_merged(data, overrides or {}), where=str(path))
+
+
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` on top, mapping into mapping (``multiplexed.models`` gains the
+    flag's models and keeps the file's); anything else replaces what the file had."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def validate(data: dict[str, Any], where: str = "serve config") -> ServeConfig:

@@ -144,6 +144,30 @@ def test_multiplexed_models_take_the_defaults_and_build_into_a_config_serve_depl
         app_builder({"models": {"p": str(run)}, "multiplexed": {"models": {"m": str(tmp_path / "nope")}}})
 
 
+def test_multiplexed_flags_add_models_to_the_config_or_make_one(tmp_path, capsys):
+    """`--multiplexed NAME=URI` (repeatable) adds to a config's multiplexed.models, which keep the
+    file's models and settings; without --config the flags alone make the app."""
+    from jobs.cli import main
+
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump({
+        "models": {"pinned": {"uri": "/x/p", "num_cpus": 0.5}},
+        "multiplexed": {"max_num_models_per_replica": 2, "models": {"a": "/x/a"}},
+    }))
+    out = tmp_path / "deploy.yaml"
+    assert main(["serve", "build", "--config", str(tmp_path / "serve.yaml"), "--multiplexed", "b=s3://bucket/runs/b",
+                 "--multiplexed", "a=/x/a2", "-o", str(out)]) == 0
+    args = yaml.safe_load(out.read_text())["applications"][0]["args"]
+    assert args["multiplexed"]["models"] == {"a": "/x/a2", "b": "s3://bucket/runs/b"} and args["multiplexed"]["max_num_models_per_replica"] == 2
+    assert args["models"]["pinned"]["uri"] == "/x/p" and args["models"]["pinned"]["num_cpus"] == 0.5
+    assert main(["serve", "build", "--multiplexed", "m=/x/m", "--num-cpus", "0.25", "-o", str(out)]) == 0
+    args = yaml.safe_load(out.read_text())["applications"][0]["args"]
+    assert args["models"] == {} and args["multiplexed"]["models"] == {"m": "/x/m"} and args["multiplexed"]["num_cpus"] == 0.25
+    with pytest.raises(SystemExit, match=r"--multiplexed 'm': expected NAME=URI"):
+        main(["serve", "build", "--multiplexed", "m", "-o", str(out)])
+    assert main(["serve", "build", "--model", "a=/x/1", "--multiplexed", "a=/x/2", "-o", str(out)]) == 2
+    assert "under both models and multiplexed.models" in capsys.readouterr().err
+
+
 def test_serve_build_refuses_a_bad_config_naming_file_and_key(tmp_path, capsys):
     from jobs.cli import main
 
