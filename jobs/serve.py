@@ -15,7 +15,8 @@
 
 Three kinds of deployment (Ray Serve docs, "Deploy Compositions of Models" and "Model Multiplexing"):
 * ``EmbeddingModel``, one per pinned model: loads one resolved checkpoint (local path, ``file://``
-  or ``s3://``) and its tokenizer, and groups concurrent sentence requests with ``@serve.batch``;
+  or ``s3://``) and its tokenizer, and groups concurrent requests' texts into batches
+  (``jobs.batching.Batcher``: the next batch is formed when the model is free, from all that waited);
   what a batch collects runs sorted by length in forward passes of at most ``max_batch_tokens``
   padded tokens (``token_budget_groups``).
 * ``MultiplexedModels``, one for all the config's ``multiplexed.models``: a replica builds a model's
@@ -26,6 +27,11 @@ Three kinds of deployment (Ray Serve docs, "Deploy Compositions of Models" and "
   before anything is tokenized, routes requests by model name through bounded queues (429 with
   Retry-After when full), and turns every failure into ``{"error": {"message", "type", ...}}``;
   a 5xx says only a request id, the details go to the log.
+
+An app of one pinned model on one replica (no autoscaling, no multiplexed models; what ``ctx serve
+--model NAME=URI`` makes) is one deployment instead, ``ModelGateway``: the Gateway with the model in
+its own replica, called in-process through the same bounded queue. A request then crosses Serve's
+HTTP proxy and one replica, not two (benchmarks/serving.py: ~18% more texts/s on 2 cores).
 
 A name's checkpoint is resolved once, when the app is built (a run folder becomes the checkpoint its
 best.json names, else its newest complete ``checkpoint_*``), and pinned by its version (folder name + MANIFEST.json hash):
@@ -71,6 +77,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jobs.batching import Batcher
 from jobs.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
 from jobs.serve_tasks import REQUESTS, TaskRequest, TaskServing, cannot_serve, check_texts, read_recipe
 
@@ -266,8 +273,7 @@ class EmbeddingModel(TaskServing):
                 name, self.max_batch_tokens, self.max_len,
             )
         self.recent_passes: collections.deque = collections.deque(maxlen=1024)  # (rows, padded length) per forward pass
-        self._embed_batch.set_max_batch_size(settings.max_batch_size)
-        self._embed_batch.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
+        self._embed_batch = Batcher(self._embed_pass, settings.max_batch_size, settings.batch_wait_timeout_s)
         self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
         # A checkpoint fine-tuned with features: scalar-mix carries its learned layer weights (TaskModel.mix).
         self.mix = getattr(self.model, "mix", None)
@@ -446,11 +452,11 @@ class EmbeddingModel(TaskServing):
 
     # --- Ray seam: request handlers, called through DeploymentHandles ---
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def _embed_batch(self, items: list[tuple[np.ndarray, int | None, str]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
-        """Each item's vector, in the order given; the rows are run in forward passes by length under the
-        token budget (``_passes``). Each pass's (texts, tokens, padded tokens) rides on one of its items,
-        so a caller that collects them counts every pass once."""
+    async def _embed_pass(self, items: list[tuple[np.ndarray, int | None, str]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
+        """Each item's vector, in the order given, for a batch of concurrent requests' texts
+        (``self._embed_batch``, a ``jobs.batching.Batcher``); the rows are run in forward passes by length
+        under the token budget (``_passes``). Each pass's (texts, tokens, padded tokens) rides on one of
+        its items, so a caller that collects them counts every pass once."""
         # The forward runs in a thread (torch releases the GIL), so the loop keeps queueing the next batch.
         vectors, sizes = await asyncio.to_thread(self._pool, items)
         carried = dict(sizes)
@@ -665,9 +671,8 @@ class MultiplexedModels:
     every reload, serves that same version), and hands the call to it. Loads and evictions ride back
     to the Gateway's /metrics on the next answer (``multiplexed_events``), as batch sizes do.
 
-    ``@serve.batch`` keeps one queue per decorated method, so the models of a replica share
-    EmbeddingModel's batch queues (and this deployment's batch settings); Serve splits what a queue
-    collects by the requests' multiplexed model id, so a forward pass never mixes two models."""
+    Each loaded model has its own batch queues (``jobs.batching.Batcher``, with this deployment's batch
+    settings), so a forward pass never mixes two models."""
 
     def __init__(self, checkpoints: dict[str, tuple[str, str | None, str | None]], settings: MultiplexedConfig, limits: Limits):
         self.checkpoints = checkpoints  # name -> (checkpoint folder, its version, registry version)
@@ -1109,9 +1114,7 @@ def authorized(header: str | None, key_digests: list[bytes]) -> bool:
     return ok and scheme.lower() == "bearer"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-@serve.ingress()
-class Gateway:
+class GatewayBase:
     """Routes requests by model name to the EmbeddingModel deployments' handles, and a multiplexed
     model's to the MultiplexedModels deployment with its name as the multiplexed model id."""
 
@@ -1348,6 +1351,18 @@ def build_app(config: ServeConfig) -> serve.Application:
     from ray.serve.config import BackpressureConfig
 
     overload = BackpressureConfig(status_code=429, retry_after_s=config.retry_after_s)
+    g = config.gateway
+    if one_process(config):
+        (name, m), = config.models.items()
+        checkpoint, version, registry_version = _resolve(m.uri)
+        return ModelGateway.options(
+            name="Gateway",
+            num_replicas=1,
+            max_ongoing_requests=g.max_ongoing_requests,
+            max_queued_requests=g.max_queued_requests,
+            backpressure_config=overload,
+            ray_actor_options={"num_cpus": m.num_cpus + g.num_cpus, "num_gpus": m.num_gpus, "runtime_env": {"env_vars": SERVE_ENV}},
+        ).bind(name, checkpoint, version, m, config.limits, registry_version, config)
     handles = {}
     for i, (name, m) in enumerate(config.models.items()):
         checkpoint, version, registry_version = _resolve(m.uri)
@@ -1361,7 +1376,6 @@ def build_app(config: ServeConfig) -> serve.Application:
         multiplexed = MultiplexedModels.options(name="MultiplexedModels", **_deployment_options(config.multiplexed, overload)).bind(
             checkpoints, config.multiplexed, config.limits
         )
-    g = config.gateway
     return Gateway.options(
         num_replicas=1,  # `ctx serve` drains it through the app's handle, which reaches one replica
         max_ongoing_requests=g.max_ongoing_requests,
@@ -1369,6 +1383,14 @@ def build_app(config: ServeConfig) -> serve.Application:
         backpressure_config=overload,
         ray_actor_options={"num_cpus": g.num_cpus, "runtime_env": {"env_vars": SERVE_ENV}},
     ).bind(handles, config, multiplexed)
+
+
+def one_process(config: ServeConfig) -> bool:
+    """An app of one pinned model on one replica runs the Gateway and the model in one replica."""
+    if config.multiplexed is not None or len(config.models) != 1:
+        return False
+    (m,) = config.models.values()
+    return m.autoscaling is None and m.num_replicas == 1
 
 
 def _resolve(uri: str) -> tuple[str, str | None, str | None]:
@@ -1435,6 +1457,60 @@ class _StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+@serve.ingress()
+class Gateway(GatewayBase):
+    """The app's HTTP ingress in front of the model deployments (GatewayBase)."""
+
+
+class LocalModel:
+    """A model object in the ingress replica itself, called the way a DeploymentHandle is
+    (``handle.method.remote(*args)`` gives an awaitable that can be cancelled), with the model's bounded
+    queue kept here: beyond ``max_ongoing_requests + max_queued_requests`` requests in the model, a call
+    fails with Serve's BackPressureError, which the Gateway answers 429."""
+
+    def __init__(self, model: Any, limit: int):
+        self.model, self.limit, self.in_model = model, limit, 0
+
+    def options(self, **_: Any) -> "LocalModel":
+        return self
+
+    def __getattr__(self, method: str) -> Any:
+        fn = getattr(self.model, method)
+        owner = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> asyncio.Task:
+                return asyncio.ensure_future(owner._run(fn, args))
+
+        return _Method
+
+    async def _run(self, fn, args: tuple) -> Any:
+        from ray.serve.exceptions import BackPressureError
+
+        if self.in_model >= self.limit:
+            raise BackPressureError(num_queued_requests=self.in_model, max_queued_requests=self.limit)
+        self.in_model += 1
+        try:
+            out = fn(*args)
+            return await out if asyncio.iscoroutine(out) else out
+        finally:
+            self.in_model -= 1
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
+@serve.ingress()
+class ModelGateway(GatewayBase):
+    """The app of one pinned model on one replica: the Gateway and the model in one process, so a
+    request crosses Serve's HTTP proxy and this replica only (no handle call between two replicas)."""
+
+    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
+                 registry_version: str | None, config: ServeConfig):
+        self.model = EmbeddingModel.func_or_class(name, checkpoint, version, settings, limits, registry_version)
+        super().__init__({name: LocalModel(self.model, settings.max_ongoing_requests + settings.max_queued_requests)}, config)
 
 
 def run(

@@ -30,7 +30,7 @@ recipe defaults of ``jobs.finetune_config``. Over-long inputs are a 400 unless t
 
 ``TaskServing`` is the replica half (a base class of ``jobs.serve.EmbeddingModel``); the request
 models and the pure decoding functions are the Gateway half. Rows of a task model (and masked-LM rows)
-are collected by one ``@serve.batch``, so concurrent requests share forward passes; as for embeddings, a
+are collected by one ``jobs.batching.Batcher``, so concurrent requests share forward passes; as for embeddings, a
 batch runs sorted by length in passes of at most ``max_batch_tokens`` padded tokens, each padded only to
 its own longest row (``jobs.serve.token_budget_groups``), and every answer is put back in request order.
 Generation runs one request at a time (every new token depends on the previous one); GPT / GPT-2 and
@@ -48,8 +48,7 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from ray import serve
-
+from jobs.batching import Batcher
 from jobs.serve_config import InputError, LimitError, Limits
 
 # --------------------------------------------------------------------------------------- what serves what
@@ -614,8 +613,7 @@ class TaskServing:
         self.model = loaded.model.to(self.device).eval()  # its backbone is the one embeddings read
         self.routes = routes_of(self.family, self.task_config, untrained_heads)
         self.settings = task_settings(self.family, self.task_config, recipe, self.max_len) if self.task_config is not None else None
-        self._rows_batch.set_max_batch_size(max_batch_size)
-        self._rows_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self._rows_batch = Batcher(self._rows_pass, max_batch_size, batch_wait_timeout_s)
 
     def task_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"task": self.task_config.kind if self.task_config else None, "labels": list(self.task_config.labels) if self.task_config else [], "routes": self.routes}
@@ -693,8 +691,7 @@ class TaskServing:
         self.recent_passes.append((n_seq, width))
         return outputs, (len(rows), int(mask.sum()), n_seq * width)
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def _rows_batch(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
+    async def _rows_pass(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
         return await asyncio.to_thread(self._rows_forward, rows)
 
     async def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:

@@ -199,8 +199,8 @@ def test_going_round_three_models_evicts_and_reloads_the_same_checkpoints(client
 
 
 def test_concurrent_requests_for_different_models_get_their_own_model(client, built, tok):
-    """Requests for two loaded models at once (EmbeddingModel's batch queue is shared by the models of
-    a replica), then for three (evicting while others run): each answer is its own model's."""
+    """Requests for two loaded models of one replica at once, then for three (evicting while others
+    run): each answer is its own model's, never a pass of the other's."""
     expected = {name: _mean_vectors(built[name][2], tok, TEXTS[:1]) for name in ("a", "b", "c")}
     _embed(client, "a"), _embed(client, "b")
     names = ["a", "b"] * 6 + ["a", "b", "c"] * 3

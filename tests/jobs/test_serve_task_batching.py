@@ -1,6 +1,6 @@
 """The task routes' forward passes under the token budget (jobs/serve_tasks.py ``TaskServing``), in
-this process: a replica class built directly (``EmbeddingModel.func_or_class``) and its real
-``@serve.batch`` queue, which only asks Serve for the replica's ``max_ongoing_requests``.
+this process: a replica class built directly (``EmbeddingModel.func_or_class``) with its real
+batch queue (``jobs.batching.Batcher``, plain asyncio).
 
 A mixed-length request must give every row the answer it gets alone (a row alone is never padded),
 so padding inside a pass is masked right; every pass must stay under ``max_batch_tokens`` (watched at
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +57,6 @@ def _checkpoint(path: Path, family: str, task, minilm_dir: Path, seed: int, extr
 def replicas(tmp_path_factory, minilm_dir):
     """{name: replica}: pair (BERT classifier, 2 labels), ner (BERT tagger), qa (BERT SQuAD 2.0 reader,
     windows of 48 tokens), mlm (pretrained BERT), sym (GPT regression over both orders of a pair)."""
-    from ray import serve
-
     from ctxmodels.checkpoint import save_checkpoint
     from ctxmodels.registry import build_model
     from ctxmodels.tasks import TaskConfig
@@ -79,15 +76,11 @@ def replicas(tmp_path_factory, minilm_dir):
     save_checkpoint(root / "mlm", model, "bert", cfg, tokenizer_dir=minilm_dir)
     uris["mlm"] = str(root / "mlm")
 
-    # @serve.batch reads the replica's max_ongoing_requests (to warn about it) and nothing else of Serve.
-    context = types.SimpleNamespace(_deployment_config=types.SimpleNamespace(max_ongoing_requests=32))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(serve, "get_replica_context", lambda: context)
-        settings = {"max_batch_size": MAX_ROWS, "max_batch_tokens": BUDGET, "batch_wait_timeout_s": 0.05}
-        yield {
-            name: EmbeddingModel.func_or_class(name, uri, None, sc.ModelConfig(uri=uri, **settings), sc.Limits())
-            for name, uri in uris.items()
-        }
+    settings = {"max_batch_size": MAX_ROWS, "max_batch_tokens": BUDGET, "batch_wait_timeout_s": 0.05}
+    return {
+        name: EmbeddingModel.func_or_class(name, uri, None, sc.ModelConfig(uri=uri, **settings), sc.Limits())
+        for name, uri in uris.items()
+    }
 
 
 class Spy:
@@ -106,7 +99,7 @@ class Spy:
 
 
 class Ask:
-    """Requests to the replicas on one event loop: a ``@serve.batch`` queue lives on the loop it started on."""
+    """Requests to the replicas on one event loop, as in a replica."""
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()

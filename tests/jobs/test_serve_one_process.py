@@ -1,0 +1,147 @@
+"""An app of one pinned model on one replica (jobs/serve.py ``ModelGateway``): the Gateway and the model
+in one replica, the model called in-process through a bounded queue (``LocalModel``).
+
+In-process: the queue bound answers Serve's BackPressureError (the Gateway's 429), a cancelled request
+stops the model's work. Served: the app is that single deployment, a burst of concurrent requests runs
+in few, large forward passes (``jobs.batching.Batcher``) and every answer equals the in-process vector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import MIXED_TEXTS, serving
+
+TOL = 1e-5
+BURST = 48
+
+
+class Slow:
+    """A model object whose ``work`` takes ``seconds``; counts what started and what finished."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.started, self.finished = seconds, 0, 0
+
+    async def work(self, x: int) -> int:
+        self.started += 1
+        await asyncio.sleep(self.seconds)
+        self.finished += 1
+        return x * 2
+
+    def info(self) -> dict:  # a plain method, as EmbeddingModel.info is
+        return {"name": "slow"}
+
+
+def test_local_model_bounds_its_queue_with_servers_backpressure_error():
+    from ray.serve.exceptions import BackPressureError
+
+    from jobs.serve import LocalModel
+
+    model = Slow(0.05)
+    local = LocalModel(model, limit=3)
+
+    async def main():
+        calls = [local.options(multiplexed_model_id="ignored").work.remote(i) for i in range(5)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        again = await local.work.remote(7)  # room again once the first ones are done
+        return results, again, await local.info.remote()
+
+    results, again, info = asyncio.run(main())
+    assert results[:3] == [0, 2, 4]
+    assert all(isinstance(r, BackPressureError) for r in results[3:])
+    assert again == 14 and info == {"name": "slow"} and local.in_model == 0
+    assert model.started == model.finished == 4  # the refused calls never reached the model
+
+
+def test_cancelling_a_local_call_cancels_the_models_work():
+    """What the Gateway does when a client goes away or the request times out (response.cancel())."""
+    from jobs.serve import LocalModel
+
+    model = Slow(10.0)
+    local = LocalModel(model, limit=2)
+
+    async def main():
+        response = local.work.remote(1)
+        await asyncio.sleep(0.05)
+        response.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await response
+        return local.in_model
+
+    assert asyncio.run(main()) == 0
+    assert model.started == 1 and model.finished == 0
+
+
+def test_one_pinned_model_on_one_replica_is_one_deployment_and_anything_else_is_not():
+    from jobs.serve import one_process
+    from jobs.serve_config import ServeConfig
+
+    def config(**kw):
+        return ServeConfig.model_validate({"models": {"a": "/m"}, **kw})
+
+    assert one_process(config())
+    assert not one_process(config(models={"a": "/m", "b": "/m"}))
+    assert not one_process(config(models={"a": {"uri": "/m", "num_replicas": 2}}))
+    assert not one_process(config(models={"a": {"uri": "/m", "autoscaling": {"min_replicas": 1, "max_replicas": 2}}}))
+    assert not one_process(config(multiplexed={"models": {"b": "/m"}}))
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, minilm_dir):
+    with serving({"models": {"minilm": str(minilm_dir)}, "defaults": {"num_cpus": 1, "max_batch_size": 32}}) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    """The vectors /v1/embeddings gives, computed by the serving class in this process."""
+    from jobs.serve import EmbeddingModel
+    from jobs.serve_config import Limits, ModelConfig
+
+    model = EmbeddingModel.func_or_class("ref", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir)), Limits())
+    return np.stack(model.embed_now(MIXED_TEXTS, normalize=True)["embeddings"])
+
+
+def _passes(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    counts = [line.split()[-1] for line in text.splitlines() if line.startswith('ctx_batch_size_texts_count{model="minilm"}')]
+    return float(counts[0]) if counts else 0.0  # no line before the first pass
+
+
+def test_the_app_is_one_deployment_that_answers_every_route(app):
+    from ray import serve
+
+    from jobs.serve_config import APP_NAME
+
+    deployments = serve.status().applications[APP_NAME].deployments
+    assert sorted(deployments) == ["Gateway"]
+    ready = httpx.get(f"{app}/readyz", timeout=60)
+    assert ready.status_code == 200 and ready.json()["models"]["minilm"]["ready"]
+    models = httpx.get(f"{app}/v1/models", timeout=60).json()["data"]
+    assert [(m["id"], m["family"], m["dim"], m["multiplexed"]) for m in models] == [("minilm", "bert", 384, False)]
+    r = httpx.post(f"{app}/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_burst_runs_in_few_large_passes_and_every_answer_is_its_own(app, reference):
+    """48 single-text requests at once: each answer equals the in-process vector of its own text, and
+    the passes hold 4 texts or more on average (@serve.batch held 2-3 per pass under load)."""
+    before = _passes(app)
+    indexes = [i % len(MIXED_TEXTS) for i in range(BURST)]
+
+    def one(i: int) -> tuple[int, httpx.Response]:
+        return i, httpx.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": MIXED_TEXTS[i], "normalize": True}, timeout=120)
+
+    with ThreadPoolExecutor(BURST) as pool:
+        results = list(pool.map(one, indexes))
+    for i, r in results:
+        assert r.status_code == 200, r.text[:300]
+        assert r.headers["x-model-version"]
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], reference[i], atol=TOL)
+    passes = _passes(app) - before
+    assert 1 <= passes <= BURST / 4, passes
