@@ -59,22 +59,38 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     proc.wait(timeout=10)
 
 
+_serve_port: int | None = None  # the port of the Serve instance serving() started, while it runs
+
+
+def _serve_running() -> bool:
+    from ray.serve.context import _get_global_client
+
+    try:
+        return _get_global_client(raise_if_no_controller_running=False) is not None
+    except Exception:
+        return False
+
+
 @contextlib.contextmanager
 def serving(config: dict):
     """``ctx serve`` of a ServeConfig dict (its "port" set here) on loopback, in the test session's
-    Ray; yields the base URL, then deletes the app and stops Serve (the next module starts its own)."""
+    Ray; yields the base URL, then deletes the app. Serve itself (controller and HTTP proxy) is started
+    once, on one port, and kept for the next module: starting and stopping it cost ~7 s a module."""
+    global _serve_port
     from ray import serve
 
     from jobs import serve as ctx_serve
     from jobs.serve_config import ServeConfig
 
-    port = free_port()
-    ctx_serve.run(ServeConfig.model_validate({**config, "port": port}), blocking=False)
+    if _serve_port is None or not _serve_running():
+        serve.shutdown()  # a Serve something else started, on another port
+        _serve_port = free_port()
+    parsed = ServeConfig.model_validate({**config, "port": _serve_port})
+    ctx_serve.run(parsed, blocking=False)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{_serve_port}"
     finally:
-        ctx_serve.shutdown()  # this app only
-        serve.shutdown()
+        ctx_serve.shutdown(parsed.app_name)  # this app only
 
 
 @pytest.fixture(scope="session", autouse=True)

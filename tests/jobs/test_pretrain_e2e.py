@@ -13,7 +13,7 @@ import boto3
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import serving
 from jobs.config import load_recipe
 from jobs.metrics import read_metrics
 from jobs.train import pretrain
@@ -70,17 +70,8 @@ def test_s3_pretrain_resume_and_serve(ray_session, s3_server, s3_bucket):
     assert state["step"] == 30 and state["samples_seen"] == 30 * 16
     assert second.checkpoint_uri != first.checkpoint_uri
 
-    from jobs import serve
-
-    port = free_port()
-    serve.run({"tiny": f"s3://{s3_bucket}/runs/e2e"}, host="127.0.0.1", port=port, blocking=False)
-    try:
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"model": "tiny", "input": ["the river bank", "the bank approved the loan"]}, timeout=60)
+    with serving({"models": {"tiny": f"s3://{s3_bucket}/runs/e2e"}}) as url:
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": "tiny", "input": ["the river bank", "the bank approved the loan"]}, timeout=60)
         assert r.status_code == 200, r.text
         data = r.json()["data"]
         assert len(data) == 2 and len(data[0]["embedding"]) == 64  # tiny preset: d_model 64
-    finally:
-        serve.shutdown()  # this app only
-        from ray import serve as ray_serve
-
-        ray_serve.shutdown()  # and the proxy on this test's port: the next module starts Serve on its own

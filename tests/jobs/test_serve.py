@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import serving
 
 pytestmark = pytest.mark.slow
 
@@ -57,24 +57,9 @@ def tiny_run(s3_server, minilm_dir):
 
 @pytest.fixture(scope="module")
 def client(ray_session, minilm_dir, tiny_run):
-    from jobs import serve as ctx_serve
-
-    port = free_port()
-    ctx_serve.run(
-        {"minilm": str(minilm_dir), "tiny": tiny_run[0]},
-        port=port,
-        blocking=False,
-        num_cpus=0.5,
-        max_batch_size=8,
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            yield c
-    finally:
-        ctx_serve.shutdown()  # this app only
-        from ray import serve
-
-        serve.shutdown()  # the test session's own cluster: the next module starts Serve on its own port
+    config = {"models": {"minilm": str(minilm_dir), "tiny": tiny_run[0]}, "defaults": {"num_cpus": 0.5, "max_batch_size": 8}}
+    with serving(config) as url, httpx.Client(base_url=url, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

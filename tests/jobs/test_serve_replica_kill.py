@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import serving
 
 pytestmark = pytest.mark.slow
 
@@ -63,25 +63,16 @@ def tiny(tmp_path_factory, minilm_dir):
 
 @pytest.fixture(scope="module")
 def server(ray_session, tiny):
-    from ray import serve
-
-    from jobs import serve as ctx_serve
     from jobs.serve_config import ServeConfig
 
-    port = free_port()
-    config = ServeConfig.model_validate({
-        "port": port,
+    config = {
         "models": {"tiny": {
             "uri": str(tiny[0]), "num_replicas": 2, "num_cpus": 0.25, "max_batch_size": 4,
             "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": 1000,  # queue, never 429
         }},
-    })
-    ctx_serve.run(config, blocking=False)
-    try:
-        yield f"http://127.0.0.1:{port}", config.app_name
-    finally:
-        ctx_serve.shutdown(config.app_name)
-        serve.shutdown()
+    }
+    with serving(config) as url:
+        yield url, ServeConfig.model_validate(config).app_name
 
 
 def _replica_names() -> list[str]:
