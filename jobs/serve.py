@@ -63,6 +63,7 @@ import signal
 import tempfile
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any, Literal
@@ -1321,6 +1322,53 @@ class GatewayBase:
         return self.in_flight
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+@serve.ingress()
+class Gateway(GatewayBase):
+    """The app's HTTP ingress in front of the model deployments (GatewayBase)."""
+
+
+class LocalModel:
+    """A model object in the ingress replica itself, called the way a DeploymentHandle is
+    (``handle.method.remote(*args)`` gives an awaitable that can be cancelled), with the model's bounded
+    queue kept here: beyond ``max_ongoing_requests + max_queued_requests`` requests in the model, a call
+    fails with Serve's BackPressureError, which the Gateway answers 429."""
+
+    def __init__(self, model: Any, limit: int):
+        self.model, self.limit, self.in_model = model, limit, 0
+
+    def options(self, **_: Any) -> "LocalModel":
+        return self
+
+    def __getattr__(self, method: str) -> Any:
+        fn = getattr(self.model, method)
+        return types.SimpleNamespace(remote=lambda *args: asyncio.ensure_future(self._run(fn, args)))
+
+    async def _run(self, fn, args: tuple) -> Any:
+        from ray.serve.exceptions import BackPressureError
+
+        if self.in_model >= self.limit:
+            raise BackPressureError(num_queued_requests=self.in_model, max_queued_requests=self.limit)
+        self.in_model += 1
+        try:
+            out = fn(*args)
+            return await out if asyncio.iscoroutine(out) else out
+        finally:
+            self.in_model -= 1
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
+@serve.ingress()
+class ModelGateway(GatewayBase):
+    """The app of one pinned model on one replica: the Gateway and the model in one process, so a
+    request crosses Serve's HTTP proxy and this replica only (no handle call between two replicas)."""
+
+    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
+                 registry_version: str | None, config: ServeConfig):
+        self.model = EmbeddingModel.func_or_class(name, checkpoint, version, settings, limits, registry_version)
+        super().__init__({name: LocalModel(self.model, settings.max_ongoing_requests + settings.max_queued_requests)}, config)
+
+
 async def _result(response) -> Any:
     return await response
 
@@ -1457,60 +1505,6 @@ class _StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-@serve.ingress()
-class Gateway(GatewayBase):
-    """The app's HTTP ingress in front of the model deployments (GatewayBase)."""
-
-
-class LocalModel:
-    """A model object in the ingress replica itself, called the way a DeploymentHandle is
-    (``handle.method.remote(*args)`` gives an awaitable that can be cancelled), with the model's bounded
-    queue kept here: beyond ``max_ongoing_requests + max_queued_requests`` requests in the model, a call
-    fails with Serve's BackPressureError, which the Gateway answers 429."""
-
-    def __init__(self, model: Any, limit: int):
-        self.model, self.limit, self.in_model = model, limit, 0
-
-    def options(self, **_: Any) -> "LocalModel":
-        return self
-
-    def __getattr__(self, method: str) -> Any:
-        fn = getattr(self.model, method)
-        owner = self
-
-        class _Method:
-            @staticmethod
-            def remote(*args: Any) -> asyncio.Task:
-                return asyncio.ensure_future(owner._run(fn, args))
-
-        return _Method
-
-    async def _run(self, fn, args: tuple) -> Any:
-        from ray.serve.exceptions import BackPressureError
-
-        if self.in_model >= self.limit:
-            raise BackPressureError(num_queued_requests=self.in_model, max_queued_requests=self.limit)
-        self.in_model += 1
-        try:
-            out = fn(*args)
-            return await out if asyncio.iscoroutine(out) else out
-        finally:
-            self.in_model -= 1
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256)
-@serve.ingress()
-class ModelGateway(GatewayBase):
-    """The app of one pinned model on one replica: the Gateway and the model in one process, so a
-    request crosses Serve's HTTP proxy and this replica only (no handle call between two replicas)."""
-
-    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
-                 registry_version: str | None, config: ServeConfig):
-        self.model = EmbeddingModel.func_or_class(name, checkpoint, version, settings, limits, registry_version)
-        super().__init__({name: LocalModel(self.model, settings.max_ongoing_requests + settings.max_queued_requests)}, config)
 
 
 def run(
