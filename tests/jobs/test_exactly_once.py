@@ -73,7 +73,6 @@ def test_two_workers_then_one_consumes_each_sample_once(ray_session, corpus, tmp
     assert_epoch_exactly_once(rec, run, epoch=0)
 
 
-@pytest.mark.extended  # make test-all: tests/pipelines/test_storage.py skips a cut checkpoint, the test above restores a position
 def test_resume_skips_a_checkpoint_cut_in_half(ray_session, corpus, tmp_path):
     """The newest checkpoint's weights are cut to half their bytes (an upload cut off after the
     manifest landed): the rerun resumes from the one before, and its data position with it."""
