@@ -32,14 +32,21 @@ class Batcher(Generic[T, R]):
     most ``max_batch_size`` items, one call at a time, in arrival order.
 
     ``run`` returns one result per item, in order; if it raises, every request of that batch gets the
-    exception, and the next batch runs as usual."""
+    exception, and the next batch runs as usual.
 
-    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch_size: int, batch_wait_timeout_s: float):
+    ``model_lock``, shared by the batchers of one replica (a model's sentence vectors and task rows,
+    the models a multiplexed replica holds), lets one forward pass run at a time there: two passes at
+    once would split the cores between two sets of torch threads, which on a small machine wait for
+    each other. A batch is formed once its batcher holds the lock, from everything queued by then."""
+
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch_size: int, batch_wait_timeout_s: float,
+                 model_lock: asyncio.Lock | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if batch_wait_timeout_s < 0:
             raise ValueError(f"batch_wait_timeout_s must be >= 0, got {batch_wait_timeout_s}")
         self.run, self.max_batch_size, self.batch_wait_timeout_s = run, max_batch_size, batch_wait_timeout_s
+        self.model_lock = model_lock or asyncio.Lock()
         self._queue: collections.deque[tuple[T, asyncio.Future, float]] = collections.deque()  # (item, future, arrival)
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -80,13 +87,14 @@ class Batcher(Generic[T, R]):
                     except asyncio.TimeoutError:
                         break
                     arrived.clear()
-                batch = []
-                while self._queue and len(batch) < self.max_batch_size:
-                    item, future, _ = self._queue.popleft()
-                    if not future.done():
-                        batch.append((item, future))
-                if batch:
-                    await self._run(batch)
+                async with self.model_lock:  # the model is free: what waited meanwhile joins this batch
+                    batch = []
+                    while self._queue and len(batch) < self.max_batch_size:
+                        item, future, _ = self._queue.popleft()
+                        if not future.done():
+                            batch.append((item, future))
+                    if batch:
+                        await self._run(batch)
 
     async def _run(self, batch: list[tuple[T, asyncio.Future]]) -> None:
         try:

@@ -235,7 +235,7 @@ class EmbeddingModel(TaskServing):
     rows in ``TaskServing``)."""
 
     def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
-                 registry_version: str | None = None):
+                 registry_version: str | None = None, model_lock: asyncio.Lock | None = None):
         import torch
 
         from pipelines.tokenizers import load_tokenizer
@@ -274,7 +274,9 @@ class EmbeddingModel(TaskServing):
                 name, self.max_batch_tokens, self.max_len,
             )
         self.recent_passes: collections.deque = collections.deque(maxlen=1024)  # (rows, padded length) per forward pass
-        self._embed_batch = Batcher(self._embed_pass, settings.max_batch_size, settings.batch_wait_timeout_s)
+        # One forward pass at a time in a replica: sentence vectors, task rows, and every model it holds.
+        self.model_lock = model_lock or asyncio.Lock()
+        self._embed_batch = Batcher(self._embed_pass, settings.max_batch_size, settings.batch_wait_timeout_s, self.model_lock)
         self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
         # A checkpoint fine-tuned with features: scalar-mix carries its learned layer weights (TaskModel.mix).
         self.mix = getattr(self.model, "mix", None)
@@ -571,7 +573,8 @@ class EmbeddingModel(TaskServing):
                 f"the answer would hold {n_values} numbers ({n_vectors} {granularity}s x {width} values each: {what}), "
                 f"more than max_token_embedding_values={cap}: ask for fewer texts, layers or a narrower strategy"
             )
-        vectors, sizes = await asyncio.to_thread(self._token_vectors, ids, layer_ids, features)
+        async with self.model_lock:  # one forward pass at a time in the replica (see __init__)
+            vectors, sizes = await asyncio.to_thread(self._token_vectors, ids, layer_ids, features)
         if words is None:
             rows = [
                 {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}
@@ -608,7 +611,8 @@ class EmbeddingModel(TaskServing):
 
     async def ready(self) -> dict[str, Any]:
         """A real forward pass, for /readyz."""
-        await asyncio.to_thread(self._forward_check)
+        async with self.model_lock:
+            await asyncio.to_thread(self._forward_check)
         return self._stamp()
 
 
@@ -673,10 +677,12 @@ class MultiplexedModels:
     to the Gateway's /metrics on the next answer (``multiplexed_events``), as batch sizes do.
 
     Each loaded model has its own batch queues (``jobs.batching.Batcher``, with this deployment's batch
-    settings), so a forward pass never mixes two models."""
+    settings), so a forward pass never mixes two models; the models share one lock, so their passes
+    take turns instead of splitting the replica's cores."""
 
     def __init__(self, checkpoints: dict[str, tuple[str, str | None, str | None]], settings: MultiplexedConfig, limits: Limits):
         self.checkpoints = checkpoints  # name -> (checkpoint folder, its version, registry version)
+        self.model_lock = asyncio.Lock()  # the loaded models' forward passes take turns
         self.settings, self.limits = settings, limits
         self.events: list[tuple[str, str, float]] = []  # ("load" | "evict", model, seconds) not yet reported
 
@@ -692,7 +698,7 @@ class MultiplexedModels:
         start = time.perf_counter()
         try:  # in a thread: the replica keeps answering the models it has while this one loads
             model = await asyncio.to_thread(
-                EmbeddingModel.func_or_class, name, checkpoint, version, self.settings, self.limits, registry_version
+                EmbeddingModel.func_or_class, name, checkpoint, version, self.settings, self.limits, registry_version, self.model_lock
             )
         except Exception as e:
             logger.error("multiplexed model %s: loading %s failed", name, checkpoint, exc_info=e)

@@ -613,7 +613,7 @@ class TaskServing:
         self.model = loaded.model.to(self.device).eval()  # its backbone is the one embeddings read
         self.routes = routes_of(self.family, self.task_config, untrained_heads)
         self.settings = task_settings(self.family, self.task_config, recipe, self.max_len) if self.task_config is not None else None
-        self._rows_batch = Batcher(self._rows_pass, max_batch_size, batch_wait_timeout_s)
+        self._rows_batch = Batcher(self._rows_pass, max_batch_size, batch_wait_timeout_s, self.model_lock)
 
     def task_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"task": self.task_config.kind if self.task_config else None, "labels": list(self.task_config.labels) if self.task_config else [], "routes": self.routes}

@@ -146,3 +146,44 @@ def test_a_new_event_loop_gets_its_own_worker():
 def test_bad_settings_are_refused(size, wait):
     with pytest.raises(ValueError, match="max_batch_size|batch_wait_timeout_s"):
         Batcher(Model(), max_batch_size=size, batch_wait_timeout_s=wait)
+
+
+def test_batchers_sharing_a_model_lock_never_run_two_passes_at_once():
+    """Two batchers of one replica (two models, or a model's vectors and task rows) take turns, and
+    what queued at one while the other ran joins its next batch whole."""
+    spans: list[tuple[str, float, float]] = []
+
+    def model(name: str):
+        async def run(items: list[int]) -> list[int]:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await asyncio.sleep(0.03)
+            spans.append((name, start, loop.time()))
+            return items
+        return run
+
+    async def main():
+        lock = asyncio.Lock()
+        a = Batcher(model("a"), max_batch_size=32, batch_wait_timeout_s=0.001, model_lock=lock)
+        b = Batcher(model("b"), max_batch_size=32, batch_wait_timeout_s=0.001, model_lock=lock)
+        first = asyncio.ensure_future(a(0))
+        await asyncio.sleep(0.005)  # a's pass is running
+        calls = [asyncio.ensure_future(b(i)) for i in range(1, 6)] + [asyncio.ensure_future(a(i)) for i in range(6, 9)]
+        await asyncio.gather(first, *calls)
+
+    asyncio.run(main())
+    spans.sort(key=lambda s: s[1])
+    assert all(later[1] >= earlier[2] for earlier, later in zip(spans, spans[1:])), spans  # no overlap
+    assert len(spans) == 3  # a: [0]; then b: [1..5] and a: [6..8], one pass each
+
+
+def test_one_models_sentence_and_task_batchers_share_the_replicas_lock(minilm_dir):
+    """EmbeddingModel gives both of its batchers its model_lock; a multiplexed replica passes one lock
+    to every model it loads (jobs/serve.py MultiplexedModels._load)."""
+    from jobs.serve import EmbeddingModel
+    from jobs.serve_config import Limits, ModelConfig
+
+    shared = asyncio.Lock()
+    model = EmbeddingModel.func_or_class("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir)), Limits(), None, shared)
+    assert model.model_lock is shared
+    assert model._embed_batch.model_lock is shared and model._rows_batch.model_lock is shared
