@@ -51,10 +51,6 @@ class Batcher(Generic[T, R]):
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
-    def __len__(self) -> int:
-        """Requests waiting for a batch."""
-        return len(self._queue)
-
     async def __call__(self, item: T) -> R:
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:

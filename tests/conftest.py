@@ -181,4 +181,10 @@ def ray_session(s3_server):
             runtime_env={"env_vars": {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}},
         )
     yield ray
+    # serving() keeps Serve up between modules: stop it, and the driver's Serve client threads with it,
+    # before Ray goes (one `make test` that left it running ended in a segfault at exit).
+    if _serve_running():
+        from ray import serve
+
+        serve.shutdown()
     ray.shutdown()
