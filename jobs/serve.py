@@ -1123,7 +1123,8 @@ def authorized(header: str | None, key_digests: list[bytes]) -> bool:
 
 class GatewayBase:
     """Routes requests by model name to the EmbeddingModel deployments' handles, and a multiplexed
-    model's to the MultiplexedModels deployment with its name as the multiplexed model id."""
+    model's to the MultiplexedModels deployment with its name as the multiplexed model id; in a
+    ``ModelGateway`` to the model object in its own replica (``LocalModel``, called the same way)."""
 
     def __init__(self, models: dict[str, DeploymentHandle], config: ServeConfig, multiplexed: DeploymentHandle | None = None):
         self.pinned, self.config = dict(models), config
