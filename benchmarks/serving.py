@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
-import json
 import os
 import shutil
 import signal
@@ -175,15 +174,17 @@ def serve_ours(port: int, model_dir: Path, threads: int) -> None:
     from jobs import serve as ctx_serve
 
     temp_dir = tempfile.mkdtemp(prefix="ray-bench-")
-    ctx_serve.use_serve_env()  # as jobs.serve.run does before it starts a Ray: the HTTP proxy's settings too
-    ray.init(address="local", num_cpus=CORES, object_store_memory=500_000_000, include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR", _temp_dir=temp_dir)
+    with ctx_serve.local_ray_env() as haproxy_files:  # as jobs.serve.run starts a Ray: HAProxy ingress and all
+        ray.init(address="local", num_cpus=CORES, object_store_memory=500_000_000, include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR", _temp_dir=temp_dir)
     try:
         ctx_serve.run({MODEL_NAME: str(model_dir)}, host="127.0.0.1", port=port, blocking=True,
                       num_cpus=threads, max_batch_size=BATCH, batch_wait_timeout_s=0.01, drain_timeout_s=5)
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)  # the session's logs: a run leaves nothing behind
+        if haproxy_files is not None:
+            shutil.rmtree(haproxy_files, ignore_errors=True)
 
 
 # --- the sides, as this process starts and talks to them ---

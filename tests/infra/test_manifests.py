@@ -494,6 +494,22 @@ def test_rayservice_serves_what_ctx_serve_build_writes(tmp_path, monkeypatch):
     assert deployed["applications"][0]["args"]["models"]["minilm"]["uri"] == "models:/minilm@production"
 
 
+def test_every_rayservice_node_starts_serve_as_ctx_serve_starts_its_own_ray():
+    """Serve's controller and proxies read these when a node's Ray starts, not per app: every container
+    of the RayService sets SERVE_ENV and HAProxy ingress as jobs.serve does for the Ray it starts."""
+    from jobs.serve import INGRESS_ENV, SERVE_ENV
+
+    (service,) = [doc for _, doc in DOCS if doc["kind"] == "RayService"]
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    containers = [c for pod in pods for c in pod["template"]["spec"]["containers"]]
+    want = {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": INGRESS_ENV["RAY_SERVE_ENABLE_HA_PROXY"]}
+    assert len(containers) == 2
+    for container in containers:
+        env = _container_env(container)
+        assert {k: env.get(k) for k in want} == want, container["name"]
+
+
 # ----------------------------------------------------------------------------- the cluster token's way
 
 # What makes `ctx submit` / `ctx jobs` send the cluster token (jobs/submit.py auth_headers and

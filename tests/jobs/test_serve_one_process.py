@@ -145,3 +145,55 @@ def test_a_burst_runs_in_few_large_passes_and_every_answer_is_its_own(app, refer
         np.testing.assert_allclose(r.json()["data"][0]["embedding"], reference[i], atol=TOL)
     passes = _passes(app) - before
     assert 1 <= passes <= BURST / 4, passes
+
+
+def test_an_update_replaces_the_only_replica_and_loses_no_request(app, minilm_dir, reference):
+    """Redeploying the app with a new setting replaces its single replica (Gateway and model in one):
+    requests sent throughout wait while the new replica loads, and every one is answered, right."""
+    import threading
+    import time
+
+    from ray import serve
+
+    from jobs import serve as ctx_serve
+    from jobs.serve_config import APP_NAME, ServeConfig
+
+    port = int(app.rsplit(":", 1)[1])
+    replica_before = _replica_ids()
+    stop, statuses, wrong = threading.Event(), [], []
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                i = k % len(MIXED_TEXTS)
+                r = c.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": MIXED_TEXTS[i], "normalize": True})
+                statuses.append(r.status_code)
+                if r.status_code == 200 and not np.allclose(r.json()["data"][0]["embedding"], reference[i], atol=TOL):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        config = {"port": port, "models": {"minilm": str(minilm_dir)}, "defaults": {"num_cpus": 1, "max_batch_size": 16}}
+        ctx_serve.run(ServeConfig.model_validate(config), blocking=False)  # returns once the new replica is healthy
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    assert serve.status().applications[APP_NAME].deployments["Gateway"].status == "HEALTHY"
+    deadline = time.monotonic() + 60  # the old replica drains for a moment after the new one is up
+    while _replica_ids() & replica_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert replica_before and _replica_ids() and not (_replica_ids() & replica_before), "the replica was not replaced"
+    assert len(statuses) > 20 and set(statuses) == {200}, sorted(set(statuses))
+    assert not wrong
+
+
+def _replica_ids() -> set[str]:
+    """The names of the Gateway's live replica actors (Serve names them SERVE_REPLICA::app#deployment#id)."""
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::") and "#Gateway#" in a["name"]}

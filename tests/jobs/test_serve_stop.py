@@ -7,6 +7,7 @@ descended from it, shared its process group or names its private Ray temp folder
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,11 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_ray_process(tmp_path, m
     started = _started_by(pid, ray_tmp)
     cmdlines = " ".join(cmd for _, cmd in started.values())
     assert "raylet" in cmdlines and "gcs_server" in cmdlines, cmdlines[:2000]  # we did find its Ray
+    # requests reach the replica through Serve's HAProxy ingress, whose files sit in a folder of this run's own
+    haproxy = [cmd for _, cmd in started.values() if cmd.split(" ")[0].endswith("/haproxy")]  # two while one reloads
+    assert haproxy, cmdlines[:2000]
+    haproxy_files = Path(re.search(r" -f (\S+)/[0-9a-f]+/haproxy\.cfg", haproxy[0]).group(1))
+    assert haproxy_files.name.startswith("ctx-hap-"), haproxy
 
     texts = [f"request {i}: the bank by the river approved a loan for the new boat house" for i in range(200)]
     results: list[tuple[int, int, float]] = []
@@ -154,6 +160,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_ray_process(tmp_path, m
     _wait_gone(pid, start_time, log)
     assert "draining" in log.read_text()
     _assert_nothing_left(started, ray_tmp, log)
+    assert not haproxy_files.exists()
 
 
 def test_sigint_stops_a_background_ctx_serve_too(tmp_path, minilm_dir):
