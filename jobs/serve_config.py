@@ -138,7 +138,7 @@ class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_ongoing_requests: int = Field(256, ge=1)
-    max_queued_requests: int = Field(512, ge=1)  # at the HTTP proxy; beyond it Serve answers 429
+    max_queued_requests: int = Field(512, ge=1)  # waiting for the Gateway (in its replica behind HAProxy); beyond it Serve answers 429
     num_cpus: float = Field(0.0, ge=0)
 
 
