@@ -3,7 +3,8 @@ in one replica, the model called in-process through a bounded queue (``LocalMode
 
 In-process: the queue bound answers Serve's BackPressureError (the Gateway's 429), a cancelled request
 stops the model's work. Served: the app is that single deployment, a burst of concurrent requests runs
-in few, large forward passes (``jobs.batching.Batcher``) and every answer equals the in-process vector.
+in few, large forward passes (``jobs.batching.Batcher``) and every answer equals the in-process vector;
+a client that hangs up stops its request's work; an update replaces the replica without losing a request.
 """
 
 from __future__ import annotations
@@ -145,6 +146,29 @@ def test_a_burst_runs_in_few_large_passes_and_every_answer_is_its_own(app, refer
         np.testing.assert_allclose(r.json()["data"][0]["embedding"], reference[i], atol=TOL)
     passes = _passes(app) - before
     assert 1 <= passes <= BURST / 4, passes
+
+
+def test_a_client_that_hangs_up_stops_its_requests_work(app):
+    """A request of 1500 texts (seconds of MiniLM passes) whose client closes the connection after 1 s:
+    the disconnect reaches the replica through the ingress and the request's texts still waiting are
+    dropped, so a request sent next is answered at once instead of after the rest of those passes."""
+    import time
+
+    def texts(n: int) -> list[str]:
+        return [f"text {i}: the bank by the river approved a loan for the new boat house" for i in range(n)]
+
+    start = time.monotonic()
+    assert httpx.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": texts(150)}, timeout=120).status_code == 200
+    per_text = (time.monotonic() - start) / 150  # this machine's pace, so the bound below holds on a slow one
+    n = 1500
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": texts(n)}, timeout=1.0)
+    start = time.monotonic()
+    r = httpx.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": "still here"}, timeout=120)
+    waited = time.monotonic() - start
+    assert r.status_code == 200
+    left_if_not_cancelled = n * per_text - 1.0
+    assert waited < 0.4 * left_if_not_cancelled, f"the next request waited {waited:.1f} s (the rest of the hung-up one: ~{left_if_not_cancelled:.1f} s)"
 
 
 def test_an_update_replaces_the_only_replica_and_loses_no_request(app, minilm_dir, reference):
