@@ -281,3 +281,34 @@ def test_token_budget_groups_edge_cases():
     assert token_budget_groups([10, 10, 10], 8, 30) == [[0, 1, 2]]  # exactly the budget; ties keep their order
     assert token_budget_groups([10, 10, 10], 2, 1000) == [[0, 1], [2]]  # max_rows
     assert token_budget_groups([5, 100, 3, 50, 50, 7], 4, 120) == [[2, 0, 5], [3, 4], [1]]
+
+
+def test_the_environment_a_serving_ray_starts_with(monkeypatch):
+    """``local_ray_env``: inside, HAProxy ingress with its own free ports and a folder for its files;
+    after, this process's environment as it was (children must not inherit the ports). What a user set
+    is kept, and RAY_SERVE_ENABLE_HA_PROXY=0 keeps the Python proxy."""
+    import os
+
+    from jobs import serve as ctx_serve
+
+    for var in [*ctx_serve.INGRESS_ENV, *ctx_serve.HAPROXY_PORT_VARS, *ctx_serve.HAPROXY_FILE_VARS]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")  # the user's own
+    before = dict(os.environ)
+    with ctx_serve.local_ray_env() as folder:
+        assert folder is not None and folder.is_dir() and folder.name.startswith("ctx-hap-")
+        assert {k: os.environ[k] for k in ctx_serve.INGRESS_ENV} == ctx_serve.INGRESS_ENV
+        assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+        ports = [int(os.environ[k]) for k in ctx_serve.HAPROXY_PORT_VARS[1:]]
+        assert len(set(ports)) == 3 and all(p > 1024 for p in ports)
+        assert os.environ["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] == str(folder)
+        assert os.environ["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(folder / "admin.sock")
+        assert len(str(folder / ("0" * 56) / "admin.sock")) <= 107  # Ray adds the node id; a Unix socket path's limit
+        assert all(os.environ[k] == v for k, v in ctx_serve.SERVE_ENV.items())
+    assert {k: v for k, v in os.environ.items() if k not in ctx_serve.SERVE_ENV} == {k: v for k, v in before.items() if k not in ctx_serve.SERVE_ENV}
+    folder.rmdir()
+
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    with ctx_serve.local_ray_env() as folder:
+        assert folder is None and "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ
+        assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in os.environ
