@@ -1515,22 +1515,16 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     return build_app(validate(dict(args), where="app_builder args"))
 
 
-def use_serve_env() -> None:
-    """SERVE_ENV in this process's environment, where not set already: call it before ``ray.init``
-    starts a local Ray, whose processes (the HTTP proxy among them) inherit it."""
-    for key, value in SERVE_ENV.items():
-        os.environ.setdefault(key, value)
-
-
 @contextlib.contextmanager
 def local_ray_env():
     """Wrap the ``ray.init`` that starts a local Ray for serving: its processes are spawned with this
-    environment and keep it, and this process's own is restored afterwards (a child process it starts
-    later must not inherit the ports). SERVE_ENV (as ``use_serve_env``), and unless
-    RAY_SERVE_ENABLE_HA_PROXY is "0" already, INGRESS_ENV with free ports for HAPROXY_PORT_VARS and
-    HAProxy's files in a new folder. Yields that folder (None without HAProxy): remove it once that Ray
-    has shut down. A variable set already is kept."""
-    use_serve_env()
+    environment and keep it. SERVE_ENV stays in this process's environment too (the same for every
+    Ray); the rest is removed afterwards (a child process it starts later must not inherit the ports):
+    unless RAY_SERVE_ENABLE_HA_PROXY is "0" already, INGRESS_ENV with free ports for HAPROXY_PORT_VARS
+    and HAProxy's files in a new folder. Yields that folder (None without HAProxy): remove it once that
+    Ray has shut down. A variable set already is kept."""
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
     added: dict[str, str] = {}
     folder = None
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "0":
