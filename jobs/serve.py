@@ -126,7 +126,7 @@ INGRESS_ENV = {
 }
 # Ports HAProxy mode opens besides host:port: its stats page and Prometheus exporter (on every interface),
 # and the Python proxy kept as a fallback. Fixed defaults (8404, 9101, 8500, 9500) would collide with a
-# second Serve on the machine; ``local_ray_env`` picks free ones unless they are set.
+# second Serve on the machine; ``local_ray_env`` picks free ones (``_spare_ports``) unless they are set.
 HAPROXY_PORT_VARS = (
     "RAY_SERVE_HAPROXY_STATS_PORT",
     "RAY_SERVE_HAPROXY_METRICS_PORT",
@@ -1531,7 +1531,8 @@ def local_ray_env():
         # Unix socket paths hold at most 107 bytes, and Ray adds a 56-character node id folder.
         folder = Path(tempfile.mkdtemp(prefix="ctx-hap-", dir="/tmp" if Path("/tmp").is_dir() else None))
         added.update(INGRESS_ENV)
-        added.update({var: str(_free_port()) for var in HAPROXY_PORT_VARS})
+        ports = _spare_ports(len(HAPROXY_PORT_VARS))
+        added.update({var: str(port) for var, port in zip(HAPROXY_PORT_VARS, ports)})
         added.update({var: str(folder / name) if name else str(folder) for var, name in HAPROXY_FILE_VARS.items()})
     added = {k: v for k, v in added.items() if k not in os.environ}
     os.environ.update(added)
@@ -1542,12 +1543,34 @@ def local_ray_env():
             os.environ.pop(key, None)
 
 
-def _free_port() -> int:
+# Where ``_spare_ports`` looks: above Ray's worker ports (10002-19999) and below direct ingress's (30000+).
+SPARE_PORTS = range(20000, 30000)
+
+
+def _spare_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on every interface now, outside the kernel's ephemeral range where it
+    can: Ray's own processes bind port 0 while they start, and took a port picked that way before
+    HAProxy bound it (a port from ``bind(("", 0))`` is released at once, so the kernel may hand it out
+    again)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    candidates = [p for p in SPARE_PORTS if not low <= p <= high] or list(SPARE_PORTS)
+    found: list[int] = []
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"no {n} free ports among {SPARE_PORTS.start}-{SPARE_PORTS.stop - 1} for HAProxy's side ports; set {', '.join(HAPROXY_PORT_VARS)}")
 
 
 def _ray_started_here() -> bool:
