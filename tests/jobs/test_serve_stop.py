@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_ray_process(tmp_path, m
     assert "draining" in log.read_text()
     _assert_nothing_left(started, ray_tmp, log)
     assert not haproxy_files.exists()
+    shutil.rmtree(ray_tmp, ignore_errors=True)  # its Ray's logs: kept only when the test fails
 
 
 def test_sigint_stops_a_background_ctx_serve_too(tmp_path, minilm_dir):
@@ -181,3 +183,4 @@ def test_sigint_stops_a_background_ctx_serve_too(tmp_path, minilm_dir):
     _wait_gone(pid, start_time, log)
     assert "SIGINT" in log.read_text()
     _assert_nothing_left(started, ray_tmp, log)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
