@@ -245,6 +245,29 @@ class StreamMemory:
         self.memory = extend_memory(memory, layer_inputs, valid, self.mem_len)
 
 
+class CarriesStreamMemory:
+    """The memory API of a pretraining model that owns a ``StreamMemory`` as ``self.stream``
+    (Transformer-XL's and XLNet's): what the training loop and evaluation call."""
+
+    stream: StreamMemory
+
+    @property
+    def mem_len(self) -> int:
+        return self.stream.mem_len
+
+    def set_mem_len(self, mem_len: int) -> None:
+        """Evaluation may use a longer memory than training (Transformer-XL: 150 -> 640 on WT103 base)."""
+        self.stream.set_mem_len(mem_len)
+
+    @property
+    def memory(self) -> Memory | None:
+        return self.stream.memory
+
+    def reset_all_memory(self) -> None:
+        """Forget every row's memory: before evaluation, after loading a checkpoint, on a new stream."""
+        self.stream.reset_all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Blocks
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +450,7 @@ class TransfoXLModel(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class TransfoXLForPreTraining(nn.Module):
+class TransfoXLForPreTraining(CarriesStreamMemory, nn.Module):
     """Causal LM over stream-ordered batches; carries each row's memory from call to call."""
 
     def __init__(self, cfg: TransfoXLConfig, generator: torch.Generator | None = None):
@@ -437,22 +460,6 @@ class TransfoXLForPreTraining(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.drop = nn.Dropout(cfg.dropout)
         self.stream = StreamMemory(cfg.mem_len)
-
-    @property
-    def mem_len(self) -> int:
-        return self.stream.mem_len
-
-    def set_mem_len(self, mem_len: int) -> None:
-        """Evaluation may use a longer memory than training (the paper: 150 -> 640 on WT103 base)."""
-        self.stream.set_mem_len(mem_len)
-
-    @property
-    def memory(self) -> Memory | None:
-        return self.stream.memory
-
-    def reset_all_memory(self) -> None:
-        """Forget every row's memory: before evaluation, after loading a checkpoint, on a new stream."""
-        self.stream.reset_all()
 
     def logits(self, h: Tensor) -> Tensor:
         return F.linear(self.drop(h), self.backbone.word_emb.weight, self.out_bias)  # (B, T, V)

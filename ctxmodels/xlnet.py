@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from ctxmodels.outputs import PretrainOutput
 from ctxmodels.transformer_xl import (
     Activation,
+    CarriesStreamMemory,
     Memory,
     PositionwiseFF,
     StreamMemory,
@@ -297,7 +298,7 @@ class XLNetModel(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class XLNetForPreTraining(nn.Module):
+class XLNetForPreTraining(CarriesStreamMemory, nn.Module):
     """Permutation LM over stream-ordered batches; carries each row's memory from call to call."""
 
     def __init__(self, cfg: XLNetConfig, generator: torch.Generator | None = None):
@@ -307,22 +308,6 @@ class XLNetForPreTraining(nn.Module):
         self.lm_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.drop = nn.Dropout(cfg.dropout)
         self.stream = StreamMemory(cfg.mem_len)
-
-    @property
-    def mem_len(self) -> int:
-        return self.stream.mem_len
-
-    def set_mem_len(self, mem_len: int) -> None:
-        """Evaluation may use a longer memory than training."""
-        self.stream.set_mem_len(mem_len)
-
-    @property
-    def memory(self) -> Memory | None:
-        return self.stream.memory
-
-    def reset_all_memory(self) -> None:
-        """Forget every row's memory: before evaluation, after loading a checkpoint, on a new stream."""
-        self.stream.reset_all()
 
     def logits(self, g: Tensor) -> Tensor:
         return F.linear(self.drop(g), self.backbone.word_emb.weight, self.lm_bias)  # (B, P, V)
