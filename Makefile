@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/finetune_throughput.py
 	$(BIN)/python benchmarks/baselines.py
 	$(BIN)/python benchmarks/serving.py
+	$(BIN)/python benchmarks/serving_floor.py
 	$(BIN)/python benchmarks/generate.py
 
 clean:
