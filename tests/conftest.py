@@ -166,14 +166,16 @@ def s3_bucket(s3_server):
 
 
 @pytest.fixture(scope="session")
-def ray_session(s3_server):
-    """One local Ray instance for the whole session (started after S3 so workers see AWS_*)."""
+def ray_session(request, s3_server):
+    """One local Ray instance for the whole session (started after S3 so workers see AWS_*). Its
+    temp folder (/tmp/ray-tests-*: sessions, logs) is removed at the end unless a test failed."""
     import ray
 
     from jobs import serve as ctx_serve
 
-    haproxy_files = None
+    haproxy_files = temp_dir = None
     if not ray.is_initialized():
+        temp_dir = tempfile.mkdtemp(prefix="ray-tests-")
         # started as `ctx serve` starts its own Ray, so the serving tests go through HAProxy ingress as users' requests do
         with ctx_serve.local_ray_env() as haproxy_files:
             ray.init(
@@ -183,7 +185,7 @@ def ray_session(s3_server):
                 include_dashboard=False,
                 log_to_driver=False,
                 logging_level="ERROR",
-                _temp_dir=tempfile.mkdtemp(prefix="ray-tests-"),
+                _temp_dir=temp_dir,
                 runtime_env={"env_vars": {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}},
             )
     yield ray
@@ -196,3 +198,5 @@ def ray_session(s3_server):
     ray.shutdown()
     if haproxy_files is not None:
         shutil.rmtree(haproxy_files, ignore_errors=True)
+    if temp_dir is not None and request.session.testsfailed == 0:
+        shutil.rmtree(temp_dir, ignore_errors=True)
