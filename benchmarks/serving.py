@@ -57,6 +57,9 @@ than on 2. ``--threads 1`` shows the comparison without that effect.
 Rounds: each round starts, loads and stops every side in turn; the order reverses every round so
 machine load falls on all alike. Numbers are medians over rounds. The machine is shared: compare
 ratios, not absolute numbers, across runs.
+
+How high ``serving_vs_limit`` can go on this machine at all: ``benchmarks/serving_floor.py`` (the CPU
+Serve's request path takes per request with no model behind it, and the ceiling that leaves).
 """
 
 from __future__ import annotations
