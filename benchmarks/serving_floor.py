@@ -68,8 +68,8 @@ def busy_cpu_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_path(clients: int, seconds: float, texts: list[str]) -> tuple[float, float, float]:
-    """(requests/s, machine CPU ms per request, client CPU ms per request) of the no-op Serve app."""
+def measure_path(clients: int, seconds: float, texts: list[str]) -> tuple[float, float, float, str]:
+    """(requests/s, machine CPU ms per request, client CPU ms per request, ingress) of the no-op Serve app."""
     import ray
     from ray import serve
 
@@ -101,9 +101,11 @@ def measure_path(clients: int, seconds: float, texts: list[str]) -> tuple[float,
     finally:
         serve.shutdown()
         ray.shutdown()
-        shutil.rmtree(haproxy_files, ignore_errors=True)
+        if haproxy_files is not None:
+            shutil.rmtree(haproxy_files, ignore_errors=True)
     n = load.texts
-    return n / load.seconds, machine / n * 1e3, load.client_cpu_s / n * 1e3
+    ingress = "HAProxy" if haproxy_files is not None else "Serve's Python proxy (no HAProxy here)"
+    return n / load.seconds, machine / n * 1e3, load.client_cpu_s / n * 1e3, ingress
 
 
 def main() -> None:
@@ -134,11 +136,11 @@ def main() -> None:
         print(f"in-process forward, {threads} thread(s): {limit[threads]:,.1f} texts/s")
     torch.set_num_threads(args.threads)
 
-    rate, machine_ms, client_ms = measure_path(args.clients, args.seconds, texts)
+    rate, machine_ms, client_ms, ingress = measure_path(args.clients, args.seconds, texts)
     path_ms = machine_ms - client_ms
     forward_ms = 1e3 / limit[1]  # one thread, busy the whole time: CPU ms per text
     ceiling = serving.CORES * 1e3 / (forward_ms + path_ms)
-    print(f"no-op Serve app: {rate:,.1f} requests/s, machine CPU {machine_ms:.2f} ms/request, "
+    print(f"no-op Serve app through {ingress}: {rate:,.1f} requests/s, machine CPU {machine_ms:.2f} ms/request, "
           f"of which the client's {client_ms:.2f}")
     print(f"forward_cpu_ms_per_text: {forward_ms:.2f}")
     print(f"path_cpu_ms_per_request: {path_ms:.2f}")
