@@ -46,7 +46,8 @@ from pydantic import BaseModel  # noqa: E402
 
 DIM = 384
 app = FastAPI()
-VECTOR = (lambda v: (v / np.linalg.norm(v)).tolist())(np.random.default_rng(0).standard_normal(DIM))
+_v = np.random.default_rng(0).standard_normal(DIM)
+VECTOR = (_v / np.linalg.norm(_v)).tolist()  # a unit vector, as normalised embeddings are
 
 
 class Body(BaseModel):  # here, not serving.EmbeddingsBody: the replica cannot import benchmarks/serving.py
@@ -85,14 +86,13 @@ def measure_path(clients: int, seconds: float, texts: list[str]) -> tuple[float,
         running = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", side=types.SimpleNamespace(path="/v1/embeddings"),
                                         body=lambda text: {"model": "noop", "input": text})
         deadline = time.monotonic() + 60
-        while True:  # HAProxy may take a moment to route to the replica
-            try:
-                asyncio.run(serving.generate_load(running, texts, [1] * len(texts), 1, 0.5))
+        while True:  # HAProxy may take a moment to route to the replica (errors come back counted, not raised)
+            warm = asyncio.run(serving.generate_load(running, texts, [1] * len(texts), 1, 0.5))
+            if warm.texts and not warm.errors:
                 break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the no-op server did not answer within 60 s: {warm.errors}")
+            time.sleep(1)
         cpu0 = busy_cpu_s()
         load = asyncio.run(serving.generate_load(running, texts, [1] * len(texts), clients, seconds))
         machine = busy_cpu_s() - cpu0
