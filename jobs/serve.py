@@ -117,7 +117,7 @@ SERVE_ENV = {
 # proxy and every replica read these when they start, so they work only as the environment a whole Ray
 # starts with: ``run`` starts its own Ray with them (``local_ray_env``); a cluster sets them on its nodes
 # (infra/kuberay/rayservice.yaml, infra/cluster/aws.yaml). Set RAY_SERVE_ENABLE_HA_PROXY=0 before
-# ``ctx serve`` to keep the Python proxy.
+# ``ctx serve`` to keep the Python proxy (kept too where no HAProxy binary exists: ``haproxy_binary``).
 INGRESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     # A deleted ingress replica keeps answering this long so that HAProxy stops routing to it first. Ray's
