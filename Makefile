@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/finetune_throughput.py
+	$(BIN)/python benchmarks/finetune_floor.py
 	$(BIN)/python benchmarks/baselines.py
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/serving_floor.py

@@ -29,7 +29,8 @@ Where ours is faster (same math): nothing is computed for padding (``ctxmodels.b
 token-wise layers on the real tokens, attention on groups of rows of similar length, each padded
 only to its own longest), sequence classification runs only [CLS] through the last block
 (``BertModel.first_token_state``), CPU training attention with 16-bit dropout draws
-(``ctxmodels.ops``).
+(``ctxmodels.ops``). How fast our step could be at most, with every op but the matrix products
+free: ``benchmarks/finetune_floor.py``.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def check_same_loss(ours: nn.Module, theirs: nn.Module, batch: dict[str, torch.T
     return a, b
 
 
-def bench(kind: str, rounds: int, dropout: float) -> float:
+def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], nn.Module, nn.Module]:
+    """The batches and the two models for ``kind``, after checking both give the same loss."""
     batches = make_batches(kind, SEED)
     ours, theirs = build_pair(kind, dropout)
     real = [int(b["attention_mask"].sum()) for b in batches]
@@ -163,10 +165,15 @@ def bench(kind: str, rounds: int, dropout: float) -> float:
     print(f"same model: loss ours {la:.6f} transformers {lb:.6f}")
     if abs(la - lb) > 1e-4:
         raise SystemExit("the two models disagree: the comparison would be meaningless")
-    sides = {"ours": make_step(ours, lambda b: b), "transformers": make_step(theirs, lambda b: b)}
+    return batches, ours, theirs
+
+
+def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per round for each side: every batch once, the sides taking turns step by step
+    (ABBA), after ``WARMUP_STEPS`` steps each."""
     for step in sides.values():
         for i in range(WARMUP_STEPS):
-            step(batches[i % N_BATCHES])
+            step(batches[i % len(batches)])
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
         spent = dict.fromkeys(sides, 0.0)
@@ -177,8 +184,15 @@ def bench(kind: str, rounds: int, dropout: float) -> float:
                 spent[name] += time.perf_counter() - t0
         for name in sides:
             seconds[name].append(spent[name])
-        rows = N_BATCHES * BATCH
+        rows = len(batches) * BATCH
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {rows / seconds[n][-1]:,.1f} rows/s" for n in sides))
+    return seconds
+
+
+def bench(kind: str, rounds: int, dropout: float) -> float:
+    batches, ours, theirs = prepare(kind, dropout)
+    sides = {"ours": make_step(ours, lambda b: b), "transformers": make_step(theirs, lambda b: b)}
+    seconds = time_rounds(sides, batches, rounds)
     med = {name: statistics.median(s) for name, s in seconds.items()}
     ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]
     print(f"{kind}: ours {N_BATCHES * BATCH / med['ours']:,.1f} rows/s ({med['ours'] / N_BATCHES * 1e3:.0f} ms/step), "
