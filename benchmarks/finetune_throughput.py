@@ -23,7 +23,9 @@ One timed step, both sides: forward with labels, ``loss.backward()``, ``clip_gra
 1.0)``, fused ``AdamW.step()`` (what transformers' Trainer uses by default with this PyTorch),
 ``zero_grad(set_to_none=True)``. A round times one step of each model on every batch, the two
 taking turns step by step (ABBA) so both run under the same machine load; rows/s are medians over
-rounds. The machine is shared: compare the ratios, not the absolute numbers.
+rounds. The machine is shared: compare the ratios, not the absolute numbers. ``--precision bf16``
+runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), as
+``train.precision: bf16`` trains on a CPU with AVX512-BF16 or AMX.
 
 Where ours is faster (same math): nothing is computed for padding (``ctxmodels.bert.Packing``:
 token-wise layers on the real tokens, attention on groups of rows of similar length, each padded
@@ -51,6 +53,8 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 
 BATCH, MAX_LEN = 32, 128
 N_BATCHES = 4
@@ -133,12 +137,14 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def make_step(model: nn.Module, inputs):
+def make_step(model: nn.Module, inputs, precision: str = "fp32"):
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=True)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(batch: dict[str, torch.Tensor]) -> None:
-        model(**inputs(batch)).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(**inputs(batch)).loss
+        loss.backward()
         nn.utils.clip_grad_norm_(params, MAX_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -189,9 +195,9 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
     return seconds
 
 
-def bench(kind: str, rounds: int, dropout: float) -> float:
+def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32") -> float:
     batches, ours, theirs = prepare(kind, dropout)
-    sides = {"ours": make_step(ours, lambda b: b), "transformers": make_step(theirs, lambda b: b)}
+    sides = {"ours": make_step(ours, lambda b: b, precision), "transformers": make_step(theirs, lambda b: b, precision)}
     seconds = time_rounds(sides, batches, rounds)
     med = {name: statistics.median(s) for name, s in seconds.items()}
     ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]
@@ -206,11 +212,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: both forwards under CPU bf16 autocast, as train.precision: bf16 trains on a CPU with "
+                             "AVX512-BF16 or AMX (default fp32)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), dropout {args.dropout}")
-    cls = bench("classification", args.rounds, args.dropout)
-    tag = bench("token-classification", args.rounds, args.dropout)
+    if args.precision == "bf16" and not cpu_has_native_bf16():
+        raise SystemExit("--precision bf16 needs a CPU with AVX512-BF16 or AMX (elsewhere training runs fp32)")
+    print(f"threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
+          f"dropout {args.dropout}, precision {args.precision}")
+    cls = bench("classification", args.rounds, args.dropout, args.precision)
+    tag = bench("token-classification", args.rounds, args.dropout, args.precision)
     print(f"speedup_vs_transformers_classification: {cls:.2f}")
     print(f"speedup_vs_transformers_token_classification: {tag:.2f}")
     print(f"speedup_vs_transformers: {min(cls, tag):.2f}")

@@ -8,6 +8,8 @@ On a GPU (``--device cuda``): both models and batches on the device, ``--precisi
 forwards and losses under ``torch.autocast(bfloat16)`` (fp32 weights and AdamW, as
 ``jobs.parallel.autocast`` in training), every timed step ends with ``torch.cuda.synchronize``, and
 MFU is against the GPU's datasheet dense peak for that precision (``ctxmodels.flops.device_peak_flops``).
+On a CPU with native bf16 products (AVX512-BF16 or AMX, where ``jobs.parallel.autocast`` trains in
+bf16), ``--precision bf16`` autocasts both sides the same way and MFU is against measured bf16 products.
 
 The same network on both sides: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 30522, exact GELU,
 post-LN, the decoder tied to the word embeddings, dropout 0.1 on hidden states and attention
@@ -70,6 +72,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
 from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
+from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
 
 BATCH, SEQ_LEN = 32, 128  # rows per batch (--batch), tokens per row
@@ -195,14 +198,15 @@ def main() -> None:
                              "flag (on CPU a Python loop over the parameters)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: both forwards under torch.autocast(bfloat16), CUDA only (default fp32)")
+                        help="bf16: both forwards under torch.autocast(bfloat16), on CUDA or a native-bf16 CPU (default fp32)")
     parser.add_argument("--preset", choices=("mini", "base"), default="mini", help="BERT size (default mini, 4 x 256)")
     parser.add_argument("--batch", type=int, default=BATCH, help=f"rows of {SEQ_LEN} tokens per step (default {BATCH})")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.precision == "bf16" and device.type != "cuda":
-        raise SystemExit("--precision bf16 needs --device cuda (training autocasts to bf16 on CUDA only)")
+    if args.precision == "bf16" and not (device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())):
+        raise SystemExit(f"--precision bf16 needs CUDA or a CPU with AVX512-BF16 or AMX (training runs fp32 on {device} here)")
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     rows = args.batch
 
     torch.manual_seed(SEED)
@@ -253,9 +257,9 @@ def main() -> None:
         for name in sides:
             seconds[name].append(spent[name])
         if device.type == "cpu":  # the CPU is shared: its peak is measured under the same load
-            peaks.append(measure_matmul_peak("cpu", torch.float32, n=2048, seconds=1.0))
+            peaks.append(measure_matmul_peak("cpu", dtype, n=2048, seconds=1.0))
         else:
-            peaks.append(device_peak_flops(device, torch.bfloat16 if args.precision == "bf16" else torch.float32))
+            peaks.append(device_peak_flops(device, dtype))
         print(f"round {r + 1}/{args.rounds}: "
               + ", ".join(f"{name} {tokens_per_round / seconds[name][-1]:,.0f} tokens/s" for name in sides)
               + f", peak {peaks[-1] / 1e9:.1f} GFLOP/s")
@@ -274,7 +278,7 @@ def main() -> None:
     print(f"per-round speedups: {', '.join(f'{x:.2f}' for x in round_ratios)} "
           f"(median {statistics.median(round_ratios):.2f})")
     if device.type == "cpu":
-        print(f"matmul peak:  {peak / 1e9:.1f} GFLOP/s (fp32 2048^3 products, {torch.get_num_threads()} threads, "
+        print(f"matmul peak:  {peak / 1e9:.1f} GFLOP/s ({args.precision} 2048^3 products, {torch.get_num_threads()} threads, "
               f"best of {len(peaks)} rounds)")
     else:
         print(f"peak:         {peak / 1e12:.1f} TFLOP/s ({args.precision}, the GPU's dense peak)")

@@ -452,6 +452,10 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
 
     device = ray.train.torch.get_device()
     plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
+    precision = parallel.step_precision(plan, device)  # what autocast() runs the step in
+    if rank == 0 and t.precision != precision:
+        print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
+              "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
     stream = iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True, device=device))  # Ray seam
     first = next(stream, None)
     if first is None:

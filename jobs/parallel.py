@@ -44,7 +44,7 @@ Precision = Literal["fp32", "bf16"]
 @dataclass(frozen=True)
 class ParallelPlan:
     strategy: Strategy = "ddp"  # replicate (DDP) or shard (FSDP2) the model across the workers
-    precision: Precision = "fp32"  # bf16: autocast on CUDA (bf16 matmuls, fp32 master weights/optimizer)
+    precision: Precision = "fp32"  # bf16: autocast on CUDA and native-bf16 CPUs (bf16 matmuls, fp32 master weights/optimizer)
     compile: bool = False  # torch.compile the wrapped model (DDP and FSDP2 both support compiling the wrapper)
 
     def __post_init__(self) -> None:
@@ -136,7 +136,7 @@ def _fully_shard(model: nn.Module, plan: ParallelPlan, device: torch.device) -> 
         # Gather bf16 copies for compute; reduce gradients in fp32; the sharded master stays fp32.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
-        mp = MixedPrecisionPolicy()  # fp32 gathers on CPU, where autocast() is off by default too
+        mp = MixedPrecisionPolicy()  # fp32 gathers on CPU: autocast() alone casts the products there
     modules = dict(model.named_modules())
     for name in units:
         fully_shard(modules[name], mesh=mesh, mp_policy=mp)
@@ -194,18 +194,38 @@ def _is_fsdp(model: nn.Module) -> bool:
 # The step: precision, gradient accumulation, clipping
 
 
-def autocast(plan: ParallelPlan, device: torch.device, allow_cpu: bool = False) -> ContextManager:
-    """bf16 autocast around forward (and loss) when ``plan.precision == "bf16"`` on CUDA.
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16, or AMX tiles), where oneDNN's bf16
+    products run about twice as fast as fp32 ones; elsewhere they are emulated, slower than fp32."""
+    cpu = torch.cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
-    On CPU it is a no-op unless ``allow_cpu=True``: CPU bf16 matmuls are emulated (slow) on most
-    CPUs without AMX/AVX512-BF16, and a recipe written for GPUs should give the fp32 numbers when
-    it is smoke-tested on a laptop or in CI. Parameters, gradients and optimizer state stay fp32
-    either way (autocast casts per op). Under FSDP on CUDA, wrap_model's MixedPrecisionPolicy also
-    gathers bf16 parameter copies and reduces gradients in fp32; autocast still runs the ops on its
-    fp32 list (softmax, LayerNorm, losses) in fp32.
+
+def step_precision(plan: ParallelPlan, device: torch.device) -> str:
+    """The precision the step really runs in: ``"bf16"`` where :func:`autocast` turns autocast on,
+    else ``"fp32"``. Say it where a run starts (and measure the MFU peak in it)."""
+    if plan.precision != "bf16" or device.type not in ("cuda", "cpu"):
+        return "fp32"
+    return "bf16" if device.type == "cuda" or cpu_has_native_bf16() else "fp32"
+
+
+def autocast(plan: ParallelPlan, device: torch.device, allow_cpu: bool | None = None) -> ContextManager:
+    """bf16 autocast around forward (and loss) when ``plan.precision == "bf16"``: on CUDA, and on
+    a CPU that multiplies bf16 in hardware (:func:`cpu_has_native_bf16`).
+
+    On another CPU it is a no-op and the step runs in fp32: bf16 products are emulated there, slower
+    than fp32 ones, so a recipe written for GPUs runs as fast as it can when it is smoke-tested on
+    a laptop. ``allow_cpu`` overrides the hardware check either way. Parameters, gradients and
+    optimizer state stay fp32 (autocast casts per op). Under FSDP on CUDA, wrap_model's
+    MixedPrecisionPolicy also gathers bf16 parameter copies and reduces gradients in fp32; autocast
+    still runs the ops on its fp32 list (softmax, LayerNorm, losses) in fp32.
     """
-    if plan.precision == "bf16" and (device.type == "cuda" or (device.type == "cpu" and allow_cpu)):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if plan.precision != "bf16":
+        return nullcontext()
+    if device.type == "cpu" and (cpu_has_native_bf16() if allow_cpu is None else allow_cpu):
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return nullcontext()
 
 

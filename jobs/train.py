@@ -468,6 +468,10 @@ def _train_loop(config: dict[str, Any], tok_dir: Path) -> None:
 
     device = ray.train.torch.get_device()
     plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
+    precision = parallel.step_precision(plan, device)  # what autocast() runs the step in
+    if rank == 0 and t.precision != precision:
+        print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
+              "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
     stream = train_batches(config, micro, device)
     first = next(stream, None)
     if first is None:
@@ -494,7 +498,7 @@ def _train_loop(config: dict[str, Any], tok_dir: Path) -> None:
     held_out = eval_batches(recipe, config["eval_shards"], tok_dir, micro, device) if config.get("eval_shards") else []
     log = SampleLog(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
     metrics_log = _metrics_log(run, ep, deadline) if rank == 0 else None
-    flops_per_sample, peak = _flops_and_peak(recipe, model_cfg, config.get("predicted_per_row"), device, rank, torch)
+    flops_per_sample, peak = _flops_and_peak(recipe, model_cfg, config.get("predicted_per_row"), device, precision, torch)
     t_start, start_step, epoch = time.perf_counter(), state.step, 0
 
     def interval_metrics() -> dict[str, Any]:
@@ -604,16 +608,17 @@ def _metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
         return None
 
 
-def _flops_and_peak(recipe: Recipe, model_cfg, predicted_per_row: int | None, device, rank: int, torch) -> tuple[float, float]:
-    """Model FLOPs per sample of a training step, and one worker's peak FLOP/s (the datasheet's
-    for known GPUs, else a measured matmul peak): what MFU is computed from. (0, 0) if unknown."""
+def _flops_and_peak(recipe: Recipe, model_cfg, predicted_per_row: int | None, device, precision: str, torch) -> tuple[float, float]:
+    """Model FLOPs per sample of a training step, and one worker's peak FLOP/s in the step's
+    ``precision`` (the datasheet's for known GPUs, else a measured matmul peak): what MFU is
+    computed from. (0, 0) if unknown."""
     from ctxmodels import flops
 
     try:
         per_sample = flops.train_flops_per_step(recipe.model.family, model_cfg, 1, recipe.data.seq_len, predicted_per_row)
     except (KeyError, ValueError, NotImplementedError):
         return 0.0, 0.0
-    dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     peak = flops.known_peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     if peak is None:
         # 1024 on CPU: one 2048 product takes 0.2 s on a thread, so warm-up and the three timed

@@ -12,6 +12,7 @@ Measured on 2 shared cores: ~16 s for the file with a warm inductor cache, ~28 s
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -22,20 +23,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctxmodels.registry import build_model
+from ctxmodels.registry import FAMILIES, build_model
+from jobs import parallel
 from jobs.parallel import (
     ParallelPlan,
     autocast,
     clip_grad_norm,
+    cpu_has_native_bf16,
     fsdp_units,
     full_optimizer_state,
     full_state_dict,
     load_full_optimizer_state,
     no_sync,
+    step_precision,
     unwrap,
     wrap_model,
 )
 from tests.conftest import free_port
+from tests.ctxmodels.test_flops import family_batch
 
 B, T = 4, 16  # global batch: 2 rows per rank
 WORLD = 2
@@ -368,18 +373,85 @@ def test_compiled_model_gives_the_eager_loss_and_the_original_names():
     assert list(full_state_dict(compiled)) == list(model.state_dict())
 
 
-def test_bf16_autocast_is_a_no_op_on_cpu_unless_asked():
+def test_bf16_autocast_on_cpu_follows_the_hardware(monkeypatch):
+    """train.precision: bf16 autocasts on a CPU with native bf16 products and runs fp32 on one
+    without (emulated bf16 is slower than fp32 there); ``allow_cpu`` overrides the check."""
     a, b = torch.randn(4, 8), torch.randn(8, 4)
     bf16 = ParallelPlan(precision="bf16")
-    with autocast(bf16, CPU):
-        assert not torch.is_autocast_enabled("cpu") and (a @ b).dtype == torch.float32
-    with autocast(bf16, CPU, allow_cpu=True):
-        assert (a @ b).dtype == torch.bfloat16
-    with autocast(ParallelPlan(), CPU, allow_cpu=True):
-        assert (a @ b).dtype == torch.float32
+    for native in (True, False):
+        monkeypatch.setattr(parallel, "cpu_has_native_bf16", lambda: native)
+        with autocast(bf16, CPU):
+            assert (a @ b).dtype == (torch.bfloat16 if native else torch.float32)
+        assert step_precision(bf16, CPU) == ("bf16" if native else "fp32")
+        with autocast(bf16, CPU, allow_cpu=not native):
+            assert (a @ b).dtype == (torch.float32 if native else torch.bfloat16)
+        with autocast(ParallelPlan(), CPU, allow_cpu=True):
+            assert (a @ b).dtype == torch.float32
+        assert step_precision(ParallelPlan(), CPU) == "fp32"
+        assert step_precision(bf16, torch.device("cuda")) == "bf16"
     if torch.cuda.is_available():
         ctx = autocast(bf16, torch.device("cuda"))
     else:
         with pytest.warns(UserWarning, match="CUDA is not available"):
             ctx = autocast(bf16, torch.device("cuda"))
     assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
+def test_native_bf16_is_what_the_cpu_flags_say():
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with AVX512-BF16 or AMX")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_training_on_a_native_bf16_cpu_learns(family):
+    """What train.precision: bf16 runs on such a CPU: under parallel.autocast every matrix product
+    of every family runs in bf16, the loss is its fp32 loss to bf16's precision, and it falls over
+    steps of fused AdamW on one batch with fp32 weights."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                torch.ops.aten.baddbmm.default}
+
+    class ProductDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[torch.dtype] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                self.seen += [a.dtype for a in args if isinstance(a, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128}, seed=0)
+    batch, _ = family_batch(family, cfg)
+    if "reset_memory" in batch:  # every call starts a new segment
+        batch["reset_memory"] = torch.ones_like(batch["reset_memory"])
+    plan = ParallelPlan(precision="bf16")
+    model.eval()
+    with torch.no_grad():
+        fp32 = model(**batch).loss
+        with autocast(plan, CPU), ProductDtypes() as dtypes:
+            bf16 = model(**batch).loss
+    assert dtypes.seen and set(dtypes.seen) == {torch.bfloat16}, f"{family}: products in {set(dtypes.seen)}"
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16, fp32, rtol=3e-2, atol=3e-2)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    losses = []
+    for _ in range(40):
+        with autocast(plan, CPU):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses), f"{family}: non-finite bf16 losses {losses}"
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, f"{family}: bf16 loss did not fall on a repeated batch: {first:.3f} -> {last:.3f}"
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "autocast must keep fp32 master weights"
