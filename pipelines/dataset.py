@@ -216,10 +216,26 @@ def work_units(spec: StreamSpec) -> list[dict[str, Any]]:
 # Stage 1: one shard -> rows (runs in a Ray Data actor; stateful only in the tokenizer).
 
 
+# A Hugging Face model folder is its tokenizer's folder too: what tokenizer_files leaves behind
+# (the same files ctxmodels.hf.tokenizer_files leaves out of a checkpoint's tokenizer/).
+NOT_TOKENIZER_FILES = frozenset({"config.json", "MANIFEST.json", "trainer_state.json", "generation_config.json"})
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx"})
+
+
 def tokenizer_files(local_dir: str | Path) -> dict[str, bytes]:
-    """A tokenizer folder as bytes, so actors on any node can rebuild it without shared disk."""
+    """A tokenizer folder's files as bytes, so actors on any node can rebuild it without shared disk.
+
+    ``local_dir`` is a tokenizer folder, a checkpoint (its ``tokenizer/``) or a Hugging Face model
+    folder: only the folder's own files travel, without model weights and configs (MiniLM's folder
+    is 88 MB, its tokenizer's files 0.8 MB; every tokenizer actor and training worker gets a copy).
+    """
     root = Path(local_dir)
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    if (root / "tokenizer").is_dir():
+        root = root / "tokenizer"
+    return {
+        p.name: p.read_bytes() for p in sorted(root.iterdir())
+        if p.is_file() and p.name not in NOT_TOKENIZER_FILES and p.suffix not in WEIGHT_SUFFIXES
+    }
 
 
 def tokenizer_dir_from_files(files: dict[str, bytes], root: str | Path) -> Path:

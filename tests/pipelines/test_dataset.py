@@ -147,3 +147,27 @@ def test_a_gpt2_tokenizer_packs_causal_rows_with_end_of_text_between_documents(g
     first = next(local_batches(spec, tok, batch_size=4, epoch=0, max_batches=1))
     real = first["attention_mask"] == 1  # unshifted causal targets: the rows themselves, padding ignored
     np.testing.assert_array_equal(first["labels"], np.where(real, first["input_ids"], -100))
+
+
+def test_tokenizer_files_of_a_model_folder_are_the_tokenizers_only(minilm_dir, tmp_path):
+    """An HF model folder is its own tokenizer folder: its weights (88 MB for MiniLM) must not ride
+    along to every tokenizer actor and training worker; the files that do load the same tokenizer,
+    and are the ones a checkpoint keeps of it (ctxmodels.hf.tokenizer_files)."""
+    from ctxmodels.hf import tokenizer_files as checkpoint_tokenizer_files
+    from pipelines.dataset import tokenizer_files, tokenizer_from_files
+    from pipelines.tokenizers import load_tokenizer
+
+    files = tokenizer_files(minilm_dir)
+    assert {"tokenizer.json", "vocab.txt", "tokenizer_config.json"} <= files.keys()
+    assert not {"model.safetensors", "config.json"} & files.keys() and sum(map(len, files.values())) < 2_000_000
+    assert sorted(files) == [p.name for p in checkpoint_tokenizer_files(minilm_dir)]
+    text = ["Tokenizers split naïve words: 東京, 🙂 and unaffable ones."]
+    got, want = tokenizer_from_files(files).encode_batch(text), load_tokenizer(minilm_dir).encode_batch(text)
+    assert [ids.tolist() for ids in got] == [ids.tolist() for ids in want] and len(want[0]) > 10
+
+    checkpoint = tmp_path / "checkpoint"  # a checkpoint folder: its tokenizer/, not its weights
+    (checkpoint / "tokenizer").mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    for name, data in files.items():
+        (checkpoint / "tokenizer" / name).write_bytes(data)
+    assert tokenizer_files(checkpoint) == files
