@@ -22,7 +22,6 @@ Last lines: ``tokenize_ratio: X`` and ``data_wait: X``.
 
 from __future__ import annotations
 
-import gzip
 import os
 import statistics
 import sys
@@ -109,7 +108,7 @@ def data_wait(out: Path) -> tuple[float, float]:
     result = pretrain(recipe, progress=False, log=lambda *_: None)
     waits = [m["data_wait"] for m in result.history if "data_wait" in m]
     steady = statistics.median(waits[1:]) if len(waits) > 1 else waits[0]
-    print(f"pretrain bert-tiny, 2 workers, seq 128, batch 32: data wait per logged interval "
+    print("pretrain bert-tiny, 2 workers, seq 128, batch 32: data wait per logged interval "
           + ", ".join(f"{w:.1%}" for w in waits))
     tps = [m["tokens_per_s"] for m in result.history[1:]]
     print(f"  tokens/s (median after the first interval): {statistics.median(tps):,.0f}")

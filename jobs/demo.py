@@ -37,7 +37,6 @@ def evaluate_mlm(model, batches) -> float:
 
 def main(steps: int = 300, port: int = 8000, verbose: bool = False) -> int:
     import httpx
-    import torch
 
     from ctxmodels.checkpoint import load_checkpoint
     from ctxmodels.registry import build_model

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ from jobs.loop import (
     Checkpointer,
     StepMeter,
     Stepper,
-    TrainState,
     build_optimizer,
     checkpoint_name,
     evaluate_batches,
