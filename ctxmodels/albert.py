@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ctxmodels.ops import Dropout
 from ctxmodels.outputs import PretrainOutput
 
 IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
@@ -123,7 +124,7 @@ class AlbertAttention(nn.Module):
         self.value = nn.Linear(cfg.d_model, cfg.d_model)
         self.dense = nn.Linear(cfg.d_model, cfg.d_model)
         self.attn_dropout = cfg.attn_dropout
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
@@ -146,7 +147,7 @@ class AlbertFeedForward(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
         self.act = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
         self.out = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -174,7 +175,7 @@ class AlbertModel(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.embedding_size)
         self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.embedding_size)
         self.emb_ln = nn.LayerNorm(cfg.embedding_size, eps=cfg.layer_norm_eps)
-        self.emb_drop = nn.Dropout(cfg.dropout)
+        self.emb_drop = Dropout(cfg.dropout)
         self.emb_proj = nn.Linear(cfg.embedding_size, cfg.d_model)  # the E -> C factorization
         n_attention = 1 if cfg.share in ("all", "attention") else cfg.n_layer
         n_ffn = 1 if cfg.share in ("all", "ffn") else cfg.n_layer
@@ -255,7 +256,7 @@ class AlbertForPreTraining(nn.Module):
         self.config = cfg
         self.backbone = AlbertModel(cfg)
         self.mlm_head = AlbertMLMHead(cfg)
-        self.sop_dropout = nn.Dropout(cfg.dropout)
+        self.sop_dropout = Dropout(cfg.dropout)
         self.sop_head = nn.Linear(cfg.d_model, 2) if cfg.sop else None  # on the pooled [CLS]
         for module in self.modules():
             self._init_weights(module, generator)

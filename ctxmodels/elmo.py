@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from ctxmodels.ops import Dropout
 from ctxmodels.outputs import PretrainOutput
 
 # (width, n_filters) of the paper's char CNN: 2048 filters in all (bilm-tf options file).
@@ -214,7 +215,7 @@ class ElmoModel(nn.Module):
             )
 
         self.fwd_lstms, self.bwd_lstms = stack(), stack()
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def _direction(self, lstms: nn.ModuleList, x, mask, state):
         outs, new_state, h = [], [], x
@@ -334,7 +335,7 @@ class ElmoForPreTraining(nn.Module):
         self.backbone = ElmoModel(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.lm_head_bwd = None if cfg.tie_softmax else nn.Linear(cfg.d_model, cfg.vocab_size)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.fwd_memory: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # not a parameter: never saved
         init_elmo_weights(self, generator)
 

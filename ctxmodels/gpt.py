@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ctxmodels.ops import Dropout
 from ctxmodels.outputs import PretrainOutput
 
 IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
@@ -147,7 +148,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.attn_dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None, cache: LayerCache | None = None) -> Tensor:
         """x (B, T, C); attn_mask (B or 1, 1, T, S + T) bool, or None for plain causal attention over
@@ -174,7 +175,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
         self.act = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.proj(self.act(self.fc(x))))  # (B, T, C)
@@ -212,7 +213,7 @@ class GPTModel(nn.Module):
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         # Post-LN outputs are already normalised; pre-LN ones need a last LayerNorm (GPT-2 §2.3).
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.norm == "pre" else nn.Identity()

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from ctxmodels import registry
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
+from ctxmodels.ops import Dropout
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
 TASK_KINDS: tuple[str, ...] = ("classification", "regression", "multiple-choice", "token-classification", "question-answering")
@@ -163,7 +164,7 @@ class TaskModel(nn.Module):
         d = 2 * cfg.d_model if family == "elmo" else cfg.d_model
         std = getattr(cfg, "init_std", 0.02)
         p = task.dropout if task.dropout is not None else getattr(cfg, "dropout", 0.1)
-        self.drop = nn.Dropout(p)
+        self.drop = Dropout(p)
         self.reads = "features" if task.features is not None else READS[family]
 
         # Feature-based: layer combination (+ learned scalar mix) and a task model.

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ctxmodels.ops import Dropout
 from ctxmodels.outputs import PretrainOutput
 
 LayerNormPlace = Literal["post", "pre"]
@@ -290,7 +291,7 @@ class PositionwiseFF(nn.Module):
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.ln = nn.LayerNorm(d_model, eps=eps)
-        self.drop = nn.Dropout(dropout)
+        self.drop = Dropout(dropout)
         self.act = activation_fn(activation)
         self.pre_ln = layer_norm == "pre"
 
@@ -315,8 +316,8 @@ class RelativeAttention(nn.Module):
         self.u = nn.Parameter(torch.zeros(H, Dh))  # global content bias, term (c)
         self.v_bias = nn.Parameter(torch.zeros(H, Dh))  # global position bias, term (d)
         self.ln = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.dropatt = nn.Dropout(cfg.dropatt)
+        self.drop = Dropout(cfg.dropout)
+        self.dropatt = Dropout(cfg.dropatt)
         self.pre_ln = cfg.layer_norm == "pre"
         self.scale = Dh**-0.5
 
@@ -408,7 +409,7 @@ class TransfoXLModel(nn.Module):
         self.cfg = cfg
         self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList([TransfoXLBlock(cfg) for _ in range(cfg.n_layer)])
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.emb_scale = cfg.d_model**0.5
         init_weights(self, cfg.init_std, generator)
 
@@ -458,7 +459,7 @@ class TransfoXLForPreTraining(CarriesStreamMemory, nn.Module):
         self.cfg = cfg
         self.backbone = TransfoXLModel(cfg, generator)
         self.out_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.stream = StreamMemory(cfg.mem_len)
 
     def logits(self, h: Tensor) -> Tensor:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ctxmodels.ops import Dropout
 from ctxmodels.outputs import PretrainOutput
 from ctxmodels.transformer_xl import (
     Activation,
@@ -141,7 +142,7 @@ class TwoStreamAttention(nn.Module):
         self.s_bias = nn.Parameter(torch.zeros(H, Dh))  # segment bias b (code: r_s_bias)
         self.seg_embed = nn.Parameter(torch.zeros(2, H, Dh))  # [s_same, s_diff]
         self.ln = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.scale = Dh**-0.5
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, r: Tensor, seg_diff: Tensor | None,
@@ -245,7 +246,7 @@ class XLNetModel(nn.Module):
         self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.mask_emb = nn.Parameter(torch.zeros(cfg.d_model))  # g^(0), the same for every target
         self.layers = nn.ModuleList([XLNetBlock(cfg) for _ in range(cfg.n_layer)])
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         init_weights(self, cfg.init_std, generator)  # Linear, Embedding, LayerNorm
         for m in self.modules():
             if isinstance(m, TwoStreamAttention):
@@ -306,7 +307,7 @@ class XLNetForPreTraining(CarriesStreamMemory, nn.Module):
         self.cfg = cfg
         self.backbone = XLNetModel(cfg, generator)
         self.lm_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.stream = StreamMemory(cfg.mem_len)
 
     def logits(self, g: Tensor) -> Tensor:
