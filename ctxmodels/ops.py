@@ -1,4 +1,4 @@
-"""Training kernels for the encoder families: dropout and the masked-LM loss, faster on CPU.
+"""Training kernels: dropout (every family's) and the masked-LM loss, faster on CPU.
 
 These are ops, not model blocks: each computes what its plain PyTorch counterpart does (the same
 distribution; the same loss and gradients up to float rounding) with fewer passes over memory.
