@@ -17,8 +17,8 @@ import torch
 
 from ctxmodels import ops
 from ctxmodels.registry import FAMILIES, build_model
-from jobs.parallel import ParallelPlan, autocast
 from tests.ctxmodels.test_flops import family_batch
+from tests.jobs.test_parallel import assert_bf16_training_learns
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -70,23 +70,7 @@ def test_fp32_forward_and_backward_on_cuda_equal_the_cpu(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_autocast_training_on_cuda_learns(family):
     _, model, batch = _tiny(family)
-    model.to(CUDA).train()
-    batch = _on(batch, CUDA)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    plan = ParallelPlan(precision="bf16")
-    losses = []
-    for _ in range(40):
-        with autocast(plan, CUDA):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses))), f"{family}: non-finite bf16 losses {losses}"
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.8 * first, f"{family}: bf16 loss did not fall on a repeated batch: {first:.3f} -> {last:.3f}"
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "autocast must keep fp32 master weights"
+    assert_bf16_training_learns(family, model.to(CUDA), _on(batch, CUDA), CUDA)
 
 
 def test_fused_masked_lm_loss_on_cuda_equals_cross_entropy():

@@ -440,11 +440,18 @@ def test_bf16_training_on_a_native_bf16_cpu_learns(family):
     assert dtypes.seen and set(dtypes.seen) == {torch.bfloat16}, f"{family}: products in {set(dtypes.seen)}"
     assert bf16.dtype == torch.float32
     torch.testing.assert_close(bf16, fp32, rtol=3e-2, atol=3e-2)
+    assert_bf16_training_learns(family, model, batch, CPU)
+
+
+def assert_bf16_training_learns(family: str, model, batch: dict, device: torch.device, steps: int = 40) -> None:
+    """40 steps of fused AdamW on one batch under ``autocast`` (bf16): the loss stays finite and
+    falls by a fifth, and the weights stay float32 (also tests/jobs/test_cuda.py's)."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    plan = ParallelPlan(precision="bf16")
     losses = []
-    for _ in range(40):
-        with autocast(plan, CPU):
+    for _ in range(steps):
+        with autocast(plan, device):
             loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
