@@ -25,7 +25,8 @@ One timed step, both sides: forward with labels, ``loss.backward()``, ``clip_gra
 taking turns step by step (ABBA) so both run under the same machine load; rows/s are medians over
 rounds. The machine is shared: compare the ratios, not the absolute numbers. ``--precision bf16``
 runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), as
-``train.precision: bf16`` trains on a CPU with AVX512-BF16 or AMX.
+``train.precision: bf16`` trains on a CPU with AVX512-BF16 or AMX. ``--compile``: both models under
+``torch.compile`` (inductor, dynamic shapes), compiled during the warm-up steps.
 
 Where ours is faster (same math): nothing is computed for padding (``ctxmodels.bert.Packing``:
 token-wise layers on the real tokens, attention on groups of rows of similar length, each padded
@@ -195,8 +196,10 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
     return seconds
 
 
-def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32") -> float:
+def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False) -> float:
     batches, ours, theirs = prepare(kind, dropout)
+    if compile:  # both sides; the warm-up steps compile (one graph per batch shape at most)
+        ours, theirs = torch.compile(ours, dynamic=True), torch.compile(theirs, dynamic=True)
     sides = {"ours": make_step(ours, lambda b: b, precision), "transformers": make_step(theirs, lambda b: b, precision)}
     seconds = time_rounds(sides, batches, rounds)
     med = {name: statistics.median(s) for name, s in seconds.items()}
@@ -215,14 +218,16 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: both forwards under CPU bf16 autocast, as train.precision: bf16 trains on a CPU with "
                              "AVX512-BF16 or AMX (default fp32)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile both models (inductor, dynamic shapes) before timing them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.precision == "bf16" and not cpu_has_native_bf16():
         raise SystemExit("--precision bf16 needs a CPU with AVX512-BF16 or AMX (elsewhere training runs fp32)")
     print(f"threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
-          f"dropout {args.dropout}, precision {args.precision}")
-    cls = bench("classification", args.rounds, args.dropout, args.precision)
-    tag = bench("token-classification", args.rounds, args.dropout, args.precision)
+          f"dropout {args.dropout}, precision {args.precision}, {'compiled' if args.compile else 'eager'}")
+    cls = bench("classification", args.rounds, args.dropout, args.precision, args.compile)
+    tag = bench("token-classification", args.rounds, args.dropout, args.precision, args.compile)
     print(f"speedup_vs_transformers_classification: {cls:.2f}")
     print(f"speedup_vs_transformers_token_classification: {tag:.2f}")
     print(f"speedup_vs_transformers: {min(cls, tag):.2f}")
