@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout
+from ctxmodels.ops import Dropout, Embedding
 from ctxmodels.outputs import PretrainOutput
 
 IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
@@ -171,7 +171,7 @@ class AlbertModel(nn.Module):
     def __init__(self, cfg: AlbertConfig):
         super().__init__()
         self.config = cfg
-        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.embedding_size, padding_idx=cfg.pad_token_id)
+        self.word_emb = Embedding(cfg.vocab_size, cfg.embedding_size, padding_idx=cfg.pad_token_id)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.embedding_size)
         self.type_emb = nn.Embedding(cfg.type_vocab_size, cfg.embedding_size)
         self.emb_ln = nn.LayerNorm(cfg.embedding_size, eps=cfg.layer_norm_eps)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, dropout, masked_lm_loss
+from ctxmodels.ops import Dropout, Embedding, dropout, masked_lm_loss
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -139,7 +139,7 @@ class BertEmbeddings(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.cfg = cfg
-        self.word = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.word = Embedding(cfg.vocab_size, cfg.d_model)  # ops.Embedding: CPU gradient buffer reused
         self.position = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
         self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout
+from ctxmodels.ops import Dropout, Embedding
 from ctxmodels.outputs import PretrainOutput
 
 LayerNormPlace = Literal["post", "pre"]
@@ -407,7 +407,7 @@ class TransfoXLModel(nn.Module):
     def __init__(self, cfg: TransfoXLConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
-        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.word_emb = Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList([TransfoXLBlock(cfg) for _ in range(cfg.n_layer)])
         self.drop = Dropout(cfg.dropout)
         self.emb_scale = cfg.d_model**0.5

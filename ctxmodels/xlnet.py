@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout
+from ctxmodels.ops import Dropout, Embedding
 from ctxmodels.outputs import PretrainOutput
 from ctxmodels.transformer_xl import (
     Activation,
@@ -243,7 +243,7 @@ class XLNetModel(nn.Module):
     def __init__(self, cfg: XLNetConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
-        self.word_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.word_emb = Embedding(cfg.vocab_size, cfg.d_model)
         self.mask_emb = nn.Parameter(torch.zeros(cfg.d_model))  # g^(0), the same for every target
         self.layers = nn.ModuleList([XLNetBlock(cfg) for _ in range(cfg.n_layer)])
         self.drop = Dropout(cfg.dropout)

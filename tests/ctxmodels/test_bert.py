@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -316,6 +317,75 @@ def test_dropout_keeps_one_minus_p_and_preserves_the_mean():
     a = ops.dropout(x, 0.3)
     torch.manual_seed(1)
     assert torch.equal(a, ops.dropout(x, 0.3))  # reproducible under torch.manual_seed
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_gradient_equals_nn_embeddings_and_reuses_its_buffer(padding_idx):
+    """ops.Embedding: nn.Embedding's output and weight gradient, written step after step into one
+    buffer (the .grad takes it without a copy); never into memory another tensor still holds."""
+    torch.manual_seed(0)
+    ours = ops.Embedding(50, 8, padding_idx=padding_idx)
+    plain = torch.nn.Embedding(50, 8, padding_idx=padding_idx)
+    plain.load_state_dict(ours.state_dict())
+    ids = torch.tensor([[3, 7, 7, 1], [3, 0, 49, 7]])
+    up = torch.randn(2, 4, 8)
+
+    def grads(module, accumulate: int = 1):
+        module.zero_grad(set_to_none=True)
+        for _ in range(accumulate):
+            (module(ids) * up).sum().backward()
+        return module.weight.grad
+
+    expected = grads(plain)
+    first = grads(ours)
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    memory = first.data_ptr()
+    del first
+    again = grads(ours)  # the last .grad was dropped: the same memory, zeroed and filled again
+    assert again.data_ptr() == memory
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    # Accumulating micro-batches: the .grad holds the buffer, so the next backward writes elsewhere.
+    torch.testing.assert_close(grads(ours, accumulate=3), grads(plain, accumulate=3), rtol=0, atol=0)
+    # A caller keeping the gradient: the next step does not overwrite it.
+    kept = grads(ours)
+    kept_copy = kept.clone()
+    ours.zero_grad(set_to_none=True)
+    ids2 = ids.flip(0)
+    (ours(ids2) * up).sum().backward()
+    assert torch.equal(kept, kept_copy) and ours.weight.grad.data_ptr() != kept.data_ptr()
+    # The table read twice in one graph: the second backward must not overwrite the first's result.
+    ours.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
+    (ours(ids).sum() + 3 * (ours(ids2) * up).sum()).backward()
+    (plain(ids).sum() + 3 * (plain(ids2) * up).sum()).backward()
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), plain(ids), rtol=0, atol=0)
+    # Copies carry no buffer; the state dict is nn.Embedding's.
+    assert copy.deepcopy(ours)._grad_buffer is None and ours._grad_buffer is not None
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_bert_training_gradients_are_unchanged_by_the_embedding_buffer():
+    """A whole model's step: every gradient equals the one nn.Embedding gives, on the second step too."""
+    model = tiny(dropout=0.0, attn_dropout=0.0).train()
+    batch = make_batch(model.cfg)
+    word = model.backbone.embeddings.word
+    assert isinstance(word, ops.Embedding) and isinstance(word, torch.nn.Embedding)
+    plain = torch.nn.Embedding(word.num_embeddings, word.embedding_dim)
+    plain.weight = word.weight
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours = [step(), step()]
+    model.backbone.embeddings.word = plain
+    reference = step()
+    for got in ours:
+        assert got.keys() == reference.keys()
+        for name in reference:
+            torch.testing.assert_close(got[name], reference[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("padded", [False, True])
