@@ -31,8 +31,10 @@ runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), 
 Where ours is faster (same math): nothing is computed for padding (``ctxmodels.bert.Packing``:
 token-wise layers on the real tokens, attention on groups of rows of similar length, each padded
 only to its own longest), sequence classification runs only [CLS] through the last block
-(``BertModel.first_token_state``), CPU training attention with 16-bit dropout draws
-(``ctxmodels.ops``). How fast our step could be at most, with every op but the matrix products
+(``BertModel.first_token_state``), token classification only its labelled positions (here all
+but [CLS], [SEP] and padding; ``BertModel.last_hidden_at``, as ``ctx finetune`` trains it), CPU
+training attention with 16-bit dropout draws, and the word embedding's gradient written into a
+buffer kept across steps instead of 47 MB of fresh pages every step (``ctxmodels.ops``). How fast our step could be at most, with every op but the matrix products
 free: ``benchmarks/finetune_floor.py``.
 """
 
@@ -153,10 +155,18 @@ def make_step(model: nn.Module, inputs, precision: str = "fp32"):
     return step
 
 
-def check_same_loss(ours: nn.Module, theirs: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+def our_inputs(kind: str):
+    """The keywords ``ctx finetune``'s training step gives our model (``jobs.finetune.train_inputs``):
+    token classification computes its head and last block at the labelled positions only."""
+    if kind == "token-classification":
+        return lambda b: {**b, "labelled_positions_only": True}
+    return lambda b: b
+
+
+def check_same_loss(ours: nn.Module, theirs: nn.Module, batch: dict[str, torch.Tensor], inputs) -> tuple[float, float]:
     ours.eval(), theirs.eval()
     with torch.no_grad():
-        a, b = ours(**batch).loss.item(), theirs(**batch).loss.item()
+        a, b = ours(**inputs(batch)).loss.item(), theirs(**batch).loss.item()
     ours.train(), theirs.train()
     return a, b
 
@@ -168,7 +178,7 @@ def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], n
     real = [int(b["attention_mask"].sum()) for b in batches]
     shape = [tuple(b["input_ids"].shape) for b in batches]
     print(f"\n{kind}: batches {shape}, real tokens {real} ({sum(real) / sum(a * b for a, b in shape):.0%} of positions)")
-    la, lb = check_same_loss(ours, theirs, batches[0])
+    la, lb = check_same_loss(ours, theirs, batches[0], our_inputs(kind))
     print(f"same model: loss ours {la:.6f} transformers {lb:.6f}")
     if abs(la - lb) > 1e-4:
         raise SystemExit("the two models disagree: the comparison would be meaningless")
@@ -200,7 +210,7 @@ def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compi
     batches, ours, theirs = prepare(kind, dropout)
     if compile:  # both sides; the warm-up steps compile (one graph per batch shape at most)
         ours, theirs = torch.compile(ours, dynamic=True), torch.compile(theirs, dynamic=True)
-    sides = {"ours": make_step(ours, lambda b: b, precision), "transformers": make_step(theirs, lambda b: b, precision)}
+    sides = {"ours": make_step(ours, our_inputs(kind), precision), "transformers": make_step(theirs, lambda b: b, precision)}
     seconds = time_rounds(sides, batches, rounds)
     med = {name: statistics.median(s) for name, s in seconds.items()}
     ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]

@@ -178,13 +178,22 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # rows: [query; key; value]
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
-        """``x`` (B, T, D), or (N, D) real tokens only when ``packing`` says where they sit."""
+    def forward(
+        self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None, rows: Tensor | None = None
+    ) -> Tensor:
+        """``x`` (B, T, D), or (N, D) real tokens only when ``packing`` says where they sit.
+
+        ``rows`` (M,): the output at those tokens only, (M, D), indices into the N packed rows (or
+        the B * T positions without packing); every token still serves as a key and a value.
+        """
         qkv = self.qkv(x)  # (B, T, 3D) or (N, 3D)
         if packing is None:
-            return self.proj(self.attend(qkv, attn_mask))
+            y = self.attend(qkv, attn_mask)  # (B, T, D)
+            if rows is not None:
+                y = y.reshape(-1, y.shape[-1]).index_select(0, rows)  # (M, D)
+            return self.proj(y)
         ys = [self.attend(group, mask) for group, mask in packing.groups(qkv)]  # (b, t, D) per length group
-        return self.proj(packing.ungroup(ys))  # (N, D): padding queries are dropped before the output projection
+        return self.proj(packing.ungroup(ys, rows))  # (N or M, D): padding queries are dropped before the projection
 
     def attend(self, qkv: Tensor, attn_mask: Tensor | None) -> Tensor:
         """(B, T, 3D) projected queries, keys and values -> (B, T, D) attention output."""
@@ -268,6 +277,13 @@ class BertBlock(nn.Module):
         x = self.ln1(x + self.drop(self.attn(x, attn_mask, packing)))
         x = self.ln2(x + self.drop(self.ffn(x)))
         return x
+
+    def at_rows(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None", rows: Tensor) -> Tensor:
+        """(M, D): this block's output at ``rows`` only (see ``SelfAttention.forward``): the output
+        projection, feed-forward layer and LayerNorms run for those tokens alone."""
+        h = x.reshape(-1, x.shape[-1]).index_select(0, rows)  # (M, D), the residual stream at rows
+        h = self.ln1(h + self.drop(self.attn(x, attn_mask, packing, rows)))
+        return self.ln2(h + self.drop(self.ffn(h)))
 
     def first_row(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
         """(B, D): this block's output at position 0 only (see ``SelfAttention.first_query``)."""
@@ -384,10 +400,20 @@ class Packing:
         views = [g.view(b, t, x.shape[-1]) for g, (b, t) in zip(slots.split(sizes), self.group_shapes)]
         return list(zip(views, self.masks))
 
-    def ungroup(self, ys: list[Tensor]) -> Tensor:
-        """Per group (b, t, C) -> (N, C) packed: each real token's slot; padding slots dropped."""
+    def ungroup(self, ys: list[Tensor], rows: Tensor | None = None) -> Tensor:
+        """Per group (b, t, C) -> (N, C) packed: each real token's slot; padding slots dropped.
+        With ``rows`` (M,), packed row indices: those rows only, (M, C)."""
         slots = torch.cat([y.reshape(-1, y.shape[-1]) for y in ys])  # (S, C)
-        return slots.index_select(0, self.slot_of_row)
+        return slots.index_select(0, self.slot_of_row if rows is None else self.slot_of_row[rows])
+
+    def rows_at(self, positions: Tensor) -> Tensor:
+        """(M,) indices into the B * T positions, ascending -> (M,) their packed rows."""
+        rows = torch.searchsorted(self.keep, positions).clamp_(max=self.keep.numel() - 1)  # keep is ascending
+        padding = self.keep[rows] != positions  # (M,)
+        if bool(padding.any()):
+            bad = [divmod(int(p), self.seq_len) for p in positions[padding][:5]]
+            raise ValueError(f"positions {bad} (row, column) are padding (attention_mask 0): only real tokens are computed")
+        return rows
 
     def group_rows(self, x: Tensor) -> list[Tensor]:
         """(B, C), one row per sequence -> per group (b, C), in the groups' order."""
@@ -459,6 +485,31 @@ class BertModel(nn.Module):
         for block in self.layers[:-1]:
             x = block(x, attn_mask, packing)
         return self.layers[-1].first_row(x, attn_mask, packing)
+
+    def last_hidden_at(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        where: Tensor | None = None,
+    ) -> Tensor:
+        """(M, D): the last hidden state at the (B, T) positions where ``where`` is True, in
+        row-major order; ``hidden_states(...)[-1][where]``.
+
+        The last block runs its output projection, feed-forward layer and LayerNorms for those
+        positions only (keys and values come from every token): token classification trains on
+        the labelled positions, and a word's other pieces, [CLS] and [SEP] carry no label.
+        Positions must hold real tokens (``attention_mask`` 1).
+        """
+        x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
+        positions = where.reshape(-1).nonzero().squeeze(1)  # (M,) indices into B * T
+        if packing is not None:
+            x, rows = packing.pack(x), packing.rows_at(positions)  # (N, D), (M,)
+        else:
+            rows = positions
+        for block in self.layers[:-1]:
+            x = block(x, attn_mask, packing)
+        return self.layers[-1].at_rows(x, attn_mask, packing, rows)
 
     def _embed(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None):
         """(embedding output (B, T, D), attention mask for SDPA or None, Packing or None)."""

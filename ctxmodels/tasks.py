@@ -31,6 +31,11 @@ table (sec. 5.3): the backbone's layers are combined (``ctxmodels.features.combi
 feed a linear layer or a 2-layer BiLSTM (``task_model``). Token tasks read each token's output;
 sequence tasks the mean over real tokens.
 
+Training token classification with ``labelled_positions_only=True`` (what ``ctx finetune`` does)
+computes the head, and for BERT-family backbones the last block's output projection, feed-forward
+layer and LayerNorms (``BertModel.last_hidden_at``), only where a label sits: the loss and every
+gradient are those of the full computation, and ``logits`` holds those positions' rows.
+
 Shape legend:
     B  batch      K  options (multiple choice) or 2 orders (symmetric)      T  tokens
     D  width of the backbone's states          L  labels
@@ -237,6 +242,16 @@ class TaskModel(nn.Module):
             h = self.encoder(h, mask)
         return h
 
+    def labelled_vectors(
+        self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None, where: Tensor
+    ) -> Tensor:
+        """(M, D'): ``token_vectors(...)[where]``, where (B, T) marks the positions to read. A
+        backbone with ``last_hidden_at`` computes its last block at those positions alone."""
+        fast = getattr(self.backbone, "last_hidden_at", None)
+        if fast is not None and self.reads != "features" and not self.task.freeze:
+            return fast(input_ids, attention_mask, token_type_ids, where)
+        return self.token_vectors(input_ids, attention_mask, token_type_ids)[where]
+
     def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
         """(B, D'): what sequence-level heads read (see the module docstring)."""
         if self.reads == "first":
@@ -271,7 +286,11 @@ class TaskModel(nn.Module):
         labels: Tensor | None = None,
         start_positions: Tensor | None = None,
         end_positions: Tensor | None = None,
+        labelled_positions_only: bool = False,
     ) -> TaskOutput:
+        """``labelled_positions_only`` (token classification with ``labels``): compute the head
+        only where ``labels != -100``; ``logits`` is then (M, L), those positions in row-major
+        order, and the loss and gradients are the same (see the module docstring)."""
         kind = self.task.kind
         grouped = input_ids.dim() == 3  # (B, K, T): options, or both orders of a symmetric pair
         B = input_ids.shape[0]
@@ -291,6 +310,11 @@ class TaskModel(nn.Module):
                 logits = logits.view(B, -1)  # (B, K)
             elif kind == "regression":
                 logits = logits.squeeze(-1)  # (B,)
+        elif labelled_positions_only and kind == "token-classification" and labels is not None:
+            where = labels != IGNORE_INDEX  # (B, T)
+            h = self.labelled_vectors(input_ids, attention_mask, token_type_ids, where)  # (M, D)
+            logits = self.classifier(self.drop(h))  # (M, L)
+            labels = labels[where]  # (M,), the loss below reads them as it reads (B, T) labels
         else:
             h = self.drop(self.token_vectors(input_ids, attention_mask, token_type_ids))  # (B, T, D)
             head = self.qa_outputs if kind == "question-answering" else self.classifier

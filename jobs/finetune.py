@@ -331,6 +331,16 @@ def task_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def train_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """``task_inputs`` for a training step: token classification computes its head (and a BERT
+    family's last block) at the labelled positions only (``TaskModel.forward``); the loss and the
+    gradients are the same, and training reads no logits."""
+    out = task_inputs(batch)
+    if "labels" in out and out["labels"].dim() >= 2:  # token labels: (B, T)
+        out["labelled_positions_only"] = True
+    return out
+
+
 def _pad_time(x: np.ndarray, length: int, fill: float) -> np.ndarray:
     """(B, t, ...) -> (B, length, ...) padded with ``fill`` (batches were trimmed to their rows)."""
     if x.shape[1] == length:
@@ -465,7 +475,7 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
     load_optimizer(wrapped, optimizer, resumed)
     schedule = partial(lr_factor, warmup_samples=config["warmup_steps"] * t.batch_size, total_samples=total * t.batch_size)
-    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip, inputs=task_inputs,
+    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip, inputs=train_inputs,
                       max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
     meter = StepMeter()
     checkpointer = Checkpointer(

@@ -536,6 +536,62 @@ def test_skipping_padding_changes_no_loss_logit_or_gradient(family, kind, attn_d
         torch.testing.assert_close(skipped_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta", "albert", "gpt", "xlnet"])
+@pytest.mark.parametrize("rows", ["random", "full"])
+@pytest.mark.parametrize("skip_padding", [True, False])
+@pytest.mark.parametrize("attn_dropout", [0.0, 1e-6])
+def test_labelled_positions_only_changes_no_loss_logit_or_gradient(family, rows, skip_padding, attn_dropout):
+    """Token classification trained on its labelled positions only (the last block and the head
+    computed there, BertModel.last_hidden_at; other families read the full states) gives the full
+    computation's loss, its logits at those positions and every gradient."""
+    from ctxmodels import registry
+    from ctxmodels.registry import make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+
+    fields = {f.name for f in dataclasses.fields(registry.family_spec(family).config_cls)}
+    if attn_dropout and "attn_dropout" not in fields:
+        pytest.skip(f"{family} has no attn_dropout")
+    overrides = {"dropout": 0.0, "attn_dropout": attn_dropout}
+    cfg = make_config(family, "tiny", {k: v for k, v in overrides.items() if k in fields})
+    task = TaskConfig(kind="token-classification", num_labels=5)
+    model = build_task_model(family, cfg, task, torch.Generator().manual_seed(0)).train()
+    if hasattr(model.backbone, "skip_padding"):
+        model.backbone.skip_padding = skip_padding
+    elif not skip_padding:
+        pytest.skip("only BERT-family backbones skip padding")
+    Bn, Tn = 9, 12
+    lengths = random_lengths(Bn, Tn, seed=5) if rows == "random" else [Tn] * Bn
+    g = torch.Generator().manual_seed(6)
+    mask = lengths_mask(lengths, Tn)
+    pad_id = getattr(cfg, "pad_token_id", 0)
+    ids = torch.randint(5, cfg.vocab_size, (Bn, Tn), generator=g).masked_fill(mask == 0, pad_id)
+    labels = torch.randint(0, 5, (Bn, Tn), generator=g)
+    unlabelled = torch.rand(Bn, Tn, generator=g) < 0.3  # a word's later pieces, [CLS], [SEP]
+    labels = labels.masked_fill(unlabelled | (mask == 0), -100)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+    def step(**flag):
+        model.zero_grad(set_to_none=True)
+        out = model(**batch, **flag)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    fast, fast_grads = step(labelled_positions_only=True)
+    full, full_grads = step()
+    where = labels != -100
+    assert fast.logits.shape == (int(where.sum()), 5)
+    torch.testing.assert_close(fast.loss, full.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.logits, full.logits[where], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.metrics["token_acc"], full.metrics["token_acc"])
+    assert fast_grads.keys() == full_grads.keys() and len(full_grads) > 0
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    if family == "bert" and skip_padding and rows == "random":
+        labels_at_padding = labels.masked_fill(mask == 0, 1)
+        with pytest.raises(ValueError, match=r"are padding \(attention_mask 0\)"):
+            model(**{**batch, "labels": labels_at_padding}, labelled_positions_only=True)
+
+
 def test_full_rows_build_no_packing(monkeypatch):
     """Pretraining packs full rows: a mask of all ones is dropped and nothing is gathered."""
     def refuse(attention_mask):

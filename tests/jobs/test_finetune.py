@@ -30,6 +30,23 @@ RECIPES = sorted((REPO / "configs" / "finetune").glob("*.yaml"))
 # Recipes (in-process, no Ray)
 
 
+def test_training_steps_compute_token_heads_at_labelled_positions_only():
+    """The training step's keywords: task_inputs' trimmed columns, plus labelled_positions_only for
+    token labels (B, T) alone; validation's keywords stay task_inputs' (full logits)."""
+    import torch
+
+    from jobs.finetune import task_inputs, train_inputs
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    tokens = dict(input_ids=mask * 7, attention_mask=mask, labels=torch.full((2, 5), -100), _rows=torch.arange(2))
+    got = train_inputs(tokens)
+    assert got.pop("labelled_positions_only") is True
+    assert got.keys() == task_inputs(tokens).keys() == {"input_ids", "attention_mask", "labels"}
+    assert got["labels"].shape == (2, 3)  # trimmed to the longest real row
+    pairs = dict(input_ids=mask * 7, attention_mask=mask, labels=torch.tensor([0, 1]))
+    assert "labelled_positions_only" not in train_inputs(pairs)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_shipped_finetune_recipe_loads(path):
     recipe = load_finetune_recipe(path)
