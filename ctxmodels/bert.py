@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, Embedding, dropout, masked_lm_loss
+from ctxmodels.ops import Dropout, Embedding, dropout, keep_mask, masked_lm_loss
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -192,6 +192,9 @@ class SelfAttention(nn.Module):
             if rows is not None:
                 y = y.reshape(-1, y.shape[-1]).index_select(0, rows)  # (M, D)
             return self.proj(y)
+        if self.training and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"):
+            layout = packing.head_layout(self.n_head, qkv.dtype)
+            return self.proj(PackedAttention.apply(qkv, layout, self.attn_dropout, rows))  # (N or M, D)
         ys = [self.attend(group, mask) for group, mask in packing.groups(qkv)]  # (b, t, D) per length group
         return self.proj(packing.ungroup(ys, rows))  # (N or M, D): padding queries are dropped before the projection
 
@@ -376,6 +379,15 @@ class Packing:
         real_slots = torch.cat(real).nonzero().squeeze(1)  # (N,)
         # (N,): the slot of each packed row (its own position in its group)
         self.slot_of_row = torch.empty_like(self.keep).index_copy_(0, self.slots[real_slots], real_slots)
+        self._head_layouts: dict[tuple[int, torch.dtype], HeadLayout] = {}
+
+    def head_layout(self, n_head: int, dtype: torch.dtype) -> "HeadLayout":
+        """The groups laid out head by head for ``PackedAttention`` (made once per batch: every
+        layer shares it)."""
+        key = (n_head, dtype)
+        if key not in self._head_layouts:
+            self._head_layouts[key] = HeadLayout(self, n_head, dtype)
+        return self._head_layouts[key]
 
     @property
     def attention_pairs(self) -> int:
@@ -422,6 +434,113 @@ class Packing:
     def ungroup_rows(self, ys: list[Tensor]) -> Tensor:
         """Per group (b, C) -> (B, C) in batch order."""
         return torch.cat(ys).index_select(0, self.order_inverse)
+
+
+class HeadLayout:
+    """Index tables that move a packed batch's attention between its (N, 3D) projections and its
+    length groups head by head, each in one gather (``PackedAttention``).
+
+    Rows are head vectors (Dh floats). A group (b, t) holds its queries, keys and values as
+    (3, b * H, t, Dh), the layout ``bmm`` reads, one group after another ("grouped"); its outputs
+    as (b * H, t, Dh), likewise ("outputs"). ``to_grouped`` (S * 3H,) gives the projected row of
+    every grouped row (padding slots read their sequence's first token, as ``Packing.groups``);
+    ``from_grouped`` (N * 3H,) the grouped row of each token's (part, head) at its own slot;
+    ``outputs`` (N, H) the output row of each token's head. ``biases``: per group (b * H, 1, t),
+    0 for real keys and the dtype's lowest value for padding keys, so one ``baddbmm`` adds it.
+    """
+
+    def __init__(self, packing: Packing, n_head: int, dtype: torch.dtype):
+        H = n_head
+        device = packing.slots.device
+        self.shapes = packing.group_shapes
+        self.n_head = H
+        to_grouped, grouped_of_slot, output_of_slot, self.biases = [], [], [], []
+        slot0, grouped0, output0 = 0, 0, 0
+        parts, heads = torch.arange(3, device=device), torch.arange(H, device=device)
+        for (b, t), mask in zip(self.shapes, packing.masks):
+            rows = packing.slots[slot0 : slot0 + b * t].view(b, t)  # packed row of each slot
+            # grouped (3, b, H, t) <- projected row (row * 3 + part) * H + head
+            src = (rows[None, :, None, :] * 3 + parts[:, None, None, None]) * H + heads[None, None, :, None]
+            to_grouped.append(src.reshape(-1))
+            here = torch.arange(3 * b * H * t, device=device).view(3, b, H, t) + grouped0
+            grouped_of_slot.append(here.permute(1, 3, 0, 2).reshape(b * t, 3 * H))  # slot -> its (part, head) rows
+            out = torch.arange(b * H * t, device=device).view(b, H, t) + output0
+            output_of_slot.append(out.permute(0, 2, 1).reshape(b * t, H))  # slot -> its heads' output rows
+            bias = torch.zeros(b, 1, t, dtype=dtype, device=device)
+            if mask is not None:
+                bias.masked_fill_(~mask.view(b, 1, t), torch.finfo(dtype).min)
+            self.biases.append(bias.repeat_interleave(H, dim=0))  # (b * H, 1, t)
+            slot0, grouped0, output0 = slot0 + b * t, grouped0 + 3 * b * H * t, output0 + b * H * t
+        self.to_grouped = torch.cat(to_grouped)  # (S * 3H,)
+        self.n_grouped, self.n_outputs = grouped0, output0
+        self.from_grouped = torch.cat(grouped_of_slot)[packing.slot_of_row].reshape(-1)  # (N * 3H,)
+        self.outputs = torch.cat(output_of_slot)[packing.slot_of_row]  # (N, H)
+
+
+class PackedAttention(torch.autograd.Function):
+    """Attention of a packed batch over its length groups, forward and backward written out: what
+    ``SelfAttention.attend_with_dropout`` computes on each of ``Packing.groups`` (and SDPA without
+    dropout), for every group of a layer at once.
+
+    Autograd would record some 40 ops per layer here (gathers, per-group copies to and from the
+    head-major layout, masks, products, softmax, dropout) for a few MFLOP of attention: on CPU
+    their overhead, not the arithmetic, was most of the attention's time. Here the projections
+    reach the grouped layout in one gather and leave it in one; the padding biases are made once
+    per batch (``HeadLayout``); one dropout draw covers every group; the backward writes each
+    group's gradients straight into place.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, layout: HeadLayout, p: float, rows: Tensor | None) -> Tensor:
+        """qkv (N, 3D) -> (N, D), or (M, D) at ``rows`` (packed row indices)."""
+        N, D = qkv.shape[0], qkv.shape[1] // 3
+        H = layout.n_head
+        Dh = D // H
+        scale = 1.0 / math.sqrt(Dh)
+        grouped = qkv.reshape(N * 3 * H, Dh).index_select(0, layout.to_grouped)  # (S * 3H, Dh)
+        sizes = [b * H * t * t for b, t in layout.shapes]
+        masks = keep_mask(torch.Size([sum(sizes)]), p, qkv.dtype).split(sizes) if p > 0 else [None] * len(sizes)
+        probs, outs, g0 = [], [], 0
+        for (b, t), bias, mask in zip(layout.shapes, layout.biases, masks):
+            q, k, v = grouped[g0 : g0 + 3 * b * H * t].view(3, b * H, t, Dh).unbind(0)
+            g0 += 3 * b * H * t
+            prob = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale).softmax(dim=-1)  # (bH, t, t)
+            probs.append(prob)
+            kept = prob if mask is None else prob * mask.view(b * H, t, t)
+            outs.append(torch.bmm(kept, v).view(b * H * t, Dh))
+        picked = layout.outputs if rows is None else layout.outputs[rows]  # (N or M, H)
+        ctx.picked = picked.reshape(-1)
+        ctx.save_for_backward(grouped)
+        ctx.probs, ctx.masks, ctx.layout, ctx.scale, ctx.n_rows = probs, masks, layout, scale, N
+        return torch.cat(outs).index_select(0, ctx.picked).view(-1, D)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if ctx.probs is None:
+            raise RuntimeError("PackedAttention: backward ran twice through one graph (retain_graph is not supported)")
+        (grouped,) = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        H, Dh = layout.n_head, grouped.shape[1]
+        grad_out = grad.new_zeros(layout.n_outputs, Dh).index_copy_(0, ctx.picked, grad.reshape(-1, Dh))
+        grad_grouped = grouped.new_empty(grouped.shape)  # (S * 3H, Dh), every row written below
+        g0, o0 = 0, 0
+        for (b, t), prob, mask in zip(layout.shapes, ctx.probs, ctx.masks):
+            q, k, v = grouped[g0 : g0 + 3 * b * H * t].view(3, b * H, t, Dh).unbind(0)
+            gq, gk, gv = grad_grouped[g0 : g0 + 3 * b * H * t].view(3, b * H, t, Dh).unbind(0)
+            go = grad_out[o0 : o0 + b * H * t].view(b * H, t, Dh)
+            g0, o0 = g0 + 3 * b * H * t, o0 + b * H * t
+            mask = None if mask is None else mask.view(b * H, t, t)
+            kept = prob if mask is None else prob * mask
+            torch.bmm(kept.transpose(1, 2), go, out=gv)
+            grad_kept = torch.bmm(go, v.transpose(1, 2))  # (bH, t, t)
+            if mask is not None:
+                grad_kept.mul_(mask)
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_kept, prob, -1, prob.dtype).mul_(scale)
+            torch.bmm(grad_scores, k, out=gq)
+            torch.bmm(grad_scores.transpose(1, 2), q, out=gk)
+        ctx.probs = ctx.masks = None
+        grad_qkv = grad_grouped.index_select(0, layout.from_grouped).view(ctx.n_rows, 3 * H * Dh)
+        return grad_qkv, None, None, None
 
 
 def init_bert_weights(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:

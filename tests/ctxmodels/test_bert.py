@@ -592,6 +592,48 @@ def test_labelled_positions_only_changes_no_loss_logit_or_gradient(family, rows,
             model(**{**batch, "labels": labels_at_padding}, labelled_positions_only=True)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("subset", [False, True])
+def test_packed_attention_equals_its_groups_written_out(p, subset):
+    """PackedAttention (every group of a layer in one autograd Function, backward written out)
+    equals attention over Packing.groups by plain autograd ops, dropout draws included (the same
+    keep_mask over all groups' scores), forward and gradient, for all rows or a subset."""
+    H, Dh = 4, 8
+    D = H * Dh
+    lengths = random_lengths(11, 9, seed=7)
+    packing = Packing(lengths_mask(lengths, 9))
+    N = sum(lengths)
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(N, 3 * D, generator=g, requires_grad=True)
+    rows = torch.tensor(sorted(torch.randperm(N, generator=g)[: N // 2].tolist())) if subset else None
+    up = torch.randn(N // 2 if subset else N, D, generator=g)
+
+    torch.manual_seed(1)
+    got = bert.PackedAttention.apply(qkv, packing.head_layout(H, torch.float32), p, rows)
+    got.backward(up)
+
+    ref_qkv = qkv.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    sizes = [b * H * t * t for b, t in packing.group_shapes]
+    masks = ops.keep_mask(torch.Size([sum(sizes)]), p, torch.float32).split(sizes) if p > 0 else [None] * len(sizes)
+    ys = []
+    for (group, mask), drop, (b, t) in zip(packing.groups(ref_qkv), masks, packing.group_shapes):
+        q, k, v = group.view(b, t, 3, H, Dh).permute(2, 0, 3, 1, 4)  # 3 x (b, H, t, Dh)
+        scores = q @ k.transpose(-1, -2) / Dh**0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = scores.softmax(-1)
+        if drop is not None:
+            probs = probs * drop.view(b, H, t, t)
+        ys.append((probs @ v).transpose(1, 2).reshape(b, t, D))
+    ref = packing.ungroup(ys, rows)
+    ref.backward(up)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qkv.grad, ref_qkv.grad, atol=1e-5, rtol=1e-5)
+    if p > 0:
+        assert not torch.allclose(got, bert.PackedAttention.apply(qkv, packing.head_layout(H, torch.float32), 0.0, rows))
+
+
 def test_full_rows_build_no_packing(monkeypatch):
     """Pretraining packs full rows: a mask of all ones is dropped and nothing is gathered."""
     def refuse(attention_mask):
