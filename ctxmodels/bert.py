@@ -254,14 +254,55 @@ class SelfAttention(nn.Module):
         return torch.bmm(probs, v).view(B, H, T, Dh)  # (B, H, T, Dh)
 
 
+class _GeluFeedForward(torch.autograd.Function):
+    """``fc_out(gelu(fc_in(x)))`` on (N, D) rows, the backward written out: the activation's
+    gradient is computed in place of the incoming one, where autograd would allocate a fresh
+    (N, F) tensor for it (pages faulted in anew each step on CPU), and the two layers' five
+    products and two bias sums run without a recorded node apiece."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_in: Tensor, b_in: Tensor, w_out: Tensor, b_out: Tensor, approximate: str) -> Tensor:
+        u = torch.addmm(b_in, x, w_in.t())  # (N, F)
+        a = F.gelu(u, approximate=approximate)  # (N, F)
+        ctx.save_for_backward(x, w_in, w_out, u, a)
+        ctx.approximate = approximate
+        return torch.addmm(b_out, a, w_out.t())  # (N, D)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, w_in, w_out, u, a = ctx.saved_tensors
+        need_x, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:5]
+        grad_w_out = torch.mm(grad.t(), a) if need_w_out else None  # (D, F)
+        grad_b_out = grad.sum(0) if need_b_out else None
+        grad_u = torch.mm(grad, w_out)  # (N, F), d loss / d a, then d loss / d u in place
+        torch.ops.aten.gelu_backward.grad_input(grad_u, u, approximate=ctx.approximate, grad_input=grad_u)
+        grad_w_in = torch.mm(grad_u.t(), x) if need_w_in else None  # (F, D)
+        grad_b_in = grad_u.sum(0) if need_b_in else None
+        grad_x = torch.mm(grad_u, w_in) if need_x else None  # (N, D)
+        return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.fc_in = nn.Linear(cfg.d_model, cfg.d_ff)
         self.fc_out = nn.Linear(cfg.d_ff, cfg.d_model)
         self.act = activation_fn(cfg.activation)
+        self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}.get(cfg.activation)  # None: not a GELU
 
     def forward(self, x: Tensor) -> Tensor:
+        written_out = (
+            self.approximate is not None
+            and x.dim() == 2  # packed rows: CPU fine-tuning (Packing)
+            and self.training
+            and torch.is_grad_enabled()
+            and x.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()
+        )
+        if written_out:
+            w_in, w_out = self.fc_in, self.fc_out
+            return _GeluFeedForward.apply(x, w_in.weight, w_in.bias, w_out.weight, w_out.bias, self.approximate)
         return self.fc_out(self.act(self.fc_in(x)))  # (B, T, D) -> (B, T, F) -> (B, T, D)
 
 

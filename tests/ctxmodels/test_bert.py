@@ -634,6 +634,28 @@ def test_packed_attention_equals_its_groups_written_out(p, subset):
         assert not torch.allclose(got, bert.PackedAttention.apply(qkv, packing.head_layout(H, torch.float32), 0.0, rows))
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_written_out_feed_forward_equals_autograds(activation):
+    """FeedForward on packed (N, D) rows in CPU training (_GeluFeedForward, backward written out,
+    the GELU gradient in place) gives autograd's output and gradients."""
+    cfg = dataclasses.replace(PRESETS["tiny"], activation=activation)
+    torch.manual_seed(0)
+    ffn = bert.FeedForward(cfg).train()
+    x = torch.randn(37, cfg.d_model, requires_grad=True)
+    up = torch.randn(37, cfg.d_model)
+    got = ffn(x)
+    assert got.grad_fn.name().endswith("_GeluFeedForwardBackward")
+    got.backward(up)
+    ours = [t.grad.clone() for t in (x, *ffn.parameters())]
+    x.grad = None
+    ffn.zero_grad()
+    ref = ffn.fc_out(ffn.act(ffn.fc_in(x)))
+    ref.backward(up)
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(ours, [t.grad for t in (x, *ffn.parameters())]):
+        torch.testing.assert_close(a, b)
+
+
 def test_full_rows_build_no_packing(monkeypatch):
     """Pretraining packs full rows: a mask of all ones is dropped and nothing is gathered."""
     def refuse(attention_mask):
