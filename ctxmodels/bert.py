@@ -159,8 +159,16 @@ class BertEmbeddings(nn.Module):
         not_pad = input_ids.ne(self.cfg.pad_token_id).long()  # (B, T)
         return torch.cumsum(not_pad, dim=1) * not_pad + self.cfg.pad_token_id  # (B, T)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
-        x = self.word(input_ids) + self.position(self.position_ids(input_ids))  # (B, T, D)
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, keep: Tensor | None = None) -> Tensor:
+        """(B, T, D); with ``keep`` (N,), indices into the B * T positions (``Packing.keep``): (N, D),
+        those tokens only (a padded batch's padding is never embedded)."""
+        positions = self.position_ids(input_ids)  # (T,) or (B, T)
+        if keep is not None:
+            T = input_ids.shape[1]
+            input_ids = input_ids.reshape(-1)[keep]  # (N,)
+            positions = keep % T if positions.dim() == 1 else positions.reshape(-1)[keep]  # (N,)
+            token_type_ids = None if token_type_ids is None else token_type_ids.reshape(-1)[keep]  # (N,)
+        x = self.word(input_ids) + self.position(positions)  # (B, T, D) or (N, D)
         if token_type_ids is None:
             x = x + self.token_type.weight[0]  # segment 0 everywhere, without a (B, T) lookup
         else:
@@ -375,9 +383,9 @@ class Packing:
 
     Fine-tuning batches are padded to their longest row; the rows' real lengths vary, so a third
     to two thirds of the positions are often padding. Every layer but attention treats tokens
-    independently, so it runs on the (N, D) real tokens: N / (B * T) of the work. ``pack`` and
-    ``unpack`` are one gather / scatter each (differentiable); the padded positions of an unpacked
-    tensor are zeros. Attention runs on length groups: the sequences sorted by length and cut into
+    independently, so it runs on the (N, D) real tokens: N / (B * T) of the work. The embeddings
+    are looked up for those tokens alone (``keep``); ``unpack`` scatters (N, C) rows back to
+    (B, T, C), zeros at padding. Attention runs on length groups: the sequences sorted by length and cut into
     groups (``length_groups``), each padded only to its own longest, its padding keys masked as
     in the (B, T) layout. The scores then cost sum(b_g * T_g^2) query-key pairs instead of B * T^2,
     and each real token's output is exactly what the (B, T) layout gives it. (The idea of
@@ -434,9 +442,6 @@ class Packing:
     def attention_pairs(self) -> int:
         """Query-key pairs attention computes over the groups: sum of b * t^2."""
         return sum(b * t * t for b, t in self.group_shapes)
-
-    def pack(self, x: Tensor) -> Tensor:
-        return x.reshape(self.batch * self.seq_len, x.shape[-1]).index_select(0, self.keep)  # (B, T, C) -> (N, C)
 
     def unpack(self, x: Tensor) -> Tensor:
         full = x.new_zeros(self.batch * self.seq_len, x.shape[-1]).index_copy(0, self.keep, x)  # (B*T, C)
@@ -619,12 +624,10 @@ class BertModel(nn.Module):
         only where a real token sits; see ``Packing``) and meaningless values elsewhere: read
         hidden states at real tokens only.
         """
+        # Batches padded to their longest row (packing): the embeddings, projections, feed-forward
+        # layers and LayerNorms run on the (N, D) real tokens only; attention on length groups.
         x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
-        out = [x]
-        if packing is not None:
-            # Batches padded to their longest row: the projections, feed-forward layers and
-            # LayerNorms run on the real tokens only; attention on length groups (see Packing).
-            x = packing.pack(x)  # (N, D)
+        out = [x if packing is None else packing.unpack(x)]
         for block in self.layers:
             x = block(x, attn_mask, packing)
             out.append(x if packing is None else packing.unpack(x))  # (B, T, D), zeros at padding
@@ -640,8 +643,6 @@ class BertModel(nn.Module):
         reads nothing else), which saves most of a block's work.
         """
         x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
-        if packing is not None:
-            x = packing.pack(x)  # (N, D)
         for block in self.layers[:-1]:
             x = block(x, attn_mask, packing)
         return self.layers[-1].first_row(x, attn_mask, packing)
@@ -663,16 +664,14 @@ class BertModel(nn.Module):
         """
         x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
         positions = where.reshape(-1).nonzero().squeeze(1)  # (M,) indices into B * T
-        if packing is not None:
-            x, rows = packing.pack(x), packing.rows_at(positions)  # (N, D), (M,)
-        else:
-            rows = positions
+        rows = positions if packing is None else packing.rows_at(positions)  # (M,)
         for block in self.layers[:-1]:
             x = block(x, attn_mask, packing)
         return self.layers[-1].at_rows(x, attn_mask, packing, rows)
 
     def _embed(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None):
-        """(embedding output (B, T, D), attention mask for SDPA or None, Packing or None)."""
+        """(embedding output, attention mask for SDPA or None, Packing or None); the output is
+        (N, D), the real tokens only, with a Packing, else (B, T, D)."""
         attn_mask, packing = None, None
         # A mask of all ones (packed rows) is dropped on CPU, where it would cost passes over the
         # (B, H, T, T) scores in every layer, and padding is skipped (Packing); on
@@ -683,7 +682,8 @@ class BertModel(nn.Module):
             # the real tokens, so their rows stay finite (they are ignored downstream anyway).
             attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
             packing = Packing(attention_mask) if cpu_eager and self.skip_padding else None
-        return self.embeddings(input_ids, token_type_ids), attn_mask, packing  # (B, T, D), ...
+        keep = None if packing is None else packing.keep
+        return self.embeddings(input_ids, token_type_ids, keep), attn_mask, packing  # (N or B, (T,) D), ...
 
     def pool(self, last_hidden: Tensor) -> Tensor:
         return torch.tanh(self.pooler(last_hidden[:, 0]))  # (B, D) from the [CLS] / <s> position
