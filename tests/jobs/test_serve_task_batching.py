@@ -84,11 +84,14 @@ def replicas(tmp_path_factory, minilm_dir):
 
 
 class Spy:
-    """(sequences, tokens) of every forward pass, read where the ids enter the model: its word embedding."""
+    """(sequences, tokens) of every forward pass, read where the (B, T) ids enter the model: its
+    word embedding, or the BERT embeddings module that holds it (a padded batch's word table
+    sees only its real tokens' ids)."""
 
     def __init__(self, replica):
         self.shapes: list[tuple[int, int]] = []
-        self.module = next(m for m in replica.model.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == V["vocab_size"])
+        word = next(m for m in replica.model.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == V["vocab_size"])
+        self.module = next((m for m in replica.model.modules() if getattr(m, "word", None) is word), word)
 
     def __enter__(self) -> "Spy":
         self.hook = self.module.register_forward_hook(lambda _m, args, _out: self.shapes.append(tuple(args[0].shape)))
