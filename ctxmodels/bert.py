@@ -546,18 +546,19 @@ class PackedAttention(torch.autograd.Function):
         grouped = qkv.reshape(N * 3 * H, Dh).index_select(0, layout.to_grouped)  # (S * 3H, Dh)
         sizes = [b * H * t * t for b, t in layout.shapes]
         masks = keep_mask(torch.Size([sum(sizes)]), p, qkv.dtype).split(sizes) if p > 0 else [None] * len(sizes)
-        probs, outs, g0 = [], [], 0
+        probs, kepts, outs, g0 = [], [], [], 0
         for (b, t), bias, mask in zip(layout.shapes, layout.biases, masks):
             q, k, v = grouped[g0 : g0 + 3 * b * H * t].view(3, b * H, t, Dh).unbind(0)
             g0 += 3 * b * H * t
             prob = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale).softmax(dim=-1)  # (bH, t, t)
             probs.append(prob)
             kept = prob if mask is None else prob * mask.view(b * H, t, t)
+            kepts.append(kept)
             outs.append(torch.bmm(kept, v).view(b * H * t, Dh))
         picked = layout.outputs if rows is None else layout.outputs[rows]  # (N or M, H)
         ctx.picked = picked.reshape(-1)
         ctx.save_for_backward(grouped)
-        ctx.probs, ctx.masks, ctx.layout, ctx.scale, ctx.n_rows = probs, masks, layout, scale, N
+        ctx.probs, ctx.kepts, ctx.masks, ctx.layout, ctx.scale, ctx.n_rows = probs, kepts, masks, layout, scale, N
         return torch.cat(outs).index_select(0, ctx.picked).view(-1, D)
 
     @staticmethod
@@ -570,13 +571,12 @@ class PackedAttention(torch.autograd.Function):
         grad_out = grad.new_zeros(layout.n_outputs, Dh).index_copy_(0, ctx.picked, grad.reshape(-1, Dh))
         grad_grouped = grouped.new_empty(grouped.shape)  # (S * 3H, Dh), every row written below
         g0, o0 = 0, 0
-        for (b, t), prob, mask in zip(layout.shapes, ctx.probs, ctx.masks):
+        for (b, t), prob, kept, mask in zip(layout.shapes, ctx.probs, ctx.kepts, ctx.masks):
             q, k, v = grouped[g0 : g0 + 3 * b * H * t].view(3, b * H, t, Dh).unbind(0)
             gq, gk, gv = grad_grouped[g0 : g0 + 3 * b * H * t].view(3, b * H, t, Dh).unbind(0)
             go = grad_out[o0 : o0 + b * H * t].view(b * H, t, Dh)
             g0, o0 = g0 + 3 * b * H * t, o0 + b * H * t
             mask = None if mask is None else mask.view(b * H, t, t)
-            kept = prob if mask is None else prob * mask
             torch.bmm(kept.transpose(1, 2), go, out=gv)
             grad_kept = torch.bmm(go, v.transpose(1, 2))  # (bH, t, t)
             if mask is not None:
@@ -584,7 +584,7 @@ class PackedAttention(torch.autograd.Function):
             grad_scores = torch.ops.aten._softmax_backward_data(grad_kept, prob, -1, prob.dtype).mul_(scale)
             torch.bmm(grad_scores, k, out=gq)
             torch.bmm(grad_scores.transpose(1, 2), q, out=gk)
-        ctx.probs = ctx.masks = None
+        ctx.probs = ctx.kepts = ctx.masks = None
         grad_qkv = grad_grouped.index_select(0, layout.from_grouped).view(ctx.n_rows, 3 * H * Dh)
         return grad_qkv, None, None, None
 
