@@ -49,6 +49,7 @@ HISTORY = "rounds.jsonl"
 SEEN = "seen_shards.json"
 # A round whose "running" line is older than this is taken for dead (its process was killed).
 STALE_ROUND_S = 24 * 3600
+START_TIMEOUT_S = 120.0  # for the scheduler's actor to come up (a fresh worker process on a busy head)
 
 
 def _now() -> str:
@@ -590,7 +591,14 @@ def start(cfg: ScheduleConfig, address: str | None = None):
         # Rounds run pretrain(), a Ray Train driver: it inherits the cluster's environment
         runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "MLFLOW_"))}},
     )
-    return actor_cls.remote(cfg.model_dump(mode="json"))
+    actor = actor_cls.remote(cfg.model_dump(mode="json"))
+    # Wait until the actor has run __init__ (or was already running): `ctx schedule` says it runs
+    # only once it does, and an actor that cannot start is reported here, not discovered later.
+    try:
+        ray.get(actor.status.remote(), timeout=START_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as e:
+        raise RuntimeError(f"the scheduler {cfg.actor_name} did not start within {START_TIMEOUT_S:.0f} s: {e}") from e
+    return actor
 
 
 def _actor(cfg: ScheduleConfig, address: str | None):
