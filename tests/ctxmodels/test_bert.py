@@ -634,6 +634,15 @@ def test_packed_attention_equals_its_groups_written_out(p, subset):
         assert not torch.allclose(got, bert.PackedAttention.apply(qkv, packing.head_layout(H, torch.float32), 0.0, rows))
 
 
+def test_attention_dropout_next_to_one_stays_finite_on_packed_rows():
+    """p within 2**-17 of 1 cannot be drawn in 16 bits: packed training attention falls back to
+    the path ops.dropout takes there, and nothing turns NaN."""
+    attn = bert.SelfAttention(dataclasses.replace(PRESETS["tiny"], attn_dropout=1 - 2**-18)).train()
+    packing = Packing(lengths_mask([5, 3, 1], 5))
+    y = attn(torch.randn(9, attn.qkv.in_features), None, packing)
+    assert y.shape == (9, attn.qkv.in_features) and bool(torch.isfinite(y).all())
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_written_out_feed_forward_equals_autograds(activation):
     """FeedForward on packed (N, D) rows in CPU training (_GeluFeedForward, backward written out,
