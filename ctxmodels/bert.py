@@ -19,8 +19,11 @@ Speed (training on CPU, ``benchmarks/train_throughput.py``): the MLM loss runs t
 the masked rows and never materialises their (N, V) logits (``ops.masked_lm_loss``), dropout
 draws 16-bit numbers (``ops.dropout``), and training attention with dropout is written out
 (``SelfAttention.attend_with_dropout``) instead of SDPA's CPU reference path. Batches padded to
-their longest row (fine-tuning) compute nothing for padding (``Packing``): the token-wise layers
-run on the real tokens, attention on length groups. Same math throughout.
+their longest row (fine-tuning) compute nothing for padding (``Packing``): the embeddings and
+token-wise layers run on the real tokens, attention on length groups (in training one autograd
+Function per layer, ``PackedAttention``, and the feed-forward layer's backward written out); the
+word embedding's gradient goes into a buffer kept across steps (``ops.Embedding``). Same math
+throughout.
 
 Shape legend:
     B  batch size              T  sequence length          D  d_model
@@ -387,9 +390,9 @@ class Packing:
     to two thirds of the positions are often padding. Every layer but attention treats tokens
     independently, so it runs on the (N, D) real tokens: N / (B * T) of the work. The embeddings
     are looked up for those tokens alone (``keep``); ``unpack`` scatters (N, C) rows back to
-    (B, T, C), zeros at padding. Attention runs on length groups: the sequences sorted by length and cut into
-    groups (``length_groups``), each padded only to its own longest, its padding keys masked as
-    in the (B, T) layout. The scores then cost sum(b_g * T_g^2) query-key pairs instead of B * T^2,
+    (B, T, C), zeros at padding. Attention runs on length groups: the sequences sorted by length
+    and cut into groups (``length_groups``), each padded only to its own longest, its padding keys
+    masked as in the (B, T) layout. The scores then cost sum(b_g * T_g^2) query-key pairs instead of B * T^2,
     and each real token's output is exactly what the (B, T) layout gives it. (The idea of
     "unpadding" in NVIDIA's BERT and FlashAttention's varlen kernels, here on CPU around the
     ordinary attention, and of length-bucketed batches.)
@@ -520,7 +523,7 @@ class HeadLayout:
             self.biases.append(bias.repeat_interleave(H, dim=0))  # (b * H, 1, t)
             slot0, grouped0, output0 = slot0 + b * t, grouped0 + 3 * b * H * t, output0 + b * H * t
         self.to_grouped = torch.cat(to_grouped)  # (S * 3H,)
-        self.n_grouped, self.n_outputs = grouped0, output0
+        self.n_outputs = output0  # rows of the outputs layout
         self.from_grouped = torch.cat(grouped_of_slot)[packing.slot_of_row].reshape(-1)  # (N * 3H,)
         self.outputs = torch.cat(output_of_slot)[packing.slot_of_row]  # (N, H)
 

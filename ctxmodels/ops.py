@@ -23,7 +23,7 @@ on this project's 2-core CPU machine showed where the plain versions lose time (
   ``zero_grad(set_to_none=True)`` unmaps them again: 40-48 ms a step of MiniLM fine-tuning
   (``aten::fill_`` in torch.profiler), more than its 6 layers' GELUs, LayerNorms and softmaxes
   together. ``Embedding`` writes that gradient into one buffer kept across steps whenever no
-  other tensor holds it any more (``.grad`` was set to None, or the optimizer step is done).
+  other tensor holds it any more (the last step's ``.grad`` was set to None).
 
 Reference: Liger-Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) likewise
 computes the loss's gradients during the forward pass, chunk by chunk, on GPUs.
@@ -164,8 +164,7 @@ class Embedding(nn.Embedding):
     def grad_buffer(self, dtype: torch.dtype) -> Tensor:
         """A zeroed tensor of the weight's shape: the kept buffer when no other tensor holds its
         memory, else a new one (which is kept from then on)."""
-        buf = self.__dict__.get("_grad_buffer")
-        w = self.weight
+        buf, w = self._grad_buffer, self.weight
         if (
             buf is None
             or buf.shape != w.shape
