@@ -12,9 +12,9 @@ transformers' step, each round also times, on the same batches and under the sam
   ``baddbmm``), recorded once per batch with a ``TorchDispatchMode`` and replayed alone on fresh
   tensors of the same sizes and strides. No implementation of the same math can skip these: they
   are the products on the real tokens only (the padding is already skipped).
-- ``optimizer``: what the harness does after ``backward()`` on our parameters, with gradients in
-  place: ``clip_grad_norm_``, fused ``AdamW.step()``, ``zero_grad(set_to_none=True)``. Both sides
-  pay it; it is the benchmark's, not the model's.
+- ``optimizer``: what our step does after ``backward()``, with gradients in place: the gradient
+  norm, fused ``AdamW.step()`` with the clipping folded in, ``zero_grad(set_to_none=True)``
+  (``ft.optimizer_step``). Any dense AdamW step pays it; transformers' own is dearer.
 - ``embedding grad``: the word embedding's dense gradient on the batch's real tokens (a zeroed
   vocabulary x d_model tensor, then the rows added), which a dense optimizer needs from any model;
   zeroed in place in a tensor kept across steps, as ``ctxmodels.ops.Embedding`` does (a fresh one
@@ -108,7 +108,7 @@ def replayer(calls: list[Call]) -> Callable[[Any], None]:
 
 
 def optimizer_only(model: nn.Module) -> Callable[[Any], None]:
-    """The harness after ``backward()`` (``ft.make_step``'s), on a copy of ``model`` with random
+    """Our step after ``backward()`` (``ft.optimizer_step``), on a copy of ``model`` with random
     gradients put in place before each call."""
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -118,9 +118,7 @@ def optimizer_only(model: nn.Module) -> Callable[[Any], None]:
     def run(_batch: Any) -> None:
         for p, gr in zip(params, grads):
             p.grad = gr
-        nn.utils.clip_grad_norm_(params, ft.MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        ft.optimizer_step(model, optimizer, ours=True)
 
     return run
 
@@ -145,7 +143,7 @@ def floor(kind: str, rounds: int, dropout: float) -> dict[str, float]:
     by_batch = {id(b): run for b, run in zip(batches, products)}
     words = next(m for m in ours.modules() if isinstance(m, nn.Embedding))  # the first: word pieces
     sides = {
-        "ours": ft.make_step(ours, inputs),
+        "ours": ft.make_step(ours, inputs, ours=True),
         "transformers": ft.make_step(theirs, lambda b: b),
         "matmuls": lambda b: by_batch[id(b)](b),
         "optimizer": optimizer_only(ours),

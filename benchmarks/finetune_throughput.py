@@ -19,9 +19,12 @@ sentence pairs (two consecutive sentences) with one of 4 labels; token classific
 sentences with one of 9 tags per token (-100 at [CLS], [SEP] and padding). Labels are random: only
 speed is measured here. Both sides see the same batches in the same order.
 
-One timed step, both sides: forward with labels, ``loss.backward()``, ``clip_grad_norm_(params,
-1.0)``, fused ``AdamW.step()`` (what transformers' Trainer uses by default with this PyTorch),
-``zero_grad(set_to_none=True)``. A round times one step of each model on every batch, the two
+One timed step: forward with labels, ``loss.backward()``, gradient clipping to norm 1.0, fused
+``AdamW.step()`` (what transformers' Trainer uses by default with this PyTorch),
+``zero_grad(set_to_none=True)``. Transformers' side clips as its Trainer does (``clip_grad_norm_``,
+which scales every gradient in place, then the step); ours as ``ctx finetune`` does
+(``jobs.parallel.clipped_step``: the same clipping folded into the fused step, no pass of its own);
+``--same-optimizer-step`` gives ours transformers' way too, to time the models alone. A round times one step of each model on every batch, the two
 taking turns step by step (ABBA) so both run under the same machine load; rows/s are medians over
 rounds. The machine is shared: compare the ratios, not the absolute numbers. ``--precision bf16``
 runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), as
@@ -57,6 +60,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from jobs import parallel  # noqa: E402
 from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 
 BATCH, MAX_LEN = 32, 128
@@ -140,17 +144,26 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def make_step(model: nn.Module, inputs, precision: str = "fp32"):
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, ours: bool) -> None:
+    """What follows ``backward()``: ours as ``ctx finetune``'s ``jobs.loop.Stepper`` does it (the
+    gradient norm, then the clipping folded into the fused AdamW step: ``jobs.parallel.clipped_step``),
+    transformers' as its ``Trainer`` does (``clip_grad_norm_``, then ``step()``)."""
+    if ours:
+        parallel.clipped_step(model, optimizer, parallel.grad_norm(model), MAX_NORM)
+    else:
+        nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def make_step(model: nn.Module, inputs, precision: str = "fp32", ours: bool = False):
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=True)
-    params = [p for p in model.parameters() if p.requires_grad]
 
     def step(batch: dict[str, torch.Tensor]) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(**inputs(batch)).loss
         loss.backward()
-        nn.utils.clip_grad_norm_(params, MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(model, optimizer, ours)
 
     return step
 
@@ -206,11 +219,15 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
     return seconds
 
 
-def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False) -> float:
+def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False,
+          same_optimizer_step: bool = False) -> float:
     batches, ours, theirs = prepare(kind, dropout)
     if compile:  # both sides; the warm-up steps compile (one graph per batch shape at most)
         ours, theirs = torch.compile(ours, dynamic=True), torch.compile(theirs, dynamic=True)
-    sides = {"ours": make_step(ours, our_inputs(kind), precision), "transformers": make_step(theirs, lambda b: b, precision)}
+    sides = {
+        "ours": make_step(ours, our_inputs(kind), precision, ours=not same_optimizer_step),
+        "transformers": make_step(theirs, lambda b: b, precision),
+    }
     seconds = time_rounds(sides, batches, rounds)
     med = {name: statistics.median(s) for name, s in seconds.items()}
     ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]
@@ -230,14 +247,18 @@ def main() -> None:
                              "AVX512-BF16 or AMX (default fp32)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile both models (inductor, dynamic shapes) before timing them")
+    parser.add_argument("--same-optimizer-step", action="store_true",
+                        help="ours clips and steps as transformers' Trainer does (clip_grad_norm_, then step), "
+                             "to time the models alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.precision == "bf16" and not cpu_has_native_bf16():
         raise SystemExit("--precision bf16 needs a CPU with AVX512-BF16 or AMX (elsewhere training runs fp32)")
     print(f"threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
-          f"dropout {args.dropout}, precision {args.precision}, {'compiled' if args.compile else 'eager'}")
-    cls = bench("classification", args.rounds, args.dropout, args.precision, args.compile)
-    tag = bench("token-classification", args.rounds, args.dropout, args.precision, args.compile)
+          f"dropout {args.dropout}, precision {args.precision}, {'compiled' if args.compile else 'eager'}, "
+          f"optimizer step {'as transformers' if args.same_optimizer_step else 'each its own'}")
+    cls = bench("classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step)
+    tag = bench("token-classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step)
     print(f"speedup_vs_transformers_classification: {cls:.2f}")
     print(f"speedup_vs_transformers_token_classification: {tag:.2f}")
     print(f"speedup_vs_transformers: {min(cls, tag):.2f}")

@@ -19,7 +19,9 @@ transformers model through ``ctxmodels.hf``'s name tables, and before timing the
 both give the same loss and the same word-embedding gradient on a batch (dropout off).
 
 One timed step, on both sides: ``model(input_ids, attention_mask, labels).loss``, its backward,
-``clip_grad_norm_(params, 1.0)``, ``AdamW.step()``, ``zero_grad(set_to_none=True)``. AdamW: lr 1e-4,
+clipping to gradient norm 1.0, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; transformers
+clips with ``clip_grad_norm_`` as its ``Trainer`` does, ours as ``ctx pretrain`` does
+(``jobs.parallel.clipped_step``, the same clipping folded into a fused step). AdamW: lr 1e-4,
 weight decay 0.01 on matrices, none on biases and LayerNorm (as ``jobs.train.param_groups``), and
 ``fused=True``, which transformers' ``Trainer`` uses by default with this PyTorch;
 ``--adamw default`` gives both sides the Python loop over parameters that ``AdamW()`` runs on CPU
@@ -163,7 +165,11 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nullcontext):
+def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nullcontext, ours: bool = False):
+    """Ours clips as ``ctx pretrain`` does (``jobs.parallel.clipped_step``: folded into the fused
+    step), transformers' as its ``Trainer`` does (``clip_grad_norm_``, then ``step()``)."""
+    from jobs import parallel
+
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=fused_adamw or None)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -171,8 +177,11 @@ def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nu
         with autocast():
             loss = model(**batch).loss
         loss.backward()
-        nn.utils.clip_grad_norm_(params, MAX_NORM)
-        optimizer.step()
+        if ours:
+            parallel.clipped_step(model, optimizer, parallel.grad_norm(model), MAX_NORM)
+        else:
+            nn.utils.clip_grad_norm_(params, MAX_NORM)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
@@ -239,7 +248,7 @@ def main() -> None:
     if args.precision == "bf16":
         autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     fused = args.adamw == "fused"
-    sides = {"ours": make_step(ours, fused, autocast), "transformers": make_step(hf, fused, autocast)}
+    sides = {"ours": make_step(ours, fused, autocast, ours=True), "transformers": make_step(hf, fused, autocast)}
     for step in sides.values():
         for i in range(WARMUP_STEPS):
             step(batches[i % N_BATCHES])

@@ -341,7 +341,7 @@ class Stepper:
             # Numbers only: keeping ``out`` until the decision would hold every micro-batch's logits.
             measured.append((float(loss.detach()), {k: float(v) for k, v in out.metrics.items()}))
             taken.append(batch)
-        norm = parallel.clip_grad_norm(self.wrapped, self.grad_clip) if self.grad_clip > 0 else parallel.grad_norm(self.wrapped)
+        norm = parallel.grad_norm(self.wrapped)  # before clipping, which the optimizer step does (clipped_step)
         # One decision for every rank, before any rank updates: DDP's averaged gradients are NaN
         # everywhere if they are NaN anywhere, but a rank's loss is its own (and a rank whose
         # gradients are finite must not step while another skips: the weights would part).
@@ -368,7 +368,7 @@ class Stepper:
             meter.add_micro_batch(loss, metrics, batch)
         for g in self.optimizer.param_groups:
             g["lr"] = self.lr * self.schedule(state.samples_seen)
-        self.optimizer.step()
+        parallel.clipped_step(self.wrapped, self.optimizer, norm, self.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.samples_seen += self.batch_size

@@ -29,7 +29,9 @@ from jobs.parallel import (
     ParallelPlan,
     autocast,
     clip_grad_norm,
+    clipped_step,
     cpu_has_native_bf16,
+    grad_norm,
     fsdp_units,
     full_optimizer_state,
     full_state_dict,
@@ -441,6 +443,40 @@ def test_bf16_training_on_a_native_bf16_cpu_learns(family):
     assert bf16.dtype == torch.float32
     torch.testing.assert_close(bf16, fp32, rtol=3e-2, atol=3e-2)
     assert_bf16_training_learns(family, model, batch, CPU)
+
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_clipped_step_is_clip_grad_norm_then_step(fused: bool):
+    """``clipped_step`` (the training loop's step) folds the clipping into a fused AdamW step
+    (``optimizer.grad_scale``): weights, optimizer state and the gradients left behind equal
+    ``clip_grad_norm_`` then ``step()``'s, over steps whose norm is far above ``MAX_NORM`` (clipped)
+    and under it (untouched). The weights part by float rounding only (1e-8 after three steps at
+    lr 1e-2); an unclipped step leaves 8x the gradient and 64x the second moment."""
+    ref, ours = fresh_bert(), fresh_bert()
+    ref_opt = torch.optim.AdamW(trainable(ref), lr=LR, eps=EPS, fused=fused)
+    our_opt = torch.optim.AdamW(trainable(ours), lr=LR, eps=EPS, fused=fused)
+    clipped = []
+    for i, scale in enumerate((1.0, 1e-4, 1.0)):  # the loss scaled down: a gradient norm under MAX_NORM
+        batch = make_batch(ref.cfg, i + 1)
+        for model in (ref, ours):
+            (model(**batch).loss * scale).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(trainable(ref), MAX_NORM)
+        ref_opt.step()
+        norm = grad_norm(ours)
+        torch.testing.assert_close(norm, ref_norm)
+        clipped.append(bool(norm > MAX_NORM))
+        clipped_step(ours, our_opt, norm, MAX_NORM)
+        assert not hasattr(our_opt, "grad_scale")
+        for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=f"step {i}: {name}'s gradient")
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {i}: {name}")
+        ref_opt.zero_grad(set_to_none=True)
+        our_opt.zero_grad(set_to_none=True)
+    assert clipped == [True, False, True]
+    for a, b in zip(trainable(ref), trainable(ours)):
+        torch.testing.assert_close(our_opt.state[b]["exp_avg_sq"], ref_opt.state[a]["exp_avg_sq"], rtol=1e-3, atol=1e-10)
 
 
 def assert_bf16_training_learns(family: str, model, batch: dict, device: torch.device, steps: int = 40) -> None:
