@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import DRAW_BITS, Dropout, Embedding, dropout, keep_mask, masked_lm_loss
+from ctxmodels.ops import Dropout, Embedding, drawable, dropout, keep_mask, masked_lm_loss
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -203,9 +203,9 @@ class SelfAttention(nn.Module):
             if rows is not None:
                 y = y.reshape(-1, y.shape[-1]).index_select(0, rows)  # (M, D)
             return self.proj(y)
-        # (p within 2**-17 of 1 keeps SDPA's and ops.dropout's fallback: 16-bit draws cannot keep 1 - p)
-        drawable = round(self.attn_dropout * 2**DRAW_BITS) < 2**DRAW_BITS
-        if self.training and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and drawable:
+        # (a p that 16-bit draws cannot keep, next to 1, takes SDPA's and ops.dropout's fallback)
+        written_out = self.training and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        if written_out and drawable(self.attn_dropout):
             layout = packing.head_layout(self.n_head, qkv.dtype)
             return self.proj(PackedAttention.apply(qkv, layout, self.attn_dropout, rows))  # (N or M, D)
         ys = [self.attend(group, mask) for group, mask in packing.groups(qkv)]  # (b, t, D) per length group

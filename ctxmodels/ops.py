@@ -45,6 +45,12 @@ VOCAB_BLOCK = 2048  # vocabulary rows per logits product (2 MB of a D = 256 weig
 # ----------------------------------------------------------------------------------------------
 
 
+def drawable(p: float) -> bool:
+    """Whether ``keep_mask`` can draw dropout ``p``: not when p is within 2**-17 of 1, where the
+    16-bit draws would keep nothing and the scale divide by zero (``F.dropout`` takes those)."""
+    return round(p * 2**DRAW_BITS) < 2**DRAW_BITS
+
+
 def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> Tensor:
     """Inverted-dropout mask on CPU: ``1 / (1 - q)`` with probability ``1 - q``, else 0, where
     ``q = round(p * 2**16) / 2**16`` (p to within 1.5e-5); E[mask] = 1 exactly.
@@ -78,7 +84,7 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     devices ``F.dropout`` itself, whose fused kernels are already fast there."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or round(p * 2**DRAW_BITS) == 2**DRAW_BITS:  # off CPU, or p ~ 1
+    if x.device.type != "cpu" or not drawable(p):  # off CPU, or p ~ 1
         return F.dropout(x, p, True)
     return _CpuDropout.apply(x, p)
 
