@@ -318,6 +318,25 @@ class Tokenizer:
             all_tokens.append([cls, *tokens[:keep], sep])
         return all_ids, all_offsets, all_tokens
 
+    def ids_for_model(self, texts: list[str], max_len: int) -> list[np.ndarray]:
+        """The ids of ``encode_for_model`` alone, int64 per text, without building offsets and token
+        strings: what sentence vectors need (the tokenizers backend's ``encode_batch_fast``)."""
+        cls_id, sep_id = self.special_id("cls"), self.special_id("sep")
+        plain = not self.wraps_with_cls_sep
+        if max_len < (1 if plain else 2):
+            raise ValueError(f"max_len={max_len}: need at least {1 if plain else 2} (special tokens included)")
+        keep = max_len if plain else max_len - 2
+        rows = self._backend.encode_ids(list(texts))
+        if plain:
+            return [row[:keep].astype(np.int64) for row in rows]
+        out = []
+        for row in rows:
+            ids = np.empty(min(len(row), keep) + 2, dtype=np.int64)  # (T_i,) [CLS] tokens [SEP]
+            ids[0], ids[-1] = cls_id, sep_id
+            ids[1:-1] = row[:keep]
+            out.append(ids)
+        return out
+
     @property
     def wraps_with_cls_sep(self) -> bool:
         """Whether ``encode_for_model`` puts [CLS] and [SEP] around the tokens (False: GPT-2-style)."""

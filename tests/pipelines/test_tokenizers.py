@@ -280,6 +280,16 @@ def test_encode_batch_equals_encode_for_model_without_specials(trained, corpus_l
         assert len(row) <= 6 and row[-1] == trained.sep_id and row[:-1] == full[: len(row) - 1]
 
 
+def test_ids_for_model_are_encode_for_models_ids(trained, corpus_lines):
+    """The ids-only path sentence vectors take: the same ids, truncation included, as int64 arrays."""
+    texts = corpus_lines[:300] + HARD_CASES
+    for max_len in (10_000, 6, 2):
+        ids, _, _ = trained.encode_for_model(texts, max_len)
+        fast = trained.ids_for_model(texts, max_len)
+        assert all(a.dtype == np.int64 for a in fast)
+        assert [a.tolist() for a in fast] == ids
+
+
 def _normal(kind: str, s: str) -> str:
     """What the tokenizer's normaliser makes of a surface string (lowercase=True)."""
     if kind == "wordpiece":  # BERT: lowercase, then drop combining marks
@@ -615,6 +625,7 @@ def test_gpt2_folder_loads_and_encodes_as_transformers(gpt2_folders, corpus_line
     ids, offsets, tokens = tok.encode_for_model(["The bank of the river", "hi"], 3)
     assert ids == [expected_ids[:3] for expected_ids in ref(["The bank of the river", "hi"], add_special_tokens=False)["input_ids"]]
     assert len(offsets[0]) == len(tokens[0]) == 3 and tok.padding_id == eot
+    assert [a.tolist() for a in tok.ids_for_model(["The bank of the river", "hi"], 3)] == ids  # the sentence-vector path
 
 
 def test_gpt2_folder_gives_gpt_inputs_with_endoftext_and_names_what_other_styles_miss(gpt2_folders):
