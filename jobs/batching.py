@@ -11,28 +11,56 @@ queue gets: serving MiniLM to 32 concurrent clients on 2 cores, ``@serve.batch``
 with ~20 requests waiting in already-cut batches (timestamps traced in the replica), and
 ``benchmarks/serving.py`` measured ~61 texts/s.
 
+A request may hold many items (``submit``: the texts of one /v1/embeddings call). Its items run
+shortest first (``length``), and a batch takes items from the queued requests in turns, one item per
+request per turn, oldest request first, until it holds ``max_batch_size`` items or the next item would
+take it over ``max_batch_tokens`` padded tokens (items x the longest one). So a 1,000-text request runs
+as a run of length-sorted batches across request boundaries, never as one padded batch, and a
+one-text request that arrives meanwhile joins the very next batch instead of waiting behind all of it
+(the head-of-line blocking of a first-come-first-served queue of whole requests). The answers go back
+to each request in its own order.
+
 Idle, a lone request waits up to ``batch_wait_timeout_s`` from its arrival for company, as with
 ``@serve.batch``; a request that waited in the queue during a pass has already waited that long and
-runs at once. Cancelled requests (a client that went away, a timeout) are dropped before their batch
-runs. Pure asyncio: no Ray, no torch."""
+runs at once. Cancelled requests (a client that went away, a timeout) are dropped before their next
+batch runs. Pure asyncio: no Ray, no torch."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-class Batcher(Generic[T, R]):
-    """``await batcher(item)`` -> that item's result from ``run(items)``, called with batches of at
-    most ``max_batch_size`` items, one call at a time, in arrival order.
+class _Request:
+    """One caller's items: taken shortest first (``order``), answered together once all are done."""
 
-    ``run`` returns one result per item, in order; if it raises, every request of that batch gets the
-    exception, and the next batch runs as usual.
+    __slots__ = ("items", "lengths", "order", "taken", "results", "left", "future", "arrival")
+
+    def __init__(self, items: Sequence, lengths: list[int], future: asyncio.Future, arrival: float):
+        self.items, self.lengths, self.future, self.arrival = items, lengths, future, arrival
+        self.order = sorted(range(len(items)), key=lengths.__getitem__)  # stable: ties keep their order
+        self.taken = 0  # items of ``order`` handed to batches so far
+        self.results: list = [None] * len(items)
+        self.left = len(items)  # items not answered yet
+
+    @property
+    def waiting(self) -> int:
+        return len(self.order) - self.taken
+
+
+class Batcher(Generic[T, R]):
+    """``await batcher(item)`` -> that item's result; ``await batcher.submit(items)`` -> the results of
+    a request's items in their order. ``run(items)`` is called with batches of at most
+    ``max_batch_size`` items (and at most ``max_batch_tokens`` padded tokens, when ``length`` says how
+    long an item is), one call at a time.
+
+    ``run`` returns one result per item, in order; if it raises, every request with an item in that
+    batch gets the exception, and the next batch runs as usual.
 
     ``model_lock``, shared by the batchers of one replica (a model's sentence vectors and task rows,
     the models a multiplexed replica holds), lets one forward pass run at a time there: two passes at
@@ -40,33 +68,44 @@ class Batcher(Generic[T, R]):
     each other. A batch is formed once its batcher holds the lock, from everything queued by then."""
 
     def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch_size: int, batch_wait_timeout_s: float,
-                 model_lock: asyncio.Lock | None = None):
+                 model_lock: asyncio.Lock | None = None, *, length: Callable[[T], int] | None = None,
+                 max_batch_tokens: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if batch_wait_timeout_s < 0:
             raise ValueError(f"batch_wait_timeout_s must be >= 0, got {batch_wait_timeout_s}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
         self.run, self.max_batch_size, self.batch_wait_timeout_s = run, max_batch_size, batch_wait_timeout_s
+        self.length, self.max_batch_tokens = length, max_batch_tokens
         self.model_lock = model_lock or asyncio.Lock()
-        self._queue: collections.deque[tuple[T, asyncio.Future, float]] = collections.deque()  # (item, future, arrival)
+        self._queue: collections.deque[_Request] = collections.deque()  # requests with items not yet in a batch
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
     async def __call__(self, item: T) -> R:
+        return (await self.submit([item]))[0]
+
+    async def submit(self, items: Sequence[T]) -> list[R]:
+        """The results of ``items`` (one request's), in their order."""
+        if not items:
+            return []
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             # Started on first use, in the loop of the caller (a replica's: one for its life).
             self._arrived = asyncio.Event()
             self._worker = loop.create_task(self._work())
-        future = loop.create_future()
-        self._queue.append((item, future, loop.time()))
+        lengths = [self.length(item) for item in items] if self.length is not None else [1] * len(items)
+        request = _Request(items, lengths, loop.create_future(), loop.time())
+        self._queue.append(request)
         self._arrived.set()
-        return await future
+        return await request.future  # a cancelled caller cancels the future: its items are dropped
 
-    def _live(self) -> int:
-        """Drop the cancelled requests at the head; the live requests queued."""
-        while self._queue and self._queue[0][1].done():
-            self._queue.popleft()
-        return sum(not f.done() for _, f, _ in self._queue)
+    def queued(self) -> int:
+        """Items of live requests not in a batch yet; drops the requests whose callers went away."""
+        if any(r.future.done() for r in self._queue):
+            self._queue = collections.deque(r for r in self._queue if not r.future.done())
+        return sum(r.waiting for r in self._queue)
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
@@ -74,34 +113,59 @@ class Batcher(Generic[T, R]):
         while True:
             await arrived.wait()
             arrived.clear()
-            while self._live():
+            while self.queued():
                 # Wait for company until the oldest request has waited batch_wait_timeout_s.
-                deadline = self._queue[0][2] + self.batch_wait_timeout_s
-                while self._live() < self.max_batch_size and loop.time() < deadline:
+                deadline = self._queue[0].arrival + self.batch_wait_timeout_s
+                while self.queued() < self.max_batch_size and loop.time() < deadline:
                     try:
                         await asyncio.wait_for(arrived.wait(), deadline - loop.time())
                     except asyncio.TimeoutError:
                         break
                     arrived.clear()
                 async with self.model_lock:  # the model is free: what waited meanwhile joins this batch
-                    batch = []
-                    while self._queue and len(batch) < self.max_batch_size:
-                        item, future, _ = self._queue.popleft()
-                        if not future.done():
-                            batch.append((item, future))
-                    if batch:
-                        await self._run(batch)
+                    if self.queued():
+                        await self._run(self._take())
 
-    async def _run(self, batch: list[tuple[T, asyncio.Future]]) -> None:
+    def _take(self) -> list[tuple[_Request, int]]:
+        """The next batch as (request, item index): items in turns, one per request per turn, oldest
+        request first, each request's shortest waiting item; a request whose next item would take the
+        batch over the token budget sits the rest of this batch out (its later items are no shorter).
+        The first item always goes in, however long: an item over the budget runs alone."""
+        batch: list[tuple[_Request, int]] = []
+        longest = 0
+        turn = [r for r in self._queue if r.waiting]
+        while turn and len(batch) < self.max_batch_size:
+            next_turn = []
+            for r in turn:
+                if len(batch) == self.max_batch_size:
+                    break
+                i = r.order[r.taken]
+                padded = (len(batch) + 1) * max(longest, r.lengths[i])
+                if batch and self.max_batch_tokens is not None and padded > self.max_batch_tokens:
+                    continue
+                batch.append((r, i))
+                longest = max(longest, r.lengths[i])
+                r.taken += 1
+                if r.waiting:
+                    next_turn.append(r)
+            turn = next_turn
+        self._queue = collections.deque(r for r in self._queue if r.waiting)  # the rest are in batches now
+        return batch
+
+    async def _run(self, batch: list[tuple[_Request, int]]) -> None:
         try:
-            results = await self.run([item for item, _ in batch])
+            results = await self.run([r.items[i] for r, i in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"a batch of {len(batch)} items gave {len(results)} results")
         except Exception as e:  # the batch's requests fail; the worker goes on with the next batch
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(e)
+            for r, _ in batch:
+                if not r.future.done():
+                    r.future.set_exception(e)
             return
-        for (_, future), result in zip(batch, results):
-            if not future.done():
-                future.set_result(result)
+        for (r, i), result in zip(batch, results):
+            if r.future.done():  # cancelled, or failed in an earlier batch
+                continue
+            r.results[i] = result
+            r.left -= 1
+            if r.left == 0:
+                r.future.set_result(r.results)

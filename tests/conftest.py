@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +40,19 @@ MIXED_TEXTS = [
     "Zoë's café serves crème brûlée — and 東京 ramen! 🍜",
     "word " * 40,
 ]
+
+
+def corpus_texts(n: int, seed: int = 0, min_words: int = 3, max_words: int = 60) -> list[str]:
+    """``n`` distinct sentences of the bundled corpus (data/sample) of ``min_words``..``max_words`` words,
+    drawn with ``seed``: the mix of lengths a bulk embedding request brings."""
+    import gzip
+
+    pool = []
+    for shard in sorted((Path(__file__).resolve().parents[1] / "data" / "sample").glob("*.txt.gz")):
+        with gzip.open(shard, "rt", encoding="utf-8") as f:
+            pool.extend(s for s in (line.strip() for line in f) if min_words <= len(s.split()) <= max_words)
+    pool = sorted(set(pool))
+    return [pool[i] for i in np.random.default_rng(seed).choice(len(pool), size=n, replace=False)]
 
 
 def free_port() -> int:
