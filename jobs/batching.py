@@ -12,13 +12,16 @@ with ~20 requests waiting in already-cut batches (timestamps traced in the repli
 ``benchmarks/serving.py`` measured ~61 texts/s.
 
 A request may hold many items (``submit``: the texts of one /v1/embeddings call). Its items run
-shortest first (``length``), and a batch takes items from the queued requests in turns, one item per
-request per turn, oldest request first, until it holds ``max_batch_size`` items or the next item would
-take it over ``max_batch_tokens`` padded tokens (items x the longest one). So a 1,000-text request runs
-as a run of length-sorted batches across request boundaries, never as one padded batch, and a
-one-text request that arrives meanwhile joins the very next batch instead of waiting behind all of it
-(the head-of-line blocking of a first-come-first-served queue of whole requests). The answers go back
-to each request in its own order.
+shortest first (``length``). A batch takes first the shortest waiting item of every queued request,
+oldest request first, then the shortest waiting items of all of them together, until it holds
+``max_batch_size`` items or the next item would take it over ``max_batch_tokens`` padded tokens (items
+x the longest one). So a 1,000-text request runs as a run of length-sorted batches, never as one padded
+batch; eight 64-text requests share batches of similar lengths as one sorted queue would; and a
+one-text request that arrives meanwhile joins the very next batch instead of waiting behind all of a
+large one (the head-of-line blocking of a first-come-first-served queue of whole requests, and of
+Infinity's queue sorted by length alone). While small requests (``SMALL_REQUEST`` items or fewer) are
+about beside a large one, batches are cut to ``interactive_batch_tokens``, so the pass a small request
+waits for is short too. The answers go back to each request in its own order.
 
 Idle, a lone request waits up to ``batch_wait_timeout_s`` from its arrival for company, as with
 ``@serve.batch``; a request that waited in the queue during a pass has already waited that long and
@@ -29,11 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+SMALL_REQUEST = 8  # items: a request this small is someone waiting (a query, a chat turn), not a bulk job
+RECENT_S = 1.0  # small requests count as about for this long after the last one arrived
 
 
 class _Request:
@@ -69,15 +76,17 @@ class Batcher(Generic[T, R]):
 
     def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch_size: int, batch_wait_timeout_s: float,
                  model_lock: asyncio.Lock | None = None, *, length: Callable[[T], int] | None = None,
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: int | None = None, interactive_batch_tokens: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if batch_wait_timeout_s < 0:
             raise ValueError(f"batch_wait_timeout_s must be >= 0, got {batch_wait_timeout_s}")
-        if max_batch_tokens is not None and max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("interactive_batch_tokens", interactive_batch_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         self.run, self.max_batch_size, self.batch_wait_timeout_s = run, max_batch_size, batch_wait_timeout_s
-        self.length, self.max_batch_tokens = length, max_batch_tokens
+        self.length, self.max_batch_tokens, self.interactive_batch_tokens = length, max_batch_tokens, interactive_batch_tokens
+        self._small_at: float | None = None  # when the last small request arrived (loop time)
         self.model_lock = model_lock or asyncio.Lock()
         self._queue: collections.deque[_Request] = collections.deque()  # requests with items not yet in a batch
         self._arrived: asyncio.Event | None = None
@@ -97,6 +106,8 @@ class Batcher(Generic[T, R]):
             self._worker = loop.create_task(self._work())
         lengths = [self.length(item) for item in items] if self.length is not None else [1] * len(items)
         request = _Request(items, lengths, loop.create_future(), loop.time())
+        if len(items) <= SMALL_REQUEST:
+            self._small_at = request.arrival
         self._queue.append(request)
         self._arrived.set()
         return await request.future  # a cancelled caller cancels the future: its items are dropped
@@ -127,30 +138,52 @@ class Batcher(Generic[T, R]):
                         await self._run(self._take())
 
     def _take(self) -> list[tuple[_Request, int]]:
-        """The next batch as (request, item index): items in turns, one per request per turn, oldest
-        request first, each request's shortest waiting item; a request whose next item would take the
-        batch over the token budget sits the rest of this batch out (its later items are no shorter).
-        The first item always goes in, however long: an item over the budget runs alone."""
+        """The next batch as (request, item index). First each queued request's shortest waiting item,
+        oldest request first, so every request moves on with every batch; then the shortest waiting
+        items of all requests together, so a batch holds texts of similar length across request
+        boundaries. An item that would take the batch over its token budget is left for a later one
+        (in the second step nothing shorter is left either); the first item always goes in, however
+        long: an item over the budget runs alone. While one-item-or-few requests are about and a large
+        one is queued, the budget is ``interactive_batch_tokens``: short passes, so a small request
+        never waits long for the pass in front of it."""
+        live = [r for r in self._queue if r.waiting]
+        budget = self.max_batch_tokens
+        if self.interactive_batch_tokens is not None and self._mixed(live):
+            budget = min(budget or self.interactive_batch_tokens, self.interactive_batch_tokens)
         batch: list[tuple[_Request, int]] = []
         longest = 0
-        turn = [r for r in self._queue if r.waiting]
-        while turn and len(batch) < self.max_batch_size:
-            next_turn = []
-            for r in turn:
-                if len(batch) == self.max_batch_size:
-                    break
-                i = r.order[r.taken]
-                padded = (len(batch) + 1) * max(longest, r.lengths[i])
-                if batch and self.max_batch_tokens is not None and padded > self.max_batch_tokens:
-                    continue
-                batch.append((r, i))
-                longest = max(longest, r.lengths[i])
-                r.taken += 1
-                if r.waiting:
-                    next_turn.append(r)
-            turn = next_turn
+
+        def add(r: _Request) -> bool:
+            nonlocal longest
+            n = r.lengths[r.order[r.taken]]
+            if batch and budget is not None and (len(batch) + 1) * max(longest, n) > budget:
+                return False
+            batch.append((r, r.order[r.taken]))
+            longest = max(longest, n)
+            r.taken += 1
+            return True
+
+        for r in live:
+            if len(batch) == self.max_batch_size:
+                break
+            add(r)
+        heap = [(r.lengths[r.order[r.taken]], k, r) for k, r in enumerate(live) if r.waiting]  # (next length, age, request)
+        heapq.heapify(heap)
+        while heap and len(batch) < self.max_batch_size:
+            _, k, r = heap[0]
+            if not add(r):
+                break  # the shortest waiting item does not fit: no other does
+            if r.waiting:
+                heapq.heapreplace(heap, (r.lengths[r.order[r.taken]], k, r))
+            else:
+                heapq.heappop(heap)
         self._queue = collections.deque(r for r in self._queue if r.waiting)  # the rest are in batches now
         return batch
+
+    def _mixed(self, live: list[_Request]) -> bool:
+        """A large request is queued while small ones are about (one arrived within RECENT_S)."""
+        recent = self._small_at is not None and asyncio.get_running_loop().time() - self._small_at < RECENT_S
+        return recent and any(len(r.items) > SMALL_REQUEST for r in live)
 
     async def _run(self, batch: list[tuple[_Request, int]]) -> None:
         try:

@@ -340,10 +340,11 @@ class EmbeddingModel(TaskServing):
         self.recent_passes: collections.deque = collections.deque(maxlen=1024)  # (rows, padded length) per forward pass
         # One forward pass at a time in a replica: sentence vectors, task rows, and every model it holds.
         self.model_lock = model_lock or asyncio.Lock()
-        # Texts of every queued request, shortest first, in batches across request boundaries, in turns
-        # between requests (a one-text request never waits behind a whole 1,000-text one).
+        # Texts of every queued request, shortest first, in batches across request boundaries; every
+        # request moves on with every batch (a one-text request never waits behind a 1,000-text one).
         self._embed_batch = Batcher(self._embed_pass, settings.max_batch_size, settings.batch_wait_timeout_s, self.model_lock,
-                                    length=_item_length, max_batch_tokens=settings.max_batch_tokens)
+                                    length=_item_length, max_batch_tokens=settings.max_batch_tokens,
+                                    interactive_batch_tokens=settings.interactive_batch_tokens)
         self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
         # A checkpoint fine-tuned with features: scalar-mix carries its learned layer weights (TaskModel.mix).
         self.mix = getattr(self.model, "mix", None)

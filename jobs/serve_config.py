@@ -101,6 +101,10 @@ class ModelSettings(BaseModel):
     # are sorted by length and split into forward passes under this budget, so short texts are not
     # padded to a long one's length; a text longer than the budget runs alone (keep it >= the models' max_len).
     max_batch_tokens: int = Field(16384, ge=1)
+    # The budget of a pass while small requests (8 texts or fewer) are about beside a large one: short
+    # passes, so a one-text request never waits long for the pass in front of it (jobs/batching.py).
+    # ~25 ms a pass of MiniLM on 2 CPU cores; a GPU wants several thousand.
+    interactive_batch_tokens: int = Field(256, ge=1)
     batch_wait_timeout_s: float = Field(0.01, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)

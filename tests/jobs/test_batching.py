@@ -6,6 +6,7 @@ waited, so under load the passes grow instead of staying at what one wait timeou
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -241,18 +242,48 @@ def test_a_one_text_request_joins_the_next_batch_not_the_end_of_a_bulk_request()
     assert len(model.batches) < 1000 // 16  # the bulk request never ran one item at a time
 
 
-def test_concurrent_bulk_requests_take_turns_in_every_batch():
+def test_concurrent_bulk_requests_share_batches_sorted_across_them():
+    """Eight 64-item requests: every batch holds an item of each request still waiting (all move on
+    together), and the batches are as little padded as one length-sorted queue of all 512 items."""
     model = Lengths(per_token=1e-6)
     batcher = Batcher(model, max_batch_size=32, batch_wait_timeout_s=0.01, length=_length, max_batch_tokens=16384)
+    rng = random.Random(0)
+    reqs = [[(r, i, rng.randint(5, 60)) for i in range(64)] for r in range(8)]
 
     async def main():
-        reqs = [[(r, i, 5 + (7 * i + r) % 50) for i in range(64)] for r in range(8)]
-        return reqs, await asyncio.gather(*(batcher.submit(items) for items in reqs))
+        return await asyncio.gather(*(batcher.submit(items) for items in reqs))
 
-    reqs, answers = asyncio.run(main())
-    assert answers == reqs
-    for b in model.batches[:-1]:  # all eight requests are waiting in each: 4 items of each
-        assert sorted({r for r, _, _ in b}) == list(range(8)) and len(b) == 32
+    assert asyncio.run(main()) == reqs
+    for b in model.batches:
+        waiting = {r for r in range(8) if any(it in later for later in model.batches[model.batches.index(b):] for it in reqs[r])}
+        assert {r for r, _, _ in b} == waiting
+    padded = sum(len(b) * max(n for _, _, n in b) for b in model.batches)
+    lengths = sorted(n for items in reqs for _, _, n in items)
+    one_queue = sum(len(lengths[s : s + 32]) * lengths[s : s + 32][-1] for s in range(0, len(lengths), 32))
+    assert padded <= 1.02 * one_queue  # taken in turns, one item per request, it was 1.08x
+
+
+def test_small_requests_beside_a_large_one_get_short_batches():
+    """While one-item requests are about and a 1,000-item request is queued, batches keep to
+    interactive_batch_tokens; the large request alone gets whole max_batch_tokens batches."""
+    model = Lengths(per_token=1e-5)
+    batcher = Batcher(model, max_batch_size=32, batch_wait_timeout_s=0.001, length=_length, max_batch_tokens=4096,
+                      interactive_batch_tokens=64)
+
+    async def main():
+        await batcher.submit([(0, i, 10) for i in range(200)])  # alone
+        alone = len(model.batches)
+        bulk = asyncio.ensure_future(batcher.submit([(1, i, 10) for i in range(200)]))
+        for k in range(5):
+            await asyncio.sleep(0.003)
+            await batcher.submit([(2, k, 10)])
+        await bulk
+        return alone
+
+    alone = asyncio.run(main())
+    assert [len(b) for b in model.batches[:alone]] == [32] * 6 + [8]
+    mixed = [b for b in model.batches[alone:] if any(r == 2 for r, _, _ in b)]
+    assert len(mixed) == 5 and all(len(b) * 10 <= 64 for b in mixed)
 
 
 def test_a_failing_batch_fails_each_request_in_it_once_and_drops_their_other_items():
@@ -275,7 +306,7 @@ def test_a_failing_batch_fails_each_request_in_it_once_and_drops_their_other_ite
 
     (first, second), after = asyncio.run(main())
     assert isinstance(first, ValueError) and isinstance(second, ValueError)  # both had items in the failing pass
-    assert calls[0] == [(0, 0, 5), (1, 0, 5), (0, 1, 5), (1, 1, 5)]  # in turns
+    assert calls[0][:2] == [(0, 0, 5), (1, 0, 5)]  # each request's first item, oldest first
     assert calls[1:] == [[(2, 0, 5)]] and after == [(2, 0, 5)]  # their other items never ran; the next request does
 
 
