@@ -692,7 +692,9 @@ class TaskServing:
         return outputs, (len(rows), int(mask.sum()), n_seq * width)
 
     async def _rows_pass(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
-        return await asyncio.to_thread(self._rows_forward, rows)
+        from jobs.serve import forward
+
+        return await forward(self._rows_forward, rows)
 
     async def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
         """Every row through the batched forward pass: (its output, in the given order; the (rows, tokens,
@@ -798,7 +800,10 @@ class TaskServing:
             )
         if seed is None:
             seed = secrets.randbits(63)  # fresh entropy (never the global RNG), returned so the answer can be reproduced
-        new, finish = await asyncio.to_thread(
+        from jobs.serve import forward
+
+        # On the forward-pass thread, as every torch operation of the replica (jobs.serve.on_forward_thread).
+        new, finish = await forward(
             generate_ids, self.family, self.model, ids, max_tokens, stop, placeholder, temperature, top_k, top_p, seed, self.device
         )
         choice = {"index": 0, "text": decode_ids(tok, new), "token_ids": new, "tokens": [tok.id_to_token(i) for i in new], "finish_reason": finish}
