@@ -1,10 +1,23 @@
 """Embedding serving throughput on loopback: ``ctx serve`` against Infinity and a plain FastAPI +
 transformers server, side by side, with the same model, the same texts and the same load.
 
-Run: ``PYTHONPATH=$PWD .venv/bin/python benchmarks/serving.py`` (about 5 minutes on 2 cores with the
-defaults). Options: ``--seconds`` (timed load per server and round, default 20), ``--rounds`` (2),
-``--clients`` (32), ``--threads`` (2), ``--infinity-python`` (see ``--help``). The last lines are
-``serving_vs_infinity: X``, ``serving_vs_limit: X`` and ``infinity_vs_limit: X`` (texts/s over texts/s).
+Run: ``PYTHONPATH=$PWD .venv/bin/python benchmarks/serving.py`` (about 15 minutes on 2 cores with the
+defaults). Options: ``--seconds`` (timed load per server, scenario and round, default 20), ``--rounds``
+(2), ``--clients`` (32), ``--threads`` (2), ``--scenarios`` and ``--sides`` (subsets),
+``--infinity-python`` (see ``--help``). The last lines are the ratios (texts/s over texts/s):
+``serving_vs_infinity``, ``serving_vs_limit`` and ``infinity_vs_limit`` for one text a request;
+``bulk_vs_infinity``, ``bulk_vs_limit``, ``langchain_vs_infinity``, ``langchain_vs_limit`` for bulk
+requests; ``mixed_p99_vs_alone`` for one-text latency beside a bulk client.
+
+Scenarios (each side runs every one, on one server start per round):
+
+- ``single``: ``--clients`` clients, one text a request (below).
+- ``bulk``: 8 clients sending 64 texts a request back to back for ``--seconds`` (an indexing job).
+- ``langchain``: one client sending 1,000-text requests one after another, 3 of them (LangChain's
+  ``OpenAIEmbeddings.embed_documents`` sends chunks of 1,000 texts; its own client needs tiktoken's
+  files from the network, so the requests are sent here as it sends them).
+- ``mixed``: 4 one-text clients for ``--seconds``/2 alone, then again while one client sends
+  1,000-text requests back to back: the one-text p99 beside the bulk client over its p99 alone.
 
 Infinity needs its own virtualenv: ``infinity-emb[server,torch]`` pins ``transformers<5``, this
 project uses 5. Once, at the repository root (torch first and pinned: an unpinned torch would pull
@@ -32,7 +45,7 @@ folder: mean pooling, then L2 normalisation); every side reads that folder, noth
   process, mean pooling and normalisation; one request at a time through the model (a lock), no
   batching; no access log. Written below (``baseline_app``).
 
-Load: ``--clients`` concurrent clients (asyncio + one httpx connection each) send one text per
+Load (``single``): ``--clients`` concurrent clients (asyncio + one httpx connection each) send one text per
 request back to back for ``--seconds``, after two warm-up requests each. Texts: 2048 sentences of 5 to
 60 words drawn (seed 1234) from the bundled WordNet corpus (``data/sample``), the corpus's own mix of
 lengths; client ``i`` sends texts ``i, i + clients, ...`` in turn. Throughput counts answered
@@ -66,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gzip
 import os
 import shutil
@@ -90,6 +104,10 @@ from pydantic import BaseModel  # noqa: E402
 
 CLIENTS = 32
 SECONDS = 20.0
+BULK_CLIENTS, BULK_PER_REQUEST = 8, 64  # an indexing job's batches
+BULK_TEXTS, LANGCHAIN_REQUESTS = 1000, 3  # LangChain's OpenAIEmbeddings.embed_documents: chunks of 1,000 texts
+MIXED_CLIENTS = 4  # one-text clients beside a bulk client
+SCENARIOS = ("single", "bulk", "langchain", "mixed")
 ROUNDS = 2
 LIMIT_SECONDS = 5.0
 LIMIT_BATCHES = 8  # length-sorted batches spread over the lengths: one pass of the limit
@@ -323,7 +341,12 @@ class Load:
                 "errors": sum(self.errors.values())}
 
 
-async def generate_load(running: Running, texts: list[str], n_tokens: list[int], clients: int, seconds: float) -> Load:
+async def generate_load(running: Running, texts: list[str], n_tokens: list[int], clients: int, seconds: float,
+                        per_request: int = 1, requests: int | None = None, warmup: bool = True,
+                        until: asyncio.Event | None = None) -> Load:
+    """``clients`` clients, each sending ``per_request`` texts a request back to back: for ``seconds``,
+    or ``requests`` requests each when given, or until ``until`` is set (a load beside another one).
+    Client ``c``'s k-th request holds texts ``(c + k * clients) * per_request ...`` (wrapping round)."""
     import httpx
 
     url = running.url + running.side.path
@@ -331,41 +354,73 @@ async def generate_load(running: Running, texts: list[str], n_tokens: list[int],
     errors: dict[str, int] = {}
     done = {"texts": 0, "tokens": 0}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    def pick(k: int) -> list[int]:
+        return [(k * per_request + j) % len(texts) for j in range(per_request)]
+
     async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
 
-        async def one(i: int) -> tuple[bool, str]:
+        async def one(idx: list[int]) -> tuple[bool, str]:
             try:
-                r = await client.post(url, json=running.body(texts[i]))
+                body = running.body(texts[idx[0]] if per_request == 1 else [texts[i] for i in idx])
+                r = await client.post(url, json=body)
                 if r.status_code != 200:
                     return False, f"HTTP {r.status_code}"
-                if len(r.json()["data"][0]["embedding"]) == 0:
-                    return False, "empty vector"
+                data = r.json()["data"]
+                if len(data) != len(idx) or len(data[0]["embedding"]) == 0:
+                    return False, "wrong answer"
                 return True, ""
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
                 return False, type(e).__name__
 
         async def warm(c: int) -> None:
             for k in range(WARMUP_PER_CLIENT):
-                await one((c + k * clients) % len(texts))
+                await one(pick(c + k * clients))
 
         async def timed(c: int, deadline: float) -> None:
-            i = c
-            while time.perf_counter() < deadline:
+            k, sent = c, 0
+            while True:
+                if requests is not None and sent == requests:
+                    break
+                if requests is None and (until.is_set() if until is not None else time.perf_counter() >= deadline):
+                    break
+                idx = pick(k)
                 start = time.perf_counter()
-                ok, why = await one(i % len(texts))
+                ok, why = await one(idx)
                 if ok:
                     latencies.append(time.perf_counter() - start)
-                    done["texts"] += 1
-                    done["tokens"] += n_tokens[i % len(texts)]
+                    done["texts"] += len(idx)
+                    done["tokens"] += sum(n_tokens[i] for i in idx)
                 else:
                     errors[why] = errors.get(why, 0) + 1
-                i += clients
+                k, sent = k + clients, sent + 1
 
-        await asyncio.gather(*(warm(c) for c in range(clients)))
+        if warmup:
+            await asyncio.gather(*(warm(c) for c in range(clients)))
         cpu0, start = time.process_time(), time.perf_counter()
         await asyncio.gather(*(timed(c, start + seconds) for c in range(clients)))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
     return Load(latencies, done["texts"], done["tokens"], errors, elapsed, cpu)
+
+
+async def mixed_load(running: Running, texts: list[str], n_tokens: list[int], seconds: float) -> tuple[Load, Load]:
+    """(one-text clients alone, the same clients while one bulk client sends BULK_TEXTS-text requests
+    back to back): their latencies are what head-of-line blocking would ruin."""
+    alone = await generate_load(running, texts, n_tokens, MIXED_CLIENTS, seconds)
+    started = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def bulk() -> Load:
+        started.set()
+        return await generate_load(running, texts, n_tokens, 1, 0, per_request=BULK_TEXTS, warmup=False, until=stop)
+
+    bulk_task = asyncio.ensure_future(bulk())
+    await started.wait()
+    await asyncio.sleep(1.0)  # the first bulk request is in the model
+    beside = await generate_load(running, texts, n_tokens, MIXED_CLIENTS, seconds, warmup=False)
+    stop.set()
+    await bulk_task
+    return alone, beside
 
 
 # --- the limit: the same model in this process, length-sorted batches of 32 ---
@@ -425,6 +480,9 @@ def main() -> None:
                         help="python of Infinity's own virtualenv (default .venv-infinity/bin/python; see the module docstring)")
     parser.add_argument("--threads", type=int, default=CORES,
                         help=f"torch threads of every side (OMP_NUM_THREADS; our replica's num_cpus) and of the limit (default {CORES})")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, of {', '.join(SCENARIOS)} (default all; see the module docstring)")
+    parser.add_argument("--sides", default="ours,infinity,baseline", help="comma-separated servers to run (default all three)")
     parser.add_argument("--serve-ours", type=int, metavar="PORT", help=argparse.SUPPRESS)  # child process modes
     parser.add_argument("--serve-baseline", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -459,8 +517,11 @@ def main() -> None:
     for side in servers.values():
         if side.command is None:
             print(side.skipped)
-    names = [n for n, s in servers.items() if s.command is not None] + ["limit"]
-    loads: dict[str, list[Load]] = {n: [] for n in names if n != "limit"}
+    wanted = [n for n in args.sides.split(",") if n]
+    names = [n for n, srv in servers.items() if srv.command is not None and n in wanted] + ["limit"]
+    scenarios = [sc for sc in args.scenarios.split(",") if sc]
+    # results[scenario][side] -> one Load per round ("mixed-alone" / "mixed" hold the one-text clients' loads)
+    results: dict[str, dict[str, list[Load]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     limits: dict[str, list[tuple[float, float]]] = {n: [] for n in encoders}
     checked: set[str] = set()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
@@ -479,40 +540,99 @@ def main() -> None:
                 if name not in checked:
                     print(check_agreement(name, vectors(running, texts[:N_CHECK]), reference))
                     checked.add(name)
-                load = asyncio.run(generate_load(running, texts, n_tokens, args.clients, args.seconds))
+                for sc in scenarios:
+                    passes_before = pass_stats(running) if name == "ours" else None
+                    if sc == "single":
+                        got = {"single": asyncio.run(generate_load(running, texts, n_tokens, args.clients, args.seconds))}
+                    elif sc == "bulk":
+                        got = {"bulk": asyncio.run(generate_load(running, texts, n_tokens, BULK_CLIENTS, args.seconds,
+                                                                 per_request=BULK_PER_REQUEST))}
+                    elif sc == "langchain":
+                        got = {"langchain": asyncio.run(generate_load(running, texts, n_tokens, 1, 0, per_request=BULK_TEXTS,
+                                                                      requests=LANGCHAIN_REQUESTS))}
+                    else:
+                        alone, beside = asyncio.run(mixed_load(running, texts, n_tokens, args.seconds / 2))
+                        got = {"mixed-alone": alone, "mixed": beside}
+                    for key, load in got.items():
+                        results[key][name].append(load)
+                        print(f"round {r + 1}/{args.rounds} {name} {key}: {_line(load)} (ready in {started:.0f} s)", flush=True)
+                    if passes_before is not None:
+                        n, texts_n, real, padded = (a - b for a, b in zip(pass_stats(running), passes_before))
+                        print(f"  forward passes: {n:.0f}, {texts_n / max(n, 1):.1f} texts and {padded / max(n, 1):.0f} padded "
+                              f"tokens a pass, padding {1 - real / max(padded, 1):.1%} of the padded tokens (/metrics)", flush=True)
             finally:
                 running.stop()
-            loads[name].append(load)
-            s = load.summary()
-            print(f"round {r + 1}/{args.rounds} {name}: {s['texts_s']:,.1f} texts/s, {s['tokens_s']:,.0f} tokens/s, "
-                  f"p50 {s['p50_ms']:.0f} ms, p99 {s['p99_ms']:.0f} ms, errors {s['errors']}"
-                  + (f" {load.errors}" if load.errors else "")
-                  + f" (ready in {started:.0f} s; client CPU {load.client_cpu_s:.1f} s of {load.seconds:.1f} s)", flush=True)
 
     shutil.rmtree(log_dir, ignore_errors=True)  # the servers' output; kept when a server fails, for its tail
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    med: dict[str, dict[str, float]] = {}
-    for name, runs in loads.items():
-        summaries = [run.summary() for run in runs]
-        med[name] = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
-        med[name]["errors"] = sum(s["errors"] for s in summaries)
-        m = med[name]
-        print(f"{name + ':':<10} {m['texts_s']:8,.1f} texts/s {m['tokens_s']:9,.0f} tokens/s   p50 {m['p50_ms']:5.0f} ms   "
-              f"p99 {m['p99_ms']:5.0f} ms   errors {int(m['errors'])} (medians over {len(runs)} rounds)")
     limit_of = {n: (statistics.median(t for t, _ in v), statistics.median(k for _, k in v)) for n, v in limits.items()}
     best = max(limit_of, key=lambda n: limit_of[n][0])
     for n, (t, k) in limit_of.items():
         print(f"{'limit:' if n == best else '':<10} {t:8,.1f} texts/s {k:9,.0f} tokens/s   in-process {n}, "
               f"length-sorted batches of {BATCH}")
     limit = limit_of[best][0]
-    ours = med.get("ours", {}).get("texts_s")
-    infinity = med.get("infinity", {}).get("texts_s")
+    med = {key: {side: _median(loads) for side, loads in by_side.items()} for key, by_side in results.items()}
+    for key, by_side in med.items():
+        for side, m in by_side.items():
+            print(f"{key + ' ' + side + ':':<22} {m['texts_s']:8,.1f} texts/s {m['tokens_s']:9,.0f} tokens/s   p50 {m['p50_ms']:6.0f} ms   "
+                  f"p99 {m['p99_ms']:6.0f} ms   errors {int(m['errors'])} (medians over {len(results[key][side])} rounds)")
     na = "n/a (Infinity not measured)"
-    print(f"serving_vs_infinity: {ours / infinity:.2f}" if infinity else f"serving_vs_infinity: {na}")
-    print(f"serving_vs_limit: {ours / limit:.2f}")
-    print(f"infinity_vs_limit: {infinity / limit:.2f}" if infinity else f"infinity_vs_limit: {na}")
-    if "baseline" in med:
-        print(f"serving_vs_baseline: {ours / med['baseline']['texts_s']:.2f}")
+
+    def ratio(label: str, key: str, over: str | None) -> None:
+        ours = med.get(key, {}).get("ours")
+        if ours is None:
+            return
+        if over is None:
+            print(f"{label}: {ours['texts_s'] / limit:.2f}")
+            return
+        other = med[key].get(over)
+        print(f"{label}: {ours['texts_s'] / other['texts_s']:.2f}" if other else f"{label}: {na}")
+
+    ratio("serving_vs_infinity", "single", "infinity")
+    ratio("serving_vs_limit", "single", None)
+    if "infinity" in med.get("single", {}):
+        print(f"infinity_vs_limit: {med['single']['infinity']['texts_s'] / limit:.2f}")
+    ratio("serving_vs_baseline", "single", "baseline")
+    ratio("bulk_vs_infinity", "bulk", "infinity")
+    ratio("bulk_vs_limit", "bulk", None)
+    if "infinity" in med.get("bulk", {}):
+        print(f"infinity_bulk_vs_limit: {med['bulk']['infinity']['texts_s'] / limit:.2f}")
+    ratio("langchain_vs_infinity", "langchain", "infinity")
+    ratio("langchain_vs_limit", "langchain", None)
+    if "infinity" in med.get("langchain", {}):
+        print(f"infinity_langchain_vs_limit: {med['langchain']['infinity']['texts_s'] / limit:.2f}")
+    for side in med.get("mixed", {}):
+        alone, beside = med["mixed-alone"][side]["p99_ms"], med["mixed"][side]["p99_ms"]
+        print(f"{'mixed_p99_vs_alone' if side == 'ours' else side + '_mixed_p99_vs_alone'}: {beside / alone:.2f} "
+              f"(one-text p99 {beside:.0f} ms beside a {BULK_TEXTS}-text client, {alone:.0f} ms alone)")
+
+
+def pass_stats(running: Running) -> tuple[float, float, float, float]:
+    """Our server's /metrics: (forward passes, texts, real tokens, padded tokens) so far."""
+    import httpx
+
+    wanted = {"ctx_batch_size_texts_count": 0, "ctx_batch_size_texts_sum": 1, "ctx_batch_size_tokens_sum": 2,
+              "ctx_batch_size_padded_tokens_sum": 3}
+    out = [0.0] * 4
+    for line in httpx.get(running.url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in wanted and f'model="{MODEL_NAME}"' in line:
+            out[wanted[name]] += float(line.split()[-1])
+    return tuple(out)
+
+
+def _line(load: Load) -> str:
+    s = load.summary()
+    return (f"{s['texts_s']:,.1f} texts/s, {s['tokens_s']:,.0f} tokens/s, p50 {s['p50_ms']:.0f} ms, p99 {s['p99_ms']:.0f} ms, "
+            f"errors {s['errors']}" + (f" {load.errors}" if load.errors else "")
+            + f" (client CPU {load.client_cpu_s:.1f} s of {load.seconds:.1f} s)")
+
+
+def _median(loads: list[Load]) -> dict[str, float]:
+    summaries = [load.summary() for load in loads]
+    m = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+    m["errors"] = sum(s["errors"] for s in summaries)
+    return m
 
 
 if __name__ == "__main__":
