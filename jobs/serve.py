@@ -93,10 +93,11 @@ logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
 TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
-# What a forward pass costs besides its tokens, in tokens (``token_budget_groups``): MiniLM on 2 CPU
-# threads takes ~2.3 ms a pass whatever its size plus ~0.1 ms a token (fitted over 1-64 rows of 8-64
-# tokens), so a pass is worth ~23 tokens of padding.
-PASS_TOKENS = 24
+# What a forward pass costs besides its tokens, in tokens (``token_budget_groups``). MiniLM on 2 CPU threads:
+# a pass takes ~2.3 ms plus ~0.1 ms a token, and small passes use the cores less well (8 rows of 16 tokens
+# run at 8 tokens/ms, 32 rows at 11), so cutting a batch in two costs 5.7-7.7 ms more than padding it:
+# 55-70 tokens (benchmarks/serving.py's 8 x 64-text load ran 16.9 texts a pass at 24, 3% padding).
+PASS_TOKENS = 64
 # Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
 CAUSAL_FAMILIES = ("gpt", "transformer-xl")
 VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
