@@ -16,8 +16,9 @@ Scenarios (each side runs every one, on one server start per round):
 - ``langchain``: one client sending 1,000-text requests one after another, 3 of them (LangChain's
   ``OpenAIEmbeddings.embed_documents`` sends chunks of 1,000 texts; its own client needs tiktoken's
   files from the network, so the requests are sent here as it sends them).
-- ``mixed``: 4 one-text clients for ``--seconds``/2 alone, then again while one client sends
-  1,000-text requests back to back: the one-text p99 beside the bulk client over its p99 alone.
+- ``mixed``: 4 one-text clients for ``--seconds``/2 alone, then again while one client (a process
+  of its own) sends 1,000-text requests back to back: the one-text p99 beside the bulk client over
+  its p99 alone.
 
 Infinity needs its own virtualenv: ``infinity-emb[server,torch]`` pins ``transformers<5``, this
 project uses 5. Once, at the repository root (torch first and pinned: an unpinned torch would pull
@@ -81,6 +82,7 @@ import argparse
 import asyncio
 import collections
 import gzip
+import json
 import os
 import shutil
 import signal
@@ -107,6 +109,7 @@ SECONDS = 20.0
 BULK_CLIENTS, BULK_PER_REQUEST = 8, 64  # an indexing job's batches
 BULK_TEXTS, LANGCHAIN_REQUESTS = 1000, 3  # LangChain's OpenAIEmbeddings.embed_documents: chunks of 1,000 texts
 MIXED_CLIENTS = 4  # one-text clients beside a bulk client
+BULK_START_S = 3.0  # the bulk client process's start-up and first request, before the one-text clients are timed
 SCENARIOS = ("single", "bulk", "langchain", "mixed")
 ROUNDS = 2
 LIMIT_SECONDS = 5.0
@@ -405,22 +408,35 @@ async def generate_load(running: Running, texts: list[str], n_tokens: list[int],
 
 async def mixed_load(running: Running, texts: list[str], n_tokens: list[int], seconds: float) -> tuple[Load, Load]:
     """(one-text clients alone, the same clients while one bulk client sends BULK_TEXTS-text requests
-    back to back): their latencies are what head-of-line blocking would ruin."""
+    back to back): their latencies are what head-of-line blocking would ruin. The bulk client is a
+    process of its own: parsing a 1,000-vector answer (4-8 MB of JSON) holds the GIL for tens of ms,
+    which in this process would stall the one-text clients' timers too, whatever the server."""
     alone = await generate_load(running, texts, n_tokens, MIXED_CLIENTS, seconds)
-    started = asyncio.Event()
-    stop = asyncio.Event()
-
-    async def bulk() -> Load:
-        started.set()
-        return await generate_load(running, texts, n_tokens, 1, 0, per_request=BULK_TEXTS, warmup=False, until=stop)
-
-    bulk_task = asyncio.ensure_future(bulk())
-    await started.wait()
-    await asyncio.sleep(1.0)  # the first bulk request is in the model
-    beside = await generate_load(running, texts, n_tokens, MIXED_CLIENTS, seconds, warmup=False)
-    stop.set()
-    await bulk_task
+    bulk = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--bulk-client", running.url + running.side.path,
+                             "--bulk-body", json.dumps(running.side.extra), "--seconds", str(seconds + BULK_START_S + 2)],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        await asyncio.sleep(BULK_START_S)  # its start-up, and its first request in the model
+        beside = await generate_load(running, texts, n_tokens, MIXED_CLIENTS, seconds, warmup=False)
+    finally:
+        if bulk.wait(timeout=REQUEST_TIMEOUT_S) != 0:
+            raise SystemExit(f"the bulk client exited with {bulk.returncode}")
     return alone, beside
+
+
+def bulk_client(url: str, extra: dict, seconds: float) -> None:
+    """The mixed scenario's bulk client (``--bulk-client``): BULK_TEXTS-text requests back to back for ``seconds``."""
+    import httpx
+
+    texts = load_texts(N_TEXTS, SEED)
+    deadline, k = time.monotonic() + seconds, 0
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        while time.monotonic() < deadline:
+            batch = [texts[(k * BULK_TEXTS + j) % len(texts)] for j in range(BULK_TEXTS)]
+            r = client.post(url, json={"model": MODEL_NAME, "input": batch, **extra})
+            if r.status_code != 200 or len(r.json()["data"]) != BULK_TEXTS:
+                raise SystemExit(f"bulk request answered {r.status_code}: {r.text[:300]}")
+            k += 1
 
 
 # --- the limit: the same model in this process, length-sorted batches of 32 ---
@@ -485,7 +501,11 @@ def main() -> None:
     parser.add_argument("--sides", default="ours,infinity,baseline", help="comma-separated servers to run (default all three)")
     parser.add_argument("--serve-ours", type=int, metavar="PORT", help=argparse.SUPPRESS)  # child process modes
     parser.add_argument("--serve-baseline", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--bulk-client", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--bulk-body", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bulk_client:
+        return bulk_client(args.bulk_client, json.loads(args.bulk_body), args.seconds)
     model_dir = minilm_dir()
     if args.serve_ours:
         return serve_ours(args.serve_ours, model_dir, args.threads)
