@@ -148,6 +148,52 @@ def test_a_burst_runs_in_few_large_passes_and_every_answer_is_its_own(app, refer
     assert 1 <= passes <= BURST / 4, passes
 
 
+def test_a_bulk_request_and_one_text_requests_beside_it_each_get_their_own_vectors(app, minilm_dir):
+    """A 300-text request (base64 answer) and 12 one-text requests sent while it runs: every vector is
+    the one its text gets alone (1e-5), in the request's order; the one-text requests are answered
+    before the bulk one (they join its next passes, not its end); /metrics counts the padding."""
+    import base64
+    import time
+
+    from jobs.serve import EmbeddingModel
+    from jobs.serve_config import Limits, ModelConfig
+    from tests.conftest import corpus_texts
+
+    texts = corpus_texts(312, seed=11)
+    model = EmbeddingModel.func_or_class("ref", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir)), Limits())
+    alone = np.stack([model.embed_now([t], normalize=True)["embeddings"][0] for t in texts])  # (312, 384)
+
+    def bulk() -> tuple[float, httpx.Response]:
+        r = httpx.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": texts[:300], "normalize": True,
+                                                     "encoding_format": "base64"}, timeout=120)
+        return time.monotonic(), r
+
+    def single(k: int) -> tuple[float, httpx.Response]:
+        time.sleep(0.05 * k)
+        r = httpx.post(f"{app}/v1/embeddings", json={"model": "minilm", "input": texts[300 + k], "normalize": True}, timeout=120)
+        return time.monotonic(), r
+
+    with ThreadPoolExecutor(13) as pool:
+        big = pool.submit(bulk)
+        time.sleep(0.2)  # the bulk request is in the model
+        small = [pool.submit(single, k) for k in range(12)]
+        bulk_done, r = big.result()
+        singles = [f.result() for f in small]
+    assert r.status_code == 200, r.text[:300]
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(300))
+    got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in data])
+    np.testing.assert_allclose(got, alone[:300], atol=TOL)
+    for k, (done, rs) in enumerate(singles):
+        assert rs.status_code == 200, rs.text[:300]
+        np.testing.assert_allclose(rs.json()["data"][0]["embedding"], alone[300 + k], atol=TOL)
+    assert sum(done < bulk_done for done, _ in singles) >= 6  # answered while the bulk request still ran
+    metrics = {line.split("{")[0]: float(line.split()[-1]) for line in httpx.get(f"{app}/metrics", timeout=30).text.splitlines()
+               if '{model="minilm"}' in line}
+    assert metrics["ctx_batch_padding_tokens_total"] == metrics["ctx_batch_size_padded_tokens_sum"] - metrics["ctx_batch_size_tokens_sum"]
+    assert metrics["ctx_batch_padding_tokens_total"] < 0.25 * metrics["ctx_batch_size_padded_tokens_sum"]  # length-sorted passes
+
+
 def test_a_client_that_hangs_up_stops_its_requests_work(app):
     """A request of 1500 texts (seconds of MiniLM passes) whose client closes the connection after 1 s:
     the disconnect reaches the replica through the ingress and the request's texts still waiting are
