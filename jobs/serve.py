@@ -421,16 +421,32 @@ class EmbeddingModel(TaskServing):
     def _encode(self, texts: list[str], truncate: bool) -> tuple[list[np.ndarray], list[list[tuple[int, int]]], list[list[str]]]:
         """Token ids, character offsets and token strings per text, tokenized a chunk at a time so a
         request over ``max_tokens_per_request`` stops as soon as it is."""
-        # Without truncation ask for one token more than the model reads: a row that long was cut.
-        cut = self.max_len if truncate else self.max_len + 1
-        budget = self.limits.max_tokens_per_request
         ids: list[np.ndarray] = []
         offsets: list[list[tuple[int, int]]] = []
         tokens: list[list[str]] = []
+        for chunk in self._chunks(texts, truncate, self.tokenizer.encode_for_model):
+            chunk_ids, chunk_offsets, chunk_tokens = chunk
+            ids.extend(np.asarray(row, dtype=np.int64) for row in chunk_ids)
+            offsets.extend([(int(s), int(e)) for s, e in row] for row in chunk_offsets)
+            tokens.extend(list(row) for row in chunk_tokens)
+        return ids, offsets, tokens
+
+    def _encode_ids(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        """``_encode``'s token ids alone (int64 per text), with the same refusals: what sentence vectors
+        need, without building offsets and token strings (``Tokenizer.ids_for_model``)."""
+        return [row for chunk_ids in self._chunks(texts, truncate, self.tokenizer.ids_for_model) for row in chunk_ids]
+
+    def _chunks(self, texts: list[str], truncate: bool, encode):
+        """``encode(chunk, cut)`` of each TOKENIZE_CHUNK texts in turn (its first element: the ids per
+        text), refusing a text longer than the model reads and a request over its token budget."""
+        # Without truncation ask for one token more than the model reads: a row that long was cut.
+        cut = self.max_len if truncate else self.max_len + 1
+        budget = self.limits.max_tokens_per_request
         total = 0
         for start in range(0, len(texts), TOKENIZE_CHUNK):
             chunk = list(texts[start : start + TOKENIZE_CHUNK])
-            chunk_ids, chunk_offsets, chunk_tokens = self.tokenizer.encode_for_model(chunk, cut)
+            out = encode(chunk, cut)
+            chunk_ids = out[0] if isinstance(out, tuple) else out
             for j, row in enumerate(chunk_ids):
                 if len(row) > self.max_len:
                     raise InputError(
@@ -443,34 +459,7 @@ class EmbeddingModel(TaskServing):
                     f"the request has more than {budget} tokens (max_tokens_per_request; counted over the first "
                     f"{start + len(chunk)} of {len(texts)} texts): send fewer or shorter texts per request"
                 )
-            ids.extend(np.asarray(row, dtype=np.int64) for row in chunk_ids)
-            offsets.extend([(int(s), int(e)) for s, e in row] for row in chunk_offsets)
-            tokens.extend(list(row) for row in chunk_tokens)
-        return ids, offsets, tokens
-
-    def _encode_ids(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
-        """``_encode``'s token ids alone (int64 per text), with the same refusals: what sentence vectors
-        need, without offsets and token strings (a third of the tokenizing time of a long request)."""
-        cut = self.max_len if truncate else self.max_len + 1
-        budget = self.limits.max_tokens_per_request
-        ids: list[np.ndarray] = []
-        total = 0
-        for start in range(0, len(texts), TOKENIZE_CHUNK):
-            chunk_ids = self.tokenizer.ids_for_model(list(texts[start : start + TOKENIZE_CHUNK]), cut)
-            for j, row in enumerate(chunk_ids):
-                if len(row) > self.max_len:
-                    raise InputError(
-                        f"input[{start + j}] is longer than the {self.max_len} tokens model {self.name!r} reads "
-                        f"(special tokens included): shorten or split it, or send \"truncate\": true"
-                    )
-            total += sum(len(row) for row in chunk_ids)
-            if total > budget:
-                raise LimitError(
-                    f"the request has more than {budget} tokens (max_tokens_per_request; counted over the first "
-                    f"{start + len(chunk_ids)} of {len(texts)} texts): send fewer or shorter texts per request"
-                )
-            ids.extend(chunk_ids)
-        return ids
+            yield out
 
     def _pad(self, rows: list[np.ndarray]):
         """Right-padded (B, T) ids and attention mask on the model's device (ELMo needs right padding)."""
