@@ -640,8 +640,9 @@ def run_folder(output_dir: str, name: str) -> str:
     return storage.join(output_dir, name)
 
 
-def init_ray(verbose: bool = False) -> None:
-    """Connect to the cluster in RAY_ADDRESS (set inside `ctx submit` jobs) or start a local one."""
+def init_ray(verbose: bool = False, num_cpus: int | None = None) -> None:
+    """Connect to the cluster in RAY_ADDRESS (set inside `ctx submit` jobs) or start a local one,
+    with ``num_cpus`` logical CPUs (default: the machine's cores)."""
     import ray
 
     if ray.is_initialized():
@@ -650,7 +651,29 @@ def init_ray(verbose: bool = False) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(**quiet)
     else:
-        ray.init(address="local", include_dashboard=False, **quiet)
+        ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **quiet)
+    if not verbose:
+        quiet_ray_data()
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's own lines off this process's console: "Starting execution of Dataset ...", its
+    execution plan, "... execution finished", and the progress board it logs line by line when stdout
+    is not a terminal (``ray.data._internal.progress.logging_progress``). ``import ray.data`` gives the
+    "ray.data" logger its own console handler at INFO, not propagating to "ray"
+    (``ray.data._internal.logging.configure_logging``), so ray.init's logging_level does not reach
+    them. Only that handler is raised to ERROR: the session's ray-data.log keeps everything. On a
+    terminal the progress bars stay (they are drawn, not logged)."""
+    import logging
+    import sys
+
+    import ray.data
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if handler.name == "console":
+            handler.setLevel(logging.ERROR)
+    if not sys.stdout.isatty():
+        ray.data.DataContext.get_current().enable_progress_bars = False
 
 
 def ingest_options():
