@@ -75,11 +75,11 @@ def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int,
     return uri
 
 
-def list_epochs(run_uri: str, endpoint_url: str | None = None) -> list[int]:
+def list_epochs(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> list[int]:
     """The epochs that have a data report folder under the run, in order ([] when none)."""
     fs, path = filesystem(join(run_uri, REPORTS_DIR), endpoint_url)
     sel = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {join(run_uri, REPORTS_DIR)}")
+    infos = with_retries(lambda: fs.get_file_info(sel), f"list {join(run_uri, REPORTS_DIR)}", deadline_s, endpoint_url=endpoint_url)
     matches = (_EPOCH_DIR.fullmatch(i.base_name) for i in infos if i.type == pafs.FileType.Directory)
     return sorted(int(m.group(1)) for m in matches if m)
 

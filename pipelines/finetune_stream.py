@@ -89,14 +89,15 @@ def _ordered(ds) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
 
 
-def read_split(uris: str | list[str], fmt: str = "auto", endpoint_url: str | None = None) -> pa.Table:
+def read_split(uris: str | list[str], fmt: str = "auto", endpoint_url: str | None = None,
+               deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> pa.Table:
     """Every record of a split, in file order: ``_index`` (position in the split: the record's
     stable id), ``_file``, ``_line`` and ``_json`` (the record as JSON text). Empty JSONL lines
     are not records. Ray seam: Ray Data reads the files (any URI pyarrow opens)."""
     import ray
     from ray.data.context import DataContext
 
-    files = storage.list_files(uris, endpoint_url, suffixes=SPLIT_SUFFIXES)
+    files = storage.list_files(uris, endpoint_url, suffixes=SPLIT_SUFFIXES, deadline_s=deadline_s)
     parts = []
     ctx = DataContext.get_current()
     saved = ctx.execution_options.preserve_order
@@ -327,7 +328,8 @@ def check_split(table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, b
     return SplitCheck(got["_index"][ok].astype(np.int64), got["rows"][ok].astype(np.int64), int(got["truncated"][ok].sum()), stats)
 
 
-def write_split_report(run_uri: str, split: str, check: SplitCheck, endpoint_url: str | None = None) -> dict[str, Any]:
+def write_split_report(run_uri: str, split: str, check: SplitCheck, endpoint_url: str | None = None,
+                       deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> dict[str, Any]:
     """The split's records read / used / rejected per file, as pretraining's shard reports
     (``data_reports/epoch-00000/``, one file per split file), merged; ``truncated`` added."""
     from pipelines import datareport
@@ -335,8 +337,8 @@ def write_split_report(run_uri: str, split: str, check: SplitCheck, endpoint_url
 
     for path, stats in check.stats.items():
         key = stable_hash64(f"{split}:{path}") & 0x7FFFFFFF
-        datareport.write_shard_report(run_uri, 0, path, key, stats, endpoint_url, samples=stats.used)
-    report = datareport.epoch_report(run_uri, 0, endpoint_url)
+        datareport.write_shard_report(run_uri, 0, path, key, stats, endpoint_url, samples=stats.used, deadline_s=deadline_s)
+    report = datareport.epoch_report(run_uri, 0, endpoint_url, deadline_s)
     return {**report, "split": split, "truncated": check.truncated}
 
 

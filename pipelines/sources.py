@@ -484,13 +484,14 @@ def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str
         yield chunk
 
 
-def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text", endpoint_url: str | None = None) -> Iterator[str]:
+def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text", endpoint_url: str | None = None,
+                deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> Iterator[str]:
     """Documents from the first shards until ``max_chars`` characters: what tokenizers train on.
 
     Shards are visited round-robin (one chunk from each in turn) so a sample of a large corpus
     is not all from its first file. Bad records are skipped.
     """
-    iters = [iter_documents(u, fmt, text_field, chunk_docs=256, endpoint_url=endpoint_url) for u in uris]
+    iters = [iter_documents(u, fmt, text_field, chunk_docs=256, endpoint_url=endpoint_url, deadline_s=deadline_s) for u in uris]
     total = 0
     while iters and total < max_chars:
         for it in list(iters):

@@ -4,6 +4,13 @@ pyarrow or fsspec can open (``gs://``, ``hdfs://``, ``az://`` ...).
 S3-compatible endpoints (MinIO, moto, Ceph) are reached by ``endpoint_url`` or the standard
 ``AWS_ENDPOINT_URL`` variable, so the same code runs against AWS in production and a loopback
 server in tests.
+
+Every call that reaches a store goes through ``with_retries``: transient errors are retried until
+a deadline (``data.retry_deadline_s``, or a command's ``--retry-deadline``), and a wait is never
+silent. The first retry of an operation says so on stderr (what, the endpoint, the error, the time
+left), then one line at most every ``NOTICE_EVERY_S`` while it keeps failing, and one when it
+recovers; in Ray workers stderr is the worker's log. A command binds its endpoint and deadline
+once in a ``Store`` and makes its calls through it.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ import random
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
@@ -40,13 +49,28 @@ def endpoint(endpoint_url: str | None = None) -> str | None:
     return endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
 
 
-def filesystem(uri: str, endpoint_url: str | None = None, retry_deadline_s: float | None = None) -> tuple[pafs.FileSystem, str]:
+def shown_endpoint(url: str | None) -> str:
+    """An endpoint as messages show it: without a ``user:password@`` part (a credential never goes
+    into a message or a log), ``AWS`` when there is none."""
+    if not url:
+        return "AWS"
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    return parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")).geturl()
+
+
+def filesystem(uri: str, endpoint_url: str | None = None, retry_deadline_s: float | None = None,
+               attempts: int | None = None) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a URI or local path.
 
     ``retry_deadline_s``: for S3, have the client itself retry each request for about that long
     (``s3_retry_attempts``). Only for filesystems handed to code that does not retry on its own
-    (Ray Train's controller); our own calls retry through ``with_retries`` instead, so that the
-    two layers do not multiply.
+    (Ray Train's controller). ``attempts``: for S3, exactly that many tries per request; our own
+    calls pass 1 and retry through ``with_retries``, so that the two layers do not multiply (the
+    client's default 3 tries take ~1.6 s on a refused connection, before ``with_retries`` hears of
+    it) and the deadline holds to the second.
     """
     if uri.startswith("s3://"):
         url = endpoint(endpoint_url)
@@ -58,8 +82,10 @@ def filesystem(uri: str, endpoint_url: str | None = None, retry_deadline_s: floa
         if region:
             kwargs["region"] = region
         path = uri[len("s3://"):].rstrip("/")
-        if retry_deadline_s is not None:
-            return RetryingS3FileSystem(s3_retry_attempts(retry_deadline_s), **kwargs), path
+        if attempts is None and retry_deadline_s is not None:
+            attempts = s3_retry_attempts(retry_deadline_s)
+        if attempts is not None:
+            return RetryingS3FileSystem(attempts, **kwargs), path
         return pafs.S3FileSystem(**kwargs), path
     if uri.startswith("file://"):
         return pafs.LocalFileSystem(), uri[len("file://"):]
@@ -133,14 +159,49 @@ def is_transient(error: BaseException) -> bool:
 # long enough to ride out an endpoint restart or a short network outage, short enough that a
 # store that is really gone fails the run within minutes, not hours.
 DEFAULT_RETRY_DEADLINE_S = 300.0
+# What a person changes to wait longer or shorter, named in every message about a wait: the recipe
+# key; commands without a recipe bind their --retry-deadline flag instead (Store.setting).
+DEADLINE_SETTING = "data.retry_deadline_s"
+# While one operation keeps failing, a line at most this often: enough to see that it is waiting
+# and why, not a line per attempt.
+NOTICE_EVERY_S = 30.0
 
 _sleep = time.sleep  # the one place retries wait; tests patch it (and _clock) to run in milliseconds
 _clock = time.monotonic
 
 
+def _say(line: str) -> None:
+    """Where retry notices go: stderr, read at call time, so a progress display that redirects it
+    (rich) prints them above its line; in a Ray worker, stderr is the worker's log. Tests patch it."""
+    print(line, file=sys.stderr, flush=True)
+
+
+# Endpoints that have answered a call of this process. A refused connection to one that never did
+# is most likely a wrong address (a typo, a VPN that is down), not an outage, and the notice says so.
+_answered: set[str] = set()
+
+
+def _refused(error: BaseException) -> bool:
+    """A connection refused or not made at all: nothing listens at the address."""
+    if isinstance(error, ConnectionRefusedError) or getattr(error, "errno", None) == errno.ECONNREFUSED:
+        return True
+    message = str(error).lower()
+    return any(w in message for w in ("connection refused", "could not connect", "couldn't connect", "failed to connect"))
+
+
+def _wait_notice(what: str, where: str, ep: str | None, error: BaseException, left: float, deadline_s: float, setting: str) -> str:
+    """The first line of a wait: what, where, why, and how long it will go on."""
+    bound = f"retrying for up to {left:.0f} s more ({setting}={deadline_s:g})"
+    if where and _refused(error) and (ep or "AWS") not in _answered:
+        return (f"storage: {what}: connection refused by {shown_endpoint(ep)}, and nothing has been read from it yet: "
+                f"is the endpoint right and the store up? (data.endpoint_url or --endpoint-url, else AWS_ENDPOINT_URL); "
+                f"{bound}. Error: {error}")
+    return f"storage: {what}{where} failed: {error}; {bound}"
+
+
 def with_retries(
     fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETRY_DEADLINE_S, base_delay: float = 0.2,
-    max_delay: float = 10.0, endpoint_url: str | None = None,
+    max_delay: float = 10.0, endpoint_url: str | None = None, setting: str = DEADLINE_SETTING,
 ) -> T:
     """``fn()``, retried on transient errors (see ``is_transient``) until ``deadline_s`` seconds
     have passed since the first attempt; the one retry loop of the code base.
@@ -150,27 +211,49 @@ def with_retries(
     ends at the deadline. Other errors are raised at once, unchanged. ``what`` names the
     operation and its URI ("list s3://b/run"); the ``StorageError`` raised at the deadline
     repeats it with the attempts, the time spent and, for ``s3://`` URIs, the endpoint.
+
+    A wait is visible (``_say``): a line at the first retry (the error and the time left; a refused
+    connection to an endpoint that never answered says the address may be wrong), then at most one
+    every ``NOTICE_EVERY_S`` while it keeps failing, and one when it succeeds. ``setting`` is what
+    the messages name as the knob for the deadline.
     """
     if deadline_s < 0:
         raise ValueError(f"{what}: deadline_s must be >= 0, got {deadline_s}")
+    s3 = "s3://" in what
+    ep = endpoint(endpoint_url) if s3 else None
+    where = f" (endpoint {shown_endpoint(ep)})" if s3 else ""
     start = _clock()
     attempt = 0
+    told: float | None = None  # when the last notice was given
     while True:
         attempt += 1
         try:
-            return fn()
+            result = fn()
         except OSError as e:
             if not is_transient(e):
                 raise
-            left = deadline_s - (_clock() - start)
+            now = _clock()
+            left = deadline_s - (now - start)
             if left <= 0:
-                where = f" (endpoint {endpoint(endpoint_url) or 'AWS'})" if "s3://" in what else ""
                 raise StorageError(
-                    f"{what}{where}: gave up after {attempt} attempts in {_clock() - start:.0f} s "
-                    f"(data.retry_deadline_s={deadline_s:g}): {e}"
+                    f"{what}{where}: gave up after {attempt} attempts in {now - start:.0f} s "
+                    f"({setting}={deadline_s:g}): {e}"
                 ) from e
+            if told is None:
+                _say(_wait_notice(what, where, ep, e, left, deadline_s, setting))
+                told = now
+            elif now - told >= NOTICE_EVERY_S:
+                _say(f"storage: still waiting on {what}{where}: {attempt} attempts in {now - start:.0f} s, "
+                     f"{left:.0f} s left ({setting}={deadline_s:g}); last error: {e}")
+                told = now
             delay = min(max_delay, base_delay * 2 ** min(attempt - 1, 30))
             _sleep(min(left, delay / 2 + random.uniform(0, delay / 2)))
+        else:
+            if s3:
+                _answered.add(ep or "AWS")
+            if told is not None:
+                _say(f"storage: {what}{where} succeeded after {attempt} attempts in {_clock() - start:.0f} s")
+            return result
 
 
 def best_effort(fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
@@ -203,6 +286,38 @@ def _retrying_s3(max_attempts: int, kwargs: dict[str, Any]) -> RetryingS3FileSys
     return RetryingS3FileSystem(max_attempts, **kwargs)
 
 
+def s3_client(endpoint_url: str | None = None):
+    """A boto3 S3 client for calls that pyarrow cannot make (conditional writes, ETags), with one try
+    per request: wrap its calls in ``boto_call`` inside ``with_retries``, which does the waiting (and
+    the telling). botocore's own default would retry for up to ~15 s before we hear of anything."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint(endpoint_url), config=Config(retries={"mode": "standard", "max_attempts": 1}))
+
+
+def boto_call(fn: Callable[[], T]) -> T:
+    """``fn()``, a boto3 call, with what is worth retrying raised as an ``OSError``, the way pyarrow
+    raises it, so ``is_transient`` and ``with_retries`` treat both clients alike: no connection (a
+    ``ConnectionError``), throttling and 5xx answers (an ``OSError`` with the HTTP status). Every
+    other error (a missing key, a refused permission, a lost condition) is raised unchanged, but for
+    missing credentials: a ``StorageError`` that says which variables to set."""
+    from botocore import exceptions as bx
+
+    try:
+        return fn()
+    except bx.NoCredentialsError:
+        raise StorageError("no credentials for S3: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+    except (bx.ConnectionError, bx.HTTPClientError) as e:  # refused, reset, timed out: no answer at all
+        raise ConnectionError(str(e)) from e
+    except bx.ClientError as e:
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        code = e.response.get("Error", {}).get("Code", "")
+        if status >= 500 or status in (408, 429) or code in ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"):
+            raise OSError(f"{e} (HTTP status {status})") from e
+        raise
+
+
 def s3_retry_attempts(deadline_s: float) -> int:
     """``max_attempts`` for pyarrow's ``AwsStandardS3RetryStrategy`` that retries for about
     ``deadline_s``: the AWS SDK waits a random, doubling time (at most 20 s) between
@@ -213,11 +328,74 @@ def s3_retry_attempts(deadline_s: float) -> int:
     return 6 + math.ceil((deadline_s - 15) / 18)
 
 
+@dataclass(frozen=True)
+class Store:
+    """The object store as one command reaches it: the endpoint, the retry deadline and the name of
+    the setting that sets it, bound once. Every call the command makes to a store goes through it,
+    so none waits longer (or shorter) than the person asked, and every message names the knob.
+
+    ``Store.of(recipe.data)`` for a recipe; ``Store(args.endpoint_url, args.retry_deadline,
+    "--retry-deadline")`` for a command without one. Plain values only: it pickles into Ray tasks.
+    """
+
+    endpoint_url: str | None = None  # None: AWS_ENDPOINT_URL, else AWS itself
+    deadline_s: float = DEFAULT_RETRY_DEADLINE_S  # how long one operation retries before a StorageError
+    setting: str = DEADLINE_SETTING  # the knob for deadline_s, named in messages
+
+    def __post_init__(self) -> None:
+        if not self.deadline_s > 0:
+            raise ValueError(f"{self.setting}: a retry deadline is a number of seconds above 0, got {self.deadline_s:g}")
+
+    def __repr__(self) -> str:  # the endpoint as messages show it: no user:password@
+        return f"Store(endpoint {shown_endpoint(endpoint(self.endpoint_url))}, {self.setting}={self.deadline_s:g})"
+
+    @classmethod
+    def of(cls, data: Any) -> "Store":
+        """A recipe's store: its ``data.endpoint_url`` and ``data.retry_deadline_s``."""
+        return cls(data.endpoint_url, data.retry_deadline_s)
+
+    def retry(self, fn: Callable[[], T], what: str) -> T:
+        """``with_retries`` with this store's deadline, endpoint and setting."""
+        return with_retries(fn, what, self.deadline_s, endpoint_url=self.endpoint_url, setting=self.setting)
+
+    def filesystem(self, uri: str) -> tuple[pafs.FileSystem, str]:
+        """(filesystem, path) for calls made through ``retry``: one try per request (retry does the rest)."""
+        return filesystem(uri, self.endpoint_url, attempts=1)
+
+    def list_files(self, uris: str | list[str], suffixes: tuple[str, ...] = CORPUS_SUFFIXES) -> list[str]:
+        return list_files(uris, self.endpoint_url, suffixes, self.deadline_s, setting=self.setting)
+
+    def exists(self, uri: str) -> bool:
+        return exists(uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+
+    def read_bytes(self, uri: str, missing_ok: bool = False) -> bytes | None:
+        return read_bytes(uri, self.endpoint_url, self.deadline_s, missing_ok, setting=self.setting)
+
+    def download_dir(self, uri: str, local_dir: str | Path) -> Path:
+        return download_dir(uri, local_dir, self.endpoint_url, self.deadline_s, setting=self.setting)
+
+    def copy_dir(self, local_dir: str | Path, uri: str) -> None:
+        copy_dir(local_dir, uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+
+    def checkpoint_problem(self, uri: str) -> str | None:
+        return checkpoint_problem(uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+
+    def latest_complete_checkpoint(self, run_uri: str) -> str | None:
+        return latest_complete_checkpoint(run_uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+
+
+def as_store(where: "Store | str | None") -> Store:
+    """A Store from what callers written before it pass: a Store as it is, an endpoint URL (or None:
+    AWS_ENDPOINT_URL) with the default deadline."""
+    return where if isinstance(where, Store) else Store(where)
+
+
 def _has_glob(s: str) -> bool:
     return any(c in s for c in "*?[")
 
 
-def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes: tuple[str, ...] = CORPUS_SUFFIXES) -> list[str]:
+def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes: tuple[str, ...] = CORPUS_SUFFIXES,
+               deadline_s: float = DEFAULT_RETRY_DEADLINE_S, *, setting: str = DEADLINE_SETTING) -> list[str]:
     """Expand folders/prefixes, globs and files into a sorted list of file URIs.
 
     Each entry of ``uris`` must match at least one file with one of ``suffixes``; otherwise the
@@ -225,20 +403,20 @@ def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes:
     """
     out: list[str] = []
     for uri in [uris] if isinstance(uris, str) else list(uris):
-        fs, path = filesystem(uri, endpoint_url)
+        fs, path = filesystem(uri, endpoint_url, attempts=1)
         scheme = uri.split("://", 1)[0] + "://" if is_remote(uri) else ""
         if _has_glob(path):
             root = path
             while _has_glob(root):
                 root = root.rsplit("/", 1)[0] if "/" in root else ""
-            candidates = _walk(fs, root, uri)
+            candidates = _walk(fs, root, uri, deadline_s, endpoint_url, setting)
             matched = [p for p in candidates if fnmatch.fnmatch(p, path)]
         else:
-            info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}")
+            info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
             if info.type == pafs.FileType.File:
                 matched = [path]
             elif info.type == pafs.FileType.Directory:
-                matched = _walk(fs, path, uri)
+                matched = _walk(fs, path, uri, deadline_s, endpoint_url, setting)
             else:
                 raise StorageError(f"input {uri!r} matches no file or folder")
         files = sorted(p for p in matched if p.endswith(suffixes))
@@ -248,13 +426,14 @@ def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes:
     return sorted(dict.fromkeys(out))
 
 
-def _walk(fs: pafs.FileSystem, root: str, uri: str) -> list[str]:
+def _walk(fs: pafs.FileSystem, root: str, uri: str, deadline_s: float, endpoint_url: str | None, setting: str) -> list[str]:
     sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {uri}")
+    infos = with_retries(lambda: fs.get_file_info(sel), f"list {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
     return [i.path for i in infos if i.type == pafs.FileType.File]
 
 
-def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> Path:
+def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                 *, setting: str = DEADLINE_SETTING) -> Path:
     """Copy a folder (any filesystem) into ``local_dir``; returns the local folder."""
     local_dir = Path(local_dir)
     if not is_remote(uri):
@@ -262,21 +441,23 @@ def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = Non
         if not src.is_dir():
             raise StorageError(f"{uri!r} is not a folder")
         return src
-    fs, path = filesystem(uri, endpoint_url)
-    info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url)
+    fs, path = filesystem(uri, endpoint_url, attempts=1)
+    info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
     if info.type != pafs.FileType.Directory:
         raise StorageError(f"{uri!r} is not a folder")
     local_dir.mkdir(parents=True, exist_ok=True)
-    with_retries(lambda: pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()), f"download {uri}", deadline_s, endpoint_url=endpoint_url)
+    with_retries(lambda: pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()),
+                 f"download {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
     return local_dir
 
 
-def upload_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None) -> None:
+def upload_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
     """Same as ``copy_dir`` (the older name, kept for its callers)."""
-    copy_dir(local_dir, uri, endpoint_url)
+    copy_dir(local_dir, uri, endpoint_url, deadline_s)
 
 
-def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
+def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+             *, setting: str = DEADLINE_SETTING) -> None:
     """Copy a local folder into a local path or a remote folder (created if needed), MANIFEST.json last.
 
     A destination manifest is deleted before anything else is written, and the new one is copied
@@ -287,7 +468,7 @@ def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, d
     src = Path(local_dir)
     if not src.is_dir():
         raise StorageError(f"cannot copy {str(src)!r} to {uri!r}: not a local folder")
-    fs, root = filesystem(uri, endpoint_url)
+    fs, root = filesystem(uri, endpoint_url, attempts=1)
     local = isinstance(fs, pafs.LocalFileSystem)
     if local and Path(root).resolve() == src.resolve():
         return  # copying onto itself would truncate every file
@@ -295,17 +476,20 @@ def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, d
     manifest = src / MANIFEST
     if manifest in files:
         files = [p for p in files if p != manifest] + [manifest]
-        with_retries(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}", deadline_s, endpoint_url=endpoint_url)
-    with_retries(lambda: fs.create_dir(root, recursive=True), f"create {uri}", deadline_s, endpoint_url=endpoint_url)
+        with_retries(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}", deadline_s,
+                     endpoint_url=endpoint_url, setting=setting)
+    with_retries(lambda: fs.create_dir(root, recursive=True), f"create {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
     made = {root}
     for file in files:
         rel = file.relative_to(src).as_posix()
         dest = f"{root}/{rel}"
         parent = dest.rsplit("/", 1)[0]
         if parent not in made:
-            with_retries(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}", deadline_s, endpoint_url=endpoint_url)
+            with_retries(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}", deadline_s,
+                         endpoint_url=endpoint_url, setting=setting)
             made.add(parent)
-        with_retries(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}", deadline_s, endpoint_url=endpoint_url)
+        with_retries(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}", deadline_s,
+                     endpoint_url=endpoint_url, setting=setting)
 
 
 def _put_file(file: Path, fs: pafs.FileSystem, dest: str, rename: bool) -> None:
@@ -323,18 +507,21 @@ def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
 
 
 def read_bytes(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-               missing_ok: bool = False) -> bytes | None:
+               missing_ok: bool = False, *, setting: str = DEADLINE_SETTING) -> bytes | None:
     """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code
     base. A missing file raises ``FileNotFoundError``, or gives None with ``missing_ok``."""
-    fs, path = filesystem(uri, endpoint_url)
-    if missing_ok and with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url).type != pafs.FileType.File:
+    fs, path = filesystem(uri, endpoint_url, attempts=1)
+    if missing_ok and with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url,
+                                   setting=setting).type != pafs.FileType.File:
         return None
-    return with_retries(lambda: _read_bytes(fs, path), f"read {uri}", deadline_s, endpoint_url=endpoint_url)
+    return with_retries(lambda: _read_bytes(fs, path), f"read {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
 
 
-def exists(uri: str, endpoint_url: str | None = None) -> bool:
-    fs, path = filesystem(uri, endpoint_url)
-    return with_retries(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.NotFound
+def exists(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+           *, setting: str = DEADLINE_SETTING) -> bool:
+    fs, path = filesystem(uri, endpoint_url, attempts=1)
+    return with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url,
+                        setting=setting).type != pafs.FileType.NotFound
 
 
 def join(uri: str, *parts: str) -> str:
@@ -353,7 +540,8 @@ MANIFEST = "MANIFEST.json"
 REQUIRED_FILES = ("model.safetensors", "config.json")
 
 
-def checkpoint_problem(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> str | None:
+def checkpoint_problem(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                       *, setting: str = DEADLINE_SETTING) -> str | None:
     """What keeps the checkpoint folder at ``uri`` from being complete, or None when nothing does.
 
     Complete: MANIFEST.json parses and every file it lists is there with the listed size. Ray Train
@@ -361,9 +549,9 @@ def checkpoint_problem(uri: str, endpoint_url: str | None = None, deadline_s: fl
     a manifest beside missing or short files. Costs one listing and one read of the manifest; sizes
     only (``ctxmodels.checkpoint.load_checkpoint(..., verify_hashes=True)`` checks the hashes).
     """
-    fs, path = filesystem(uri, endpoint_url)
+    fs, path = filesystem(uri, endpoint_url, attempts=1)
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(selector), f"list {uri}", deadline_s, endpoint_url=endpoint_url)
+    infos = with_retries(lambda: fs.get_file_info(selector), f"list {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
     prefix = path.rstrip("/") + "/"
     sizes = {
         i.path[len(prefix):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(prefix)
@@ -371,7 +559,8 @@ def checkpoint_problem(uri: str, endpoint_url: str | None = None, deadline_s: fl
     if MANIFEST not in sizes:
         return f"{MANIFEST} missing"
     try:
-        text = with_retries(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}", deadline_s, endpoint_url=endpoint_url)
+        text = with_retries(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}", deadline_s,
+                            endpoint_url=endpoint_url, setting=setting)
     except FileNotFoundError:  # deleted since the listing (an overwrite in progress)
         return f"{MANIFEST} missing"
     try:
@@ -423,19 +612,20 @@ TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoin
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
 
 
-def checkpoint_step(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> int | None:
+def checkpoint_step(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                    *, setting: str = DEADLINE_SETTING) -> int | None:
     """The ``step`` in the checkpoint's trainer_state.json, or None when it has none (missing, cut
     off, not JSON, no integer step)."""
     try:
-        data = json.loads(read_bytes(join(uri, TRAINER_STATE), endpoint_url, deadline_s))
+        data = json.loads(read_bytes(join(uri, TRAINER_STATE), endpoint_url, deadline_s, setting=setting))
     except (FileNotFoundError, ValueError):
         return None
     step = data.get("step") if isinstance(data, dict) else None
     return step if type(step) is int else None
 
 
-def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None,
-                        deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> list[tuple[str, int | None]]:
+def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                        *, setting: str = DEADLINE_SETTING) -> list[tuple[str, int | None]]:
     """The run's ``checkpoint_*`` folders as (name, step), oldest first.
 
     Newer means a higher step in trainer_state.json: folder names carry a local-time stamp, which
@@ -444,37 +634,38 @@ def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None,
     of the folder its name follows, just after it; equal steps are in name order too. One read
     per folder.
     """
-    fs, path = filesystem(run_uri, endpoint_url)
+    fs, path = filesystem(run_uri, endpoint_url, attempts=1)
     selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}", deadline_s, endpoint_url=endpoint_url)
+    infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
     names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")),
                    key=checkpoint_order)
     out, keys, carried = [], {}, -1
     for name in names:
-        step = checkpoint_step(join(run_uri, name), endpoint_url, deadline_s)
+        step = checkpoint_step(join(run_uri, name), endpoint_url, deadline_s, setting=setting)
         carried = step if step is not None else carried
         keys[name] = (carried, checkpoint_order(name))
         out.append((name, step))
     return sorted(out, key=lambda item: keys[item[0]])
 
 
-def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> str | None:
+def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                               *, setting: str = DEADLINE_SETTING) -> str | None:
     """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``),
     newest by step (``checkpoints_by_step``).
 
     Newer folders that are not complete are skipped, each with a line on stderr saying why.
     """
-    for name, _ in reversed(checkpoints_by_step(run_uri, endpoint_url, deadline_s)):
+    for name, _ in reversed(checkpoints_by_step(run_uri, endpoint_url, deadline_s, setting=setting)):
         uri = join(run_uri, name)
-        problem = checkpoint_problem(uri, endpoint_url, deadline_s)
+        problem = checkpoint_problem(uri, endpoint_url, deadline_s, setting=setting)
         if problem is None:
             return uri
         print(f"warning: skipping incomplete checkpoint {uri}: {problem}", file=sys.stderr)
     return None
 
 
-def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None,
-                                  deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> list[tuple[str, str]]:
+def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                                  *, setting: str = DEADLINE_SETTING) -> list[tuple[str, str]]:
     """Delete the run's incomplete checkpoint folders that are older than its newest complete one;
     returns (uri, problem) of each deleted folder.
 
@@ -484,18 +675,19 @@ def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None,
     rerun fails when one it lists is gone). Meant for rank 0 when an attempt starts, before it
     writes anything.
     """
-    ordered = checkpoints_by_step(run_uri, endpoint_url, deadline_s)
+    ordered = checkpoints_by_step(run_uri, endpoint_url, deadline_s, setting=setting)
     problems: dict[str, str | None] = {}
     newest = None
     for name, _ in reversed(ordered):
-        problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url, deadline_s)
+        problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url, deadline_s, setting=setting)
         if problems[name] is None:
             newest = name
             break
     if newest is None:
         return []
-    fs, path = filesystem(run_uri, endpoint_url)
-    snapshot = (read_bytes(join(run_uri, RAY_SNAPSHOT), endpoint_url, deadline_s, missing_ok=True) or b"").decode("utf-8", "replace")
+    fs, path = filesystem(run_uri, endpoint_url, attempts=1)
+    snapshot = read_bytes(join(run_uri, RAY_SNAPSHOT), endpoint_url, deadline_s, missing_ok=True, setting=setting) or b""
+    snapshot = snapshot.decode("utf-8", "replace")
     removed = []
     for name, _ in ordered:
         if name == newest:
@@ -503,9 +695,9 @@ def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None,
         if name in snapshot:
             continue
         uri = join(run_uri, name)
-        problem = problems.get(name) or checkpoint_problem(uri, endpoint_url, deadline_s)
+        problem = problems.get(name) or checkpoint_problem(uri, endpoint_url, deadline_s, setting=setting)
         if problem is None:
             continue
-        with_retries(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}", deadline_s, endpoint_url=endpoint_url)
+        with_retries(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
         removed.append((uri, problem))
     return removed

@@ -163,8 +163,8 @@ def flaky(monkeypatch):
     def install(error: BaseException, failures: int) -> FlakyFileSystem:
         wrapper = FlakyFileSystem(None, error, failures)
 
-        def filesystem(uri, endpoint_url=None):
-            fs, path = real(uri, endpoint_url)
+        def filesystem(uri, endpoint_url=None, **options):
+            fs, path = real(uri, endpoint_url, **options)
             wrapper.fs = fs
             return wrapper, path
 
