@@ -635,8 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors that are the user's to fix: one line on stderr, no traceback. Imported only once one
+    was raised: jobs.config imports torch (through ctxmodels), a second and more that a command which
+    needs no torch in its driver (`ctx embed`) would otherwise spend before it starts."""
     from jobs.config import RecipeError
     from jobs.registry import RegistryError
     from jobs.runlock import RunLockHeld
@@ -645,11 +647,18 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.submit import SubmitError
     from pipelines.storage import StorageError
 
+    return (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError) as e:
-        print(f"ctx: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if isinstance(e, _user_errors()):
+            print(f"ctx: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
