@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 
 
-def load_recipe_of(checkpoint: str, endpoint_url: str | None = None):
-    """The fine-tuning recipe stored in a checkpoint's trainer_state.json."""
+def load_recipe_of(checkpoint: str, store=None):
+    """The fine-tuning recipe stored in a checkpoint's trainer_state.json. ``store``: a
+    ``pipelines.storage.Store``, or an endpoint URL."""
     from jobs.finetune_config import FinetuneRecipe
     from pipelines import storage
 
-    raw = storage.read_bytes(storage.join(checkpoint, "trainer_state.json"), endpoint_url, missing_ok=True)  # not the whole checkpoint
+    raw = storage.as_store(store).read_bytes(storage.join(checkpoint, "trainer_state.json"), missing_ok=True)  # not the whole checkpoint
     if raw is None:
         raise ValueError(f"{checkpoint}: no trainer_state.json; ctx eval scores fine-tuned checkpoints (ctx finetune)")
     state = json.loads(raw)
@@ -34,17 +35,21 @@ def load_recipe_of(checkpoint: str, endpoint_url: str | None = None):
     return FinetuneRecipe.model_validate(state["recipe"])
 
 
-def evaluate(model_uri: str, data_uri: str | list[str], endpoint_url: str | None = None) -> dict[str, Any]:
+def evaluate(model_uri: str, data_uri: str | list[str], store=None) -> dict[str, Any]:
+    """The scores of ``model_uri`` on ``data_uri`` (module docstring). ``store``: the command's
+    ``pipelines.storage.Store`` (endpoint and ``--retry-deadline``), or an endpoint URL."""
     from jobs.finetune import score_split
     from jobs.runs import resolve_checkpoint
     from jobs.train import init_ray
     from pipelines.metrics import confusion_matrix, entity_report, tags_from_token_arrays
+    from pipelines.storage import as_store
 
-    checkpoint = resolve_checkpoint(model_uri, endpoint_url)
-    recipe = load_recipe_of(checkpoint, endpoint_url)
+    store = as_store(store)
+    checkpoint = resolve_checkpoint(model_uri, store)
+    recipe = load_recipe_of(checkpoint, store)
     init_ray()
     details: dict[str, Any] = {}
-    scored = score_split(checkpoint, recipe, data_uri, endpoint_url, details)
+    scored = score_split(checkpoint, recipe, data_uri, store, details)
     kind = recipe.task.kind
     result: dict[str, Any] = {
         "model": checkpoint, "data": data_uri, "task": kind,

@@ -128,7 +128,7 @@ def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = Tru
     from jobs.runlock import RunLock
 
     run = run_folder(recipe.output_dir, recipe.name)
-    with RunLock(run, recipe.data.endpoint_url, command=f"ctx finetune ({recipe.name})"):
+    with RunLock(run, storage.Store.of(recipe.data), command=f"ctx finetune ({recipe.name})"):
         return _finetune(recipe, verbose, progress, log)
 
 
@@ -143,14 +143,15 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     from pipelines.dataset import tokenizer_files
     from pipelines.datareport import format_report
 
-    ep = recipe.data.endpoint_url
+    ep, deadline = recipe.data.endpoint_url, recipe.data.retry_deadline_s
+    store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
     run = run_folder(recipe.output_dir, recipe.name)
     # models:/NAME@alias -> that version's checkpoint; the version becomes the new one's parent
     source, parent = resolve_model(recipe.model.init, recipe.registry.tracking_uri)
-    init_uri = resolve_checkpoint(source, ep)
+    init_uri = resolve_checkpoint(source, store)
     log(f"model: {recipe.model.init} -> {init_uri}" + (f" (registry version {parent.ref})" if parent else ""))
     with tempfile.TemporaryDirectory(prefix="ctx-finetune-") as workdir:  # a remote init's copy: only its config and tokenizer bytes are kept
-        init = load_checkpoint(local_copy(init_uri, Path(workdir), ep))
+        init = load_checkpoint(local_copy(init_uri, Path(workdir), store))
         if init.tokenizer_dir is None:
             raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
         family, files = init.family, tokenizer_files(init.tokenizer_dir)
@@ -166,7 +167,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
                               + ("has no task head" if init_task is None else f"is fine-tuned for {init_task.kind}") + " (use model.head: fresh)")
 
     init_ray(verbose)
-    train_table = fs.read_split(recipe.data.train, recipe.data.format, ep)
+    train_table = fs.read_split(recipe.data.train, recipe.data.format, ep, deadline)
     log(f"data: {train_table.num_rows:,} training records from {recipe.data.train}")
     cfg = task_data_config(recipe, family)
     labels: tuple[str, ...] = ()
@@ -183,15 +184,15 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         log(f"labels: {len(labels)} from the training split: {list(labels)[:12]}{' ...' if len(labels) > 12 else ''}")
     cfg = fs.with_labels(cfg, fs.LabelSet(labels) if labels else None)
     train_check = _checked(fs.check_split, "data.train", train_table, files, cfg)
-    report = fs.write_split_report(run, "train", train_check, ep)
+    report = fs.write_split_report(run, "train", train_check, ep, deadline)
     if not len(train_check.usable):
         raise ValueError(f"data.train: none of the {train_table.num_rows} records is usable:\n{format_report(report)}")
 
     val = None
     if recipe.data.validation:
-        val_table = fs.read_split(recipe.data.validation, recipe.data.format, ep)
+        val_table = fs.read_split(recipe.data.validation, recipe.data.format, ep, deadline)
         val_check = _checked(fs.check_split, "data.validation", val_table, files, cfg)
-        report = fs.write_split_report(run, "validation", val_check, ep)
+        report = fs.write_split_report(run, "validation", val_check, ep, deadline)
         val = {"rows": fs.encode_split(val_table, val_check.usable, files, cfg), **fs.references(val_table, val_check.usable, cfg)}
         log(f"data: {len(val_check.usable):,} of {val_table.num_rows:,} validation records usable")
     for line in format_report(report).splitlines():
@@ -207,21 +208,21 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     if t.max_steps is not None:
         total_steps = min(total_steps, t.max_steps)
 
-    resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
+    resumed = resume_state(run, ep, deadline)
     first_epoch = 0
     if resumed:
         state, position = resumed
         first_epoch = int(state["epoch"])
         if int(state["step"]) >= total_steps or first_epoch >= t.epochs:
             log(f"resume: {run} already trained {state['step']} of {total_steps} steps; nothing to do")
-            latest = storage.latest_complete_checkpoint(run, ep)
-            best = best_checkpoint(run, ep) if val is not None else None
-            return FinetuneResult(run, best, latest, state, read_best(run, ep) if best else None, None, report, [])
+            latest = store.latest_complete_checkpoint(run)
+            best = best_checkpoint(run, store) if val is not None else None
+            return FinetuneResult(run, best, latest, state, read_best(run, store) if best else None, None, report, [])
         log(f"resume: step {state['step']} from the latest checkpoint of {run} (epoch {first_epoch}, "
             f"{position.committed(first_epoch)} of its rows already trained on)")
     dataset = fs.build_train_dataset(
         train_table, train_check.usable, files, cfg, seed=t.seed, first_epoch=first_epoch, epochs=t.epochs,
-        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep, retry_deadline_s=recipe.data.retry_deadline_s,
+        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep, retry_deadline_s=deadline,
     )
     scored = val is not None
     result = fit(
@@ -250,17 +251,17 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         dataset_config=DataConfig(datasets_to_split=["train"], execution_options=ingest_options()),
         retry_deadline_s=recipe.data.retry_deadline_s,
     )
-    best = best_checkpoint(run, ep) if scored else None
-    log(f"checkpoint: newest {result.checkpoint_uri}" + (f", best {best} ({read_best(run, ep)})" if best else ""))
+    best = best_checkpoint(run, store) if scored else None
+    log(f"checkpoint: newest {result.checkpoint_uri}" + (f", best {best} ({read_best(run, store)})" if best else ""))
     test_metrics = None
     if recipe.data.test:
         chosen = best or result.checkpoint_uri
-        test_metrics = score_split(chosen, recipe, recipe.data.test, ep)
+        test_metrics = score_split(chosen, recipe, recipe.data.test, store)
         log(f"test: {test_metrics} ({chosen})")
-    best_record = read_best(run, ep) if scored else None
+    best_record = read_best(run, store) if scored else None
     registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
         kind="finetune", recipe=recipe, checkpoint=best or result.checkpoint_uri, metrics=result.metrics, history=result.history,
-        run_uri=run, shards=_split_files(recipe), family=family, endpoint_url=ep, parent=parent, log=log,
+        run_uri=run, shards=_split_files(recipe), family=family, store=store, parent=parent, log=log,
         eval_metrics={**{k: v for k, v in result.metrics.items() if k.startswith("val_")},
                       **({f"best_{best_record['metric']}": best_record["value"]} if best_record else {}),
                       **{f"test_{k}": v for k, v in (test_metrics or {}).items()}},
@@ -273,7 +274,7 @@ def _split_files(recipe: FinetuneRecipe) -> list[str]:
     """The files of the train, validation and test splits (what the model was trained and chosen on)."""
     uris = [u for split in (recipe.data.train, recipe.data.validation, recipe.data.test) if split
             for u in ([split] if isinstance(split, str) else split)]
-    return storage.list_files(uris, recipe.data.endpoint_url, suffixes=("",))
+    return storage.Store.of(recipe.data).list_files(uris, suffixes=("",))
 
 
 def _checked(fn, key: str, *args):
@@ -287,10 +288,11 @@ def _checked(fn, key: str, *args):
         raise RecipeError(f"{key}: {e}") from None
 
 
-def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], endpoint_url: str | None = None,
+def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], store: storage.Store | str | None = None,
                 details: dict[str, Any] | None = None) -> dict[str, float]:
     """A fine-tuned checkpoint's task metrics on a split, in this process (no Ray Train).
-    ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels``."""
+    ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels``.
+    ``store``: the command's (``ctx eval --retry-deadline``, the recipe's), or an endpoint URL."""
     import torch
 
     from ctxmodels.checkpoint import load_checkpoint
@@ -299,12 +301,13 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
     from pipelines import finetune_stream as fs
     from pipelines.dataset import tokenizer_files
 
+    store = storage.as_store(store)
     with tempfile.TemporaryDirectory(prefix="ctx-score-") as d:  # weights and tokenizer bytes are in memory after
-        loaded = load_checkpoint(local_copy(checkpoint, Path(d), endpoint_url))
+        loaded = load_checkpoint(local_copy(checkpoint, Path(d), store))
         files = tokenizer_files(loaded.tokenizer_dir)
     task = loaded.task
     cfg = task_data_config(recipe, loaded.family, tuple(task.labels))
-    table = fs.read_split(split, recipe.data.format, endpoint_url)
+    table = fs.read_split(split, recipe.data.format, store.endpoint_url, store.deadline_s)
     check = fs.check_split(table, files, cfg)
     data = {"rows": fs.encode_split(table, check.usable, files, cfg), **fs.references(table, check.usable, cfg)}
     if details is not None:
@@ -428,6 +431,7 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
     t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
     deadline = recipe.data.retry_deadline_s
+    store = storage.Store.of(recipe.data)
     micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
     total, per_epoch = config["total_steps"], config["steps_per_epoch"]
     family, task = config["family"], TaskConfig(**config["task"])
@@ -437,7 +441,7 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     model = build_task_model(family, model_cfg, task, generator=torch.Generator().manual_seed(t.seed))
     seed_worker_rng(t.seed, rank)  # dropout
     with tempfile.TemporaryDirectory(prefix="ctx-init-") as tmp:  # every worker, every restart: never left behind
-        pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), ep))
+        pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), store))
     if config.get("continue_head"):  # model.head: continue: the fine-tuned model as it was, head included
         result = model.load_state_dict(pretrained.model.state_dict(), strict=False)
         if result.missing_keys or result.unexpected_keys:
@@ -452,11 +456,11 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     state = resumed.state
     if rank == 0 and resumed.uri:
         print(f"resumed from {resumed.uri}: step {state.step}, data position {resumed.position.summary()}")
-        best = read_best(run, ep)
+        best = read_best(run, store)
         if state.best_checkpoint and (best is None or best["checkpoint"] != state.best_checkpoint):
             # the run stopped between committing a new best and pointing best.json at it
             write_best(run, {"checkpoint": state.best_checkpoint, "metric": recipe.task.best_metric,
-                             "value": state.best_value, "step": state.best_step}, ep)
+                             "value": state.best_value, "step": state.best_step}, store)
 
     device = ray.train.torch.get_device()
     plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
@@ -515,7 +519,7 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
             state.best_checkpoint, state.best_value = name, m.get(f"val_{metric}")
         checkpointer.commit(state, wrapped, optimizer, m, extra, name=name)
         if improved and rank == 0:
-            write_best(run, {"checkpoint": name, "metric": metric, "value": m.get(f"val_{metric}"), "step": state.step}, ep)
+            write_best(run, {"checkpoint": name, "metric": metric, "value": m.get(f"val_{metric}"), "step": state.step}, store)
 
     batches = itertools.chain([first], stream)
     model.train()

@@ -50,9 +50,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _read_text(uri: str, endpoint_url: str | None) -> str | None:
+def _read_text(uri: str, store: storage.Store | str | None) -> str | None:
     """The file's text, or None when it does not exist."""
-    data = storage.read_bytes(uri, endpoint_url, missing_ok=True)
+    data = storage.as_store(store).read_bytes(uri, missing_ok=True)
     return None if data is None else data.decode("utf-8")
 
 
@@ -74,7 +74,7 @@ class MetricsLog:
             self._tmp = tempfile.TemporaryDirectory(prefix="ctx-metrics-")
             self.local_dir = Path(self._tmp.name)
             # A resumed run continues the file: start from what is already there.
-            previous = _read_text(metrics_uri(run_uri), endpoint_url)
+            previous = _read_text(metrics_uri(run_uri), storage.Store(endpoint_url, deadline_s))
             (self.local_dir / JSONL).write_text(previous or "")
         else:
             self.local_dir = Path(storage.filesystem(self.uri)[1])
@@ -165,15 +165,16 @@ class MetricsLog:
         self.close()
 
 
-def read_metrics(run_uri: str, endpoint_url: str | None = None) -> list[dict[str, Any]]:
-    """Every logged step of a run, in step order; [] when it has logged nothing yet.
+def read_metrics(run_uri: str, store: storage.Store | str | None = None) -> list[dict[str, Any]]:
+    """Every logged step of a run, in step order; [] when it has logged nothing yet. ``store``: the
+    command's Store, or an endpoint URL.
 
     A restarted run logs some steps again: the last line of each step wins (the newer attempt).
     Lines that are not JSON objects with a ``step`` (a write cut short) are skipped with a warning
     naming the file and line.
     """
     uri = metrics_uri(run_uri)
-    text = _read_text(uri, endpoint_url)
+    text = _read_text(uri, store)
     if text is None:
         return []
     by_step: dict[int, dict[str, Any]] = {}

@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 
 from jobs.metrics import read_metrics
 from pipelines import storage
+from pipelines.storage import Store, as_store
 
 # The family's own objective, in the order train.py picks the loss behind ``ppl``.
 MAIN_LOSSES = ("mlm_loss", "lm_loss", "plm_loss")
@@ -42,8 +43,11 @@ HELD_OUT_SCORES = ["eval_acc", "val_accuracy", "val_f1", "val_exact_match"]
 # ----------------------------------------------------------------------------------------------
 
 
-def _read_json(uri: str, endpoint_url: str | None) -> dict[str, Any] | None:
-    data = storage.read_bytes(uri, endpoint_url, missing_ok=True)
+# Each ``store`` below is the command's Store (its endpoint and ``--retry-deadline``), or an endpoint URL.
+
+
+def _read_json(uri: str, store: Store | str | None) -> dict[str, Any] | None:
+    data = as_store(store).read_bytes(uri, missing_ok=True)
     if data is None:
         return None
     try:
@@ -52,11 +56,12 @@ def _read_json(uri: str, endpoint_url: str | None) -> dict[str, Any] | None:
         raise storage.StorageError(f"{uri} is not valid JSON: {e}") from e
 
 
-def count_parameters(weights_uri: str, endpoint_url: str | None = None) -> int | None:
+def count_parameters(weights_uri: str, store: Store | str | None = None) -> int | None:
     """Number of stored weights of a safetensors file, from its header alone (8-byte length +
     JSON), so a remote checkpoint is not downloaded. Tied tensors are stored, and counted, once."""
-    fs, path = storage.filesystem(weights_uri, endpoint_url)
-    if storage.with_retries(lambda: fs.get_file_info(path), f"stat {weights_uri}").type != pafs.FileType.File:
+    store = as_store(store)
+    fs, path = store.filesystem(weights_uri)
+    if store.retry(lambda: fs.get_file_info(path), f"stat {weights_uri}").type != pafs.FileType.File:
         return None
 
     def read_header() -> dict[str, Any]:
@@ -64,34 +69,36 @@ def count_parameters(weights_uri: str, endpoint_url: str | None = None) -> int |
             (size,) = struct.unpack("<Q", f.read(8))
             return json.loads(f.read(size))
 
-    header = storage.with_retries(read_header, f"read {weights_uri}")
+    header = store.retry(read_header, f"read {weights_uri}")
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
-def list_checkpoints(run_uri: str, endpoint_url: str | None = None) -> list[dict[str, Any]]:
+def list_checkpoints(run_uri: str, store: Store | str | None = None) -> list[dict[str, Any]]:
     """The run's ``checkpoint_*`` folders, oldest first: name, uri, complete (has its manifest),
     and step (from trainer_state.json, when complete)."""
-    fs, path = storage.filesystem(run_uri, endpoint_url)
+    store = as_store(store)
+    fs, path = store.filesystem(run_uri)
     selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = storage.with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}")
+    infos = store.retry(lambda: fs.get_file_info(selector), f"list {run_uri}")
     names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_"))
     out = []
     for name in names:
         uri = storage.join(run_uri, name)
-        complete = fs.get_file_info(f"{path}/{name}/MANIFEST.json").type == pafs.FileType.File
-        state = _read_json(storage.join(uri, "trainer_state.json"), endpoint_url) if complete else None
+        manifest = storage.join(uri, "MANIFEST.json")
+        complete = store.retry(lambda: fs.get_file_info(f"{path}/{name}/MANIFEST.json"), f"stat {manifest}").type == pafs.FileType.File
+        state = _read_json(storage.join(uri, "trainer_state.json"), store) if complete else None
         out.append({"name": name, "uri": uri, "complete": complete, "step": (state or {}).get("step")})
     return out
 
 
-def _data_reports(run_uri: str, endpoint_url: str | None) -> tuple[list[dict[str, Any]], str | None]:
+def _data_reports(run_uri: str, store: Store) -> tuple[list[dict[str, Any]], str | None]:
     """([{epoch, report, text}], error): the run's per-epoch data reports (pipelines.datareport)."""
     from pipelines import datareport
 
     try:
         out = []
-        for epoch in datareport.list_epochs(run_uri, endpoint_url) or []:
-            report = datareport.epoch_report(run_uri, epoch, endpoint_url)
+        for epoch in datareport.list_epochs(run_uri, store.endpoint_url, store.deadline_s) or []:
+            report = datareport.epoch_report(run_uri, epoch, store.endpoint_url, store.deadline_s)
             out.append({"epoch": epoch, "report": report, "text": datareport.format_report(report)})
         return out, None
     except Exception as e:  # the rest of the report is still worth having
@@ -328,30 +335,32 @@ def render_html(summary: list[tuple[str, str]], images: dict[str, Path], data: l
     return "\n".join(parts)
 
 
-def write_report(run_uri: str, out_dir: str | Path | None = None, endpoint_url: str | None = None) -> Path:
+def write_report(run_uri: str, out_dir: str | Path | None = None, store: Store | str | None = None) -> Path:
     """Write the report of the run at ``run_uri`` (``<output_dir>/<name>``); returns index.html.
+    ``store``: where and how long to wait for the run's store (``ctx report --retry-deadline``).
 
     Raises StorageError naming the URI when there is no run there: no metrics and no checkpoint.
     """
-    if not storage.exists(run_uri, endpoint_url):
+    store = as_store(store)
+    if not store.exists(run_uri):
         raise storage.StorageError(f"no run at {run_uri!r}: the folder does not exist (give <output_dir>/<name> of a pretraining run)")
-    rows = read_metrics(run_uri, endpoint_url)
-    checkpoints = list_checkpoints(run_uri, endpoint_url)
+    rows = read_metrics(run_uri, store)
+    checkpoints = list_checkpoints(run_uri, store)
     if not rows and not checkpoints:
         raise storage.StorageError(
             f"no run at {run_uri!r}: it has neither metrics/metrics.jsonl nor a checkpoint_* folder "
             "(has training logged a step yet?)"
         )
-    latest = storage.latest_complete_checkpoint(run_uri, endpoint_url)
+    latest = store.latest_complete_checkpoint(run_uri)
     state = config = n_params = None
     if latest is not None:
-        state = _read_json(storage.join(latest, "trainer_state.json"), endpoint_url)
-        config = _read_json(storage.join(latest, "config.json"), endpoint_url)
-        n_params = count_parameters(storage.join(latest, "model.safetensors"), endpoint_url)
+        state = _read_json(storage.join(latest, "trainer_state.json"), store)
+        config = _read_json(storage.join(latest, "config.json"), store)
+        n_params = count_parameters(storage.join(latest, "model.safetensors"), store)
     out = Path(out_dir) if out_dir is not None else default_out_dir(run_uri)
     out.mkdir(parents=True, exist_ok=True)
     images = _plots(rows, out)
-    data, data_error = _data_reports(run_uri, endpoint_url)
+    data, data_error = _data_reports(run_uri, store)
     summary = summarize(rows, state, config, n_params, run_uri)
     title = f"Training report: {summary[0][1]}"
     index = out / "index.html"

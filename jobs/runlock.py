@@ -18,6 +18,11 @@ the run ends (also when it fails):
   read: of two runs taking over at once, one wins.
 * **Release** deletes the lock, conditional on it being this holder's version.
 
+On S3, taking the lock waits through an outage as every other call of the run does, until the
+recipe's ``data.retry_deadline_s`` (the ``Store`` it is given), saying so on stderr; a heartbeat
+tries once per beat, and releasing waits at most ``RELEASE_WAIT_S``, so that Ctrl-C or SIGTERM
+ends a run at once (a lock left behind goes stale and the next run takes it over).
+
 Other remote filesystems (gs://, hdfs:// ...) offer no conditional write through pyarrow: the run
 goes on without a lock and says so. The clock is the machines' wall clock (``time.time``):
 heartbeats are compared across hosts, so their clocks must agree to well under ``stale_after_s``.
@@ -37,8 +42,10 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from pipelines import storage
+from pipelines.storage import Store, as_store
 
 LOCK_FILE = "LOCK.json"
+RELEASE_WAIT_S = 10.0  # how long releasing the lock waits for the store: never the run's whole deadline
 
 
 class RunLockHeld(RuntimeError):
@@ -144,16 +151,23 @@ class _LocalBackend:
 
 
 class _S3Backend:
-    """A lock object on S3 (or an S3-compatible store with conditional writes); the version is its ETag."""
+    """A lock object on S3 (or an S3-compatible store with conditional writes); the version is its ETag.
 
-    def __init__(self, uri: str, endpoint_url: str | None) -> None:
-        import boto3
+    Taking the lock (create, read, replace) retries through an outage until the store's deadline;
+    a heartbeat (refresh) tries once, release for at most ``RELEASE_WAIT_S``."""
 
+    def __init__(self, uri: str, store: Store) -> None:
         self.uri = uri
+        self.store = store
         bucket_key = uri[len("s3://"):]
         self.bucket, _, self.key = bucket_key.partition("/")
-        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
-        self.client = boto3.client("s3", endpoint_url=endpoint)
+        self.client = storage.s3_client(store.endpoint_url)
+
+    def _call(self, what: str, fn: Callable[[], dict], store: Store | None) -> dict:
+        """``fn()``, a boto3 call: retried until ``store``'s deadline when one is given, else tried once."""
+        if store is None:
+            return storage.boto_call(fn)
+        return store.retry(lambda: storage.boto_call(fn), f"{what} {self.uri}")
 
     @staticmethod
     def _lost(error: Exception) -> bool:
@@ -165,49 +179,60 @@ class _S3Backend:
         """Anything else (no bucket, no permission, an outage past botocore's own retries)."""
         return storage.StorageError(f"run lock: cannot {what} {self.uri}: {error}")
 
-    def _put(self, body: bytes, **condition: str) -> str:
+    def _put(self, body: bytes, store: Store | None, **condition: str) -> str:
         from botocore.exceptions import ClientError
 
+        def put() -> dict:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition)
+
         try:
-            return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition)["ETag"]
+            return self._call("write", put, store)["ETag"]
         except ClientError as e:
             if self._lost(e):
                 raise _Conflict() from None
             raise self._failed("write", e) from e
 
     def create(self, body: bytes) -> str:
-        return self._put(body, IfNoneMatch="*")
+        return self._put(body, self.store, IfNoneMatch="*")
 
     def read(self) -> tuple[bytes, str] | None:
         from botocore.exceptions import ClientError
 
-        try:
+        def get() -> dict:
             got = self.client.get_object(Bucket=self.bucket, Key=self.key)
+            return {"Body": got["Body"].read(), "ETag": got["ETag"]}  # the body too: a cut-off read is retried
+
+        try:
+            got = self._call("read", get, self.store)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise self._failed("read", e) from e
-        return got["Body"].read(), got["ETag"]
+        return got["Body"], got["ETag"]
 
     def replace(self, body: bytes, version: str) -> str:
-        return self._put(body, IfMatch=version)
+        return self._put(body, self.store, IfMatch=version)
 
-    refresh = replace  # If-Match is atomic on S3: the heartbeat and a takeover are the same write
+    def refresh(self, body: bytes, version: str) -> str:
+        """The heartbeat: the same conditional write (If-Match is atomic on S3), tried once; a failed
+        beat is retried by the next one, well before the lock goes stale."""
+        return self._put(body, None, IfMatch=version)
 
     def delete(self, version: str) -> None:
         from botocore.exceptions import ClientError
 
+        short = Store(self.store.endpoint_url, min(self.store.deadline_s, RELEASE_WAIT_S), self.store.setting)
         try:
-            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version)
+            self._call("delete", lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version), short)
         except ClientError as e:
             if self._lost(e):
                 raise _Conflict() from None
             raise self._failed("delete", e) from e
 
 
-def _backend(lock_uri: str, endpoint_url: str | None):
+def _backend(lock_uri: str, store: Store):
     if lock_uri.startswith("s3://"):
-        return _S3Backend(lock_uri, endpoint_url)
+        return _S3Backend(lock_uri, store)
     if not storage.is_remote(lock_uri):
         return _LocalBackend(Path(storage.filesystem(lock_uri)[1]))
     return None
@@ -218,13 +243,14 @@ def _backend(lock_uri: str, endpoint_url: str | None):
 
 
 class RunLock:
-    """``with RunLock(run_uri, endpoint_url, command="ctx pretrain"):`` holds ``<run>/LOCK.json``.
+    """``with RunLock(run_uri, store, command="ctx pretrain"):`` holds ``<run>/LOCK.json``.
 
-    Raises ``RunLockHeld`` at once when a live holder has it. ``clock`` is injectable so tests can
-    age a lock without waiting.
+    Raises ``RunLockHeld`` at once when a live holder has it. ``store``: the run's ``Store`` (its
+    endpoint and retry deadline), or an endpoint URL. ``clock`` is injectable so tests can age a
+    lock without waiting.
     """
 
-    def __init__(self, run_uri: str, endpoint_url: str | None = None, *, command: str = "ctx", heartbeat_s: float = 10.0,
+    def __init__(self, run_uri: str, store: Store | str | None = None, *, command: str = "ctx", heartbeat_s: float = 10.0,
                  stale_after_s: float = 60.0, clock: Callable[[], float] = time.time, err: TextIO | None = None) -> None:
         if not 0 < heartbeat_s < stale_after_s:
             raise ValueError(f"heartbeat_s ({heartbeat_s}) must be positive and below stale_after_s ({stale_after_s})")
@@ -234,7 +260,7 @@ class RunLock:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self.err = err or sys.stderr
-        self.backend = _backend(self.uri, endpoint_url)
+        self.backend = _backend(self.uri, as_store(store))
         self.info: LockInfo | None = None
         self.lost = False  # set when a heartbeat found the lock taken over
         self._version = None
@@ -262,6 +288,9 @@ class RunLock:
                 continue  # released in between
             data, version = current
             holder = LockInfo.from_bytes(data)
+            if holder is not None and holder.owner == info.owner:  # our create landed, its answer was lost and retried
+                self._version = version
+                break
             if holder is None or self.clock() - holder.heartbeat <= self.stale_after_s:
                 raise RunLockHeld(self._held_message(holder))
             try:
@@ -327,6 +356,9 @@ class RunLock:
                 self.backend.delete(self._version)
             except _Conflict:
                 print(f"warning: the run lock {self.uri} was not this run's any more; left it in place", file=self.err)
+            except (OSError, storage.StorageError) as e:  # the store is down: the lock goes stale, the next run takes it over
+                print(f"warning: could not remove the run lock {self.uri} ({e}); it goes stale {self.stale_after_s:.0f} s "
+                      f"after its last heartbeat and the next run then takes it over", file=self.err)
             self.info = None
 
     def __enter__(self) -> "RunLock":

@@ -27,13 +27,17 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipelines import storage
+from pipelines.storage import Store, as_store
 
 BEST = "best.json"
 
+# Each function's ``store`` is the command's Store (endpoint and retry deadline), or, from callers
+# written before it, an endpoint URL: then the default deadline.
 
-def read_best(run: str, endpoint_url: str | None = None) -> dict[str, Any] | None:
+
+def read_best(run: str, store: Store | str | None = None) -> dict[str, Any] | None:
     """The run's ``best.json``, or None when it has none (or an unreadable one)."""
-    data = storage.read_bytes(storage.join(run, BEST), endpoint_url, missing_ok=True)
+    data = as_store(store).read_bytes(storage.join(run, BEST), missing_ok=True)
     if data is None:
         return None
     try:
@@ -43,10 +47,11 @@ def read_best(run: str, endpoint_url: str | None = None) -> dict[str, Any] | Non
     return best if isinstance(best, dict) and isinstance(best.get("checkpoint"), str) else None
 
 
-def write_best(run: str, record: dict[str, Any], endpoint_url: str | None = None) -> None:
+def write_best(run: str, record: dict[str, Any], store: Store | str | None = None) -> None:
     """Point the run's ``best.json`` at ``record["checkpoint"]`` (a folder name under the run)."""
+    store = as_store(store)
     data = (json.dumps(record, indent=1) + "\n").encode("utf-8")
-    fs, path = storage.filesystem(storage.join(run, BEST), endpoint_url)
+    fs, path = store.filesystem(storage.join(run, BEST))
     if isinstance(fs, pafs.LocalFileSystem):
         folder = path.rsplit("/", 1)[0]
         fs.create_dir(folder, recursive=True)
@@ -60,27 +65,29 @@ def write_best(run: str, record: dict[str, Any], endpoint_url: str | None = None
         with fs.open_output_stream(path) as out:
             out.write(data)
 
-    storage.with_retries(put, f"write {run}/{BEST}")
+    store.retry(put, f"write {run}/{BEST}")
 
 
-def best_checkpoint(run: str, endpoint_url: str | None = None) -> str | None:
+def best_checkpoint(run: str, store: Store | str | None = None) -> str | None:
     """The checkpoint ``best.json`` names, if it is there and complete."""
-    best = read_best(run, endpoint_url)
+    store = as_store(store)
+    best = read_best(run, store)
     if best is None:
         return None
     uri = storage.join(run, best["checkpoint"])
-    return uri if storage.checkpoint_problem(uri, endpoint_url) is None else None
+    return uri if store.checkpoint_problem(uri) is None else None
 
 
-def resolve_checkpoint(uri: str, endpoint_url: str | None = None) -> str:
+def resolve_checkpoint(uri: str, store: Store | str | None = None) -> str:
     """The folder to load for ``uri`` (module docstring); StorageError when there is none."""
     if uri.startswith("pkg:"):
         return package_path(uri)
-    if not storage.exists(uri, endpoint_url):
+    store = as_store(store)
+    if not store.exists(uri):
         raise storage.StorageError(f"model folder {uri!r} does not exist")
-    if storage.exists(storage.join(uri, "MANIFEST.json"), endpoint_url) or storage.exists(storage.join(uri, "config.json"), endpoint_url):
+    if store.exists(storage.join(uri, "MANIFEST.json")) or store.exists(storage.join(uri, "config.json")):
         return uri
-    chosen = best_checkpoint(uri, endpoint_url) or storage.latest_complete_checkpoint(uri, endpoint_url)
+    chosen = best_checkpoint(uri, store) or store.latest_complete_checkpoint(uri)
     if chosen is None:
         raise storage.StorageError(
             f"{uri!r} is neither a checkpoint (MANIFEST.json), a Hugging Face folder (config.json) nor a "
@@ -102,8 +109,8 @@ def package_path(spec: str) -> str:
     return str(path)
 
 
-def local_copy(uri: str, workdir: Path, endpoint_url: str | None = None) -> Path:
+def local_copy(uri: str, workdir: Path, store: Store | str | None = None) -> Path:
     """A local folder with the files of ``uri`` (itself when it is local)."""
     if not storage.is_remote(uri):
         return Path(storage.filesystem(uri)[1])
-    return storage.download_dir(uri, workdir / uri.rstrip("/").rsplit("/", 1)[-1], endpoint_url)
+    return as_store(store).download_dir(uri, workdir / uri.rstrip("/").rsplit("/", 1)[-1])

@@ -276,7 +276,7 @@ def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=prin
             if cfg.evaluate.wic:
                 from jobs.wic import evaluate_wic
 
-                m["wic_accuracy"] = float(evaluate_wic(str(local), cfg.evaluate.wic, strategies=("last",), endpoint_url=cfg.endpoint_url)["accuracy"])
+                m["wic_accuracy"] = float(evaluate_wic(str(local), cfg.evaluate.wic, strategies=("last",), store=cfg.endpoint_url)["accuracy"])
             vectors[role] = probe_vectors(local, texts)
             out[role] = m
             log(f"evaluate: {role} {uri}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(m.items())))

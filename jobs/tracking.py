@@ -34,6 +34,7 @@ from typing import Any
 
 from jobs.registry import ModelVersion, Registry, RegistryError
 from pipelines import storage
+from pipelines.storage import Store, as_store
 
 # MLflow's limit on a model version tag's value (MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH): a longer
 # shard list (some thousand shards) goes to <run>/shards.json and the tag keeps a summary.
@@ -61,9 +62,10 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
-def shard_list(uris: list[str], endpoint_url: str | None = None) -> list[dict[str, Any]]:
+def shard_list(uris: list[str], store: Store | str | None = None) -> list[dict[str, Any]]:
     """``{uri, size, etag}`` per object (one LIST per folder, not a HEAD per object), ``{uri, size,
     mtime}`` per local file."""
+    store = as_store(store)
     out: dict[str, dict[str, Any]] = {}
     folders: dict[tuple[str, str], set[str]] = defaultdict(set)
     for uri in uris:
@@ -71,60 +73,62 @@ def shard_list(uris: list[str], endpoint_url: str | None = None) -> list[dict[st
             bucket, _, key = uri[len("s3://"):].partition("/")
             folders[(bucket, key.rsplit("/", 1)[0] + "/" if "/" in key else "")].add(key)
         else:
-            fs, path = storage.filesystem(uri, endpoint_url)
-            info = fs.get_file_info(path)
+            fs, path = store.filesystem(uri)
+            info = store.retry(lambda: fs.get_file_info(path), f"stat {uri}")
             out[uri] = {"uri": uri, "size": info.size, "mtime": info.mtime.isoformat() if info.mtime else None}
     if folders:
-        import os
-
-        import boto3
-
-        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
-        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3 = storage.s3_client(store.endpoint_url)
         for (bucket, prefix), keys in folders.items():
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-                for obj in page.get("Contents", []):
-                    if obj["Key"] in keys:
-                        uri = f"s3://{bucket}/{obj['Key']}"
-                        out[uri] = {"uri": uri, "size": obj["Size"], "etag": obj["ETag"].strip('"')}
+            def listing() -> list[dict[str, Any]]:  # one folder's pages, retried whole
+                pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                return storage.boto_call(lambda: [obj for page in pages for obj in page.get("Contents", [])])
+
+            for obj in store.retry(listing, f"list s3://{bucket}/{prefix}"):
+                if obj["Key"] in keys:
+                    uri = f"s3://{bucket}/{obj['Key']}"
+                    out[uri] = {"uri": uri, "size": obj["Size"], "etag": obj["ETag"].strip('"')}
     return [out.get(u, {"uri": u, "size": None}) for u in uris]
 
 
-def _shards_tag(listed: list[dict[str, Any]], run_uri: str, endpoint_url: str | None) -> str:
+def _shards_tag(listed: list[dict[str, Any]], run_uri: str, store: Store | str | None) -> str:
     text = json.dumps(listed)
     if len(text) <= MAX_TAG_CHARS:
         return text
     where = storage.join(run_uri, "shards.json")
-    fs, path = storage.filesystem(where, endpoint_url)
+    store = as_store(store)
+    fs, path = store.filesystem(where)
 
     def put() -> None:
         with fs.open_output_stream(path) as out:
             out.write(json.dumps(listed, indent=1).encode("utf-8"))
 
-    storage.with_retries(put, f"write {where}")
+    store.retry(put, f"write {where}")
     return json.dumps({"count": len(listed), "bytes": sum(s["size"] or 0 for s in listed), "first": listed[:5], "full_list": where})
 
 
-def checkpoint_tokenizer_hash(checkpoint: str, endpoint_url: str | None = None) -> str | None:
+def checkpoint_tokenizer_hash(checkpoint: str, store: Store | str | None = None) -> str | None:
     """What serving sends as X-Tokenizer-Hash for this checkpoint (``jobs.serve.tokenizer_hash`` of its
     ``tokenizer/``), reading only the tokenizer files; None when it has none."""
     from jobs.serve import tokenizer_hash
 
+    store = as_store(store)
     uri = storage.join(checkpoint, "tokenizer")
-    if not storage.exists(uri, endpoint_url):
+    if not store.exists(uri):
         return None
     with tempfile.TemporaryDirectory(prefix="ctx-tokhash-") as d:
-        return tokenizer_hash(storage.download_dir(uri, d, endpoint_url))
+        return tokenizer_hash(store.download_dir(uri, d))
 
 
 def record_run(*, kind: str, recipe, checkpoint: str | None, metrics: dict[str, Any], history: list[dict[str, Any]],
-               run_uri: str, shards: list[str], eval_metrics: dict[str, Any], family: str, endpoint_url: str | None,
+               run_uri: str, shards: list[str], eval_metrics: dict[str, Any], family: str, store: Store | str | None,
                parent: ModelVersion | None = None, extra_tags: dict[str, str] | None = None, log=print) -> ModelVersion | None:
     """Log the finished run and register its checkpoint (module docstring); None when the recipe's
-    ``registry.enabled`` is false. Raises ``RegistrationError`` (the checkpoint is kept)."""
+    ``registry.enabled`` is false. Raises ``RegistrationError`` (the checkpoint is kept). ``store``:
+    the recipe's (its endpoint and retry deadline), for the tokenizer hash and the shard list."""
     section = recipe.registry
     if not section.enabled:
         return None
+    store = as_store(store)
     name = section.model_name or recipe.name
     try:
         reg = Registry(section.tracking_uri)
@@ -133,10 +137,10 @@ def record_run(*, kind: str, recipe, checkpoint: str | None, metrics: dict[str, 
             log(f"registry: MLflow run {run_id} at {reg.uri}; no checkpoint to register")
             return None
         tags = {"ctx.kind": kind, "ctx.family": family, "ctx.run_uri": run_uri, **(extra_tags or {})}
-        tok = checkpoint_tokenizer_hash(checkpoint, endpoint_url)
+        tok = checkpoint_tokenizer_hash(checkpoint, store)
         if tok:
             tags["ctx.tokenizer_hash"] = tok
-        tags["ctx.shards"] = _shards_tag(shard_list(shards, endpoint_url), run_uri, endpoint_url)
+        tags["ctx.shards"] = _shards_tag(shard_list(shards, store), run_uri, store)
         tags["ctx.metrics"] = json.dumps(_numbers(eval_metrics), sort_keys=True)
         version = reg.register(name, checkpoint, tags=tags, run_id=run_id, parent=parent)
     except (RegistryError, OSError) as e:
@@ -150,6 +154,11 @@ def record_run(*, kind: str, recipe, checkpoint: str | None, metrics: dict[str, 
                                 f"{type(e).__name__}: {e}. `ctx models register {name} {checkpoint}` registers it later") from e
     log(f"registry: {version.ref} <- {checkpoint} (MLflow run {run_id} at {reg.uri})")
     return version
+
+
+def _shown(key: str, value: str) -> str:
+    """A recipe value as the registry keeps it: an endpoint without a ``user:password@`` part."""
+    return storage.shown_endpoint(value) if key.endswith("endpoint_url") and value != "None" else value
 
 
 def _log_mlflow_run(reg: Registry, experiment: str, recipe, kind: str, metrics: dict[str, Any], history: list[dict[str, Any]],
@@ -170,7 +179,7 @@ def _log_mlflow_run(reg: Registry, experiment: str, recipe, kind: str, metrics: 
             exp_id = client.get_experiment_by_name(experiment).experiment_id
     run = client.create_run(exp_id, run_name=recipe.name, tags={"ctx.kind": kind, "ctx.run_uri": run_uri, "ctx.checkpoint": checkpoint or ""})
     run_id = run.info.run_id
-    params = [Param(k, v[:6000]) for k, v in flatten(recipe.model_dump(mode="json")).items()]
+    params = [Param(k, _shown(k, v)[:6000]) for k, v in flatten(recipe.model_dump(mode="json")).items()]
     now = int(time.time() * 1000)  # the history rows carry steps, not clock times
     points: list = []
     for row in history:

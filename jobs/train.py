@@ -82,21 +82,21 @@ def run_uri(recipe: Recipe) -> str:
 
 def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path, log=print) -> Path:
     """The run's tokenizer as a local folder: the recipe's, the run's saved one, or a new one."""
-    ep = recipe.data.endpoint_url
+    store = storage.Store.of(recipe.data)
     if recipe.tokenizer.path:
-        return storage.download_dir(recipe.tokenizer.path, workdir / "tokenizer", ep)
+        return store.download_dir(recipe.tokenizer.path, workdir / "tokenizer")
     saved = storage.join(run, "tokenizer")
-    if storage.exists(saved, ep):
+    if store.exists(saved):
         log(f"tokenizer: reusing {saved}")
-        return storage.download_dir(saved, workdir / "tokenizer", ep)
+        return store.download_dir(saved, workdir / "tokenizer")
     t = recipe.tokenizer
     log(f"tokenizer: training {t.kind} (vocab {t.vocab_size}) on up to {t.sample_chars:,} characters of the corpus")
     t0 = time.perf_counter()
-    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, ep)
+    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store.endpoint_url, store.deadline_s)
     tok = train_tokenizer(t.kind, texts, t.vocab_size, lowercase=t.lowercase)
     local = workdir / "tokenizer"
     tok.save(local)
-    storage.copy_dir(local, saved, ep)
+    store.copy_dir(local, saved)
     log(f"tokenizer: {tok.vocab_size} tokens in {time.perf_counter() - t0:.1f}s -> {saved}")
     return local
 
@@ -108,10 +108,10 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Pa
     registry version when ``model.init`` named one (``models:/NAME@alias``, looked up once)."""
     from jobs.runs import local_copy, resolve_checkpoint
 
-    ep = recipe.data.endpoint_url
+    store = storage.Store.of(recipe.data)
     source, version = resolve(recipe.model.init, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
-    uri = resolve_checkpoint(source, ep)
-    local = local_copy(uri, workdir / "init", ep)
+    uri = resolve_checkpoint(source, store)
+    local = local_copy(uri, workdir / "init", store)
     try:
         payload = json.loads((local / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -189,16 +189,17 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
     bytes."""
     from jobs.runlock import RunLock
 
-    with RunLock(run_uri(recipe), recipe.data.endpoint_url, command=f"ctx pretrain ({recipe.name})"), \
+    with RunLock(run_uri(recipe), storage.Store.of(recipe.data), command=f"ctx pretrain ({recipe.name})"), \
             tempfile.TemporaryDirectory(prefix="ctx-pretrain-") as workdir:
         return _pretrain(recipe, Path(workdir), verbose, progress, log)
 
 
 def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
     ep = recipe.data.endpoint_url
-    shards = storage.list_files(recipe.data.input, ep)
+    store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
+    shards = store.list_files(recipe.data.input)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
-    eval_shards = storage.list_files(recipe.data.eval_input, ep) if recipe.data.eval_input else []
+    eval_shards = store.list_files(recipe.data.eval_input) if recipe.data.eval_input else []
     run = run_uri(recipe)
     init = warm_start_source(recipe, workdir, log) if recipe.model.init else None
     init_version = init[2] if init else None  # models:/NAME@alias: the parent of the version this run registers
@@ -240,29 +241,28 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     )
     log(f"checkpoint: {result.checkpoint_uri}")
     try:
-        _log_data_report(run, ep, log, result.metrics.get("epoch"), len(shards), recipe.data.retry_deadline_s)
+        _log_data_report(run, store, log, result.metrics.get("epoch"), len(shards))
     except (OSError, storage.StorageError) as e:  # telemetry: the run itself is done and committed
         log(f"warning: data report of {run} not read: {e}")
     registered = record_run(  # MLflow run + model version; raises RegistrationError (the checkpoint stays)
         kind="pretrain", recipe=recipe, checkpoint=result.checkpoint_uri, metrics=result.metrics, history=result.history,
         run_uri=run, shards=shards, eval_metrics={k: v for k, v in result.metrics.items() if k.startswith("eval_")},
-        family=recipe.model.family, endpoint_url=ep, parent=init_version, log=log,
+        family=recipe.model.family, store=store, parent=init_version, log=log,
     )
     return PretrainResult(run_uri=run, checkpoint_uri=result.checkpoint_uri, metrics=result.metrics, history=result.history,
                           registered=registered)
 
 
-def _log_data_report(run: str, endpoint_url: str | None, log, epoch: int | None, n_shards: int,
-                     deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
+def _log_data_report(run: str, store: storage.Store, log, epoch: int | None, n_shards: int) -> None:
     """The data report (records read, used, rejected per shard and reason) of the epoch training
     ended in (the data stage reads ahead, so later epochs may have reports too)."""
     from pipelines import datareport
 
-    epochs = datareport.list_epochs(run, endpoint_url)
+    epochs = datareport.list_epochs(run, store.endpoint_url, store.deadline_s)
     if not epochs:
         return
     epoch = epoch if epoch in epochs else epochs[-1]
-    report = datareport.epoch_report(run, epoch, endpoint_url, deadline_s)
+    report = datareport.epoch_report(run, epoch, store.endpoint_url, store.deadline_s)
     lines = datareport.format_report(report).splitlines()
     if report["n_shards"] < n_shards:
         lines[0] += f" (so far: {report['n_shards']} of {n_shards} shards read)"
@@ -364,7 +364,7 @@ class SampleLog:
                 with open(self.path, "a") as f:
                     f.write("".join(line + "\n" for line in new))
 
-            storage.best_effort(append, f"write {self.uri}", self.deadline_s)
+            storage.best_effort(append, f"write {self.uri}", self.deadline_s, self.endpoint_url)
             return
         self.lines.extend(new)
         data = "".join(line + "\n" for line in self.lines).encode()
@@ -452,7 +452,7 @@ def _train_loop(config: dict[str, Any], tok_dir: Path) -> None:
     obj = objective(recipe.data.objective)
 
     if config.get("init_checkpoint"):  # warm start: the checkpoint's architecture and weights
-        model_cfg, model = warm_start_model(config["init_checkpoint"], ep)
+        model_cfg, model = warm_start_model(config["init_checkpoint"], storage.Store(ep, deadline))
     else:
         overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
         for key, value in obj.families[recipe.model.family].items():
@@ -560,14 +560,14 @@ def _train_loop(config: dict[str, Any], tok_dir: Path) -> None:
         print(f"data stream ended at step {state.step} before train.max_steps={t.max_steps}; raise data.max_epochs")
 
 
-def warm_start_model(checkpoint: str, endpoint_url: str | None):
+def warm_start_model(checkpoint: str, store: storage.Store | str | None):
     """(config, pretraining model) of ``checkpoint``, ready to train; the run's own checkpoint, if it
     has one, is loaded over these weights afterwards (``resume``)."""
     from ctxmodels.checkpoint import load_checkpoint
     from jobs.runs import local_copy
 
     with tempfile.TemporaryDirectory(prefix="ctx-init-") as d:  # every worker, every restart: never left behind
-        loaded = load_checkpoint(local_copy(checkpoint, Path(d), endpoint_url))
+        loaded = load_checkpoint(local_copy(checkpoint, Path(d), store))
     return loaded.config, loaded.model.train()
 
 

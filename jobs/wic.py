@@ -13,12 +13,13 @@ what context adds. Runs in-process on CPU; no Ray.
 from __future__ import annotations
 
 import json
-import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipelines.storage import Store, as_store
 from pipelines.wic import accuracy_at, cosine_rows, fit_threshold
 
 STRATEGIES = ("first", "last", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix")
@@ -26,13 +27,9 @@ CONTEXT_FREE = "context-free"
 FIELDS = ("sentence1", "sentence2", "label", "start1", "end1", "start2", "end2")
 
 
-def read_split(uri: str, endpoint_url: str | None = None) -> dict[str, list]:
+def read_split(uri: str, store: Store | str | None = None) -> dict[str, list]:
     """A WiC split (JSONL) as columns; a record without one of ``FIELDS`` is an error naming its line."""
-    from pipelines import storage
-
-    fs, path = storage.filesystem(uri, endpoint_url)
-    with fs.open_input_stream(path) as f:
-        lines = f.read().decode("utf-8").splitlines()
+    lines = as_store(store).read_bytes(uri).decode("utf-8").splitlines()
     cols: dict[str, list] = {k: [] for k in FIELDS}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -54,22 +51,21 @@ def read_split(uri: str, endpoint_url: str | None = None) -> dict[str, list]:
 class WordVectors:
     """A loaded model's per-word vectors: sub-token vectors of a character span, averaged."""
 
-    def __init__(self, model_uri: str, max_len: int = 128, batch_size: int = 32):
+    def __init__(self, model_uri: str, max_len: int = 128, batch_size: int = 32, store: Store | str | None = None):
         import torch
 
         from ctxmodels.checkpoint import load_checkpoint
-        from jobs.serve import char_ids_backbone, fetch_checkpoint
+        from jobs.runs import local_copy, resolve_checkpoint
+        from jobs.serve import char_ids_backbone
         from pipelines.tokenizers import load_tokenizer
 
-        local, tmp = fetch_checkpoint(model_uri)
-        try:
-            loaded = load_checkpoint(local, verify_hashes=True)
+        store = as_store(store)
+        resolved = resolve_checkpoint(model_uri, store)  # a run folder: its best checkpoint
+        with tempfile.TemporaryDirectory(prefix="ctx-wic-") as tmp:  # a remote model's copy, gone once loaded
+            loaded = load_checkpoint(local_copy(resolved, Path(tmp), store), verify_hashes=True)
             if loaded.tokenizer_dir is None:
                 raise ValueError(f"{model_uri}: the checkpoint has no tokenizer folder")
             self.tok = load_tokenizer(loaded.tokenizer_dir)
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
         self.family = loaded.family
         backbone = loaded.model.backbone
         if loaded.family == "elmo":
@@ -131,16 +127,18 @@ def pair_scores(wv: WordVectors, split: dict[str, list], strategies: tuple[str, 
 
 
 def evaluate_wic(model_uri: str, data_uri: str = "data/tasks/wic", strategies: tuple[str, ...] = STRATEGIES,
-                 max_len: int = 128, endpoint_url: str | None = None) -> dict[str, Any]:
-    """Fit each strategy's threshold on ``<data>/validation.jsonl``, score on ``<data>/test.jsonl``."""
+                 max_len: int = 128, store: Store | str | None = None) -> dict[str, Any]:
+    """Fit each strategy's threshold on ``<data>/validation.jsonl``, score on ``<data>/test.jsonl``.
+    ``store``: the command's Store (``ctx eval --retry-deadline``), or an endpoint URL."""
     from pipelines import storage
 
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown feature strategies {unknown}; known: {list(STRATEGIES)}")
-    dev = read_split(storage.join(data_uri, "validation.jsonl"), endpoint_url)
-    test = read_split(storage.join(data_uri, "test.jsonl"), endpoint_url)
-    wv = WordVectors(model_uri, max_len=max_len)
+    store = as_store(store)
+    dev = read_split(storage.join(data_uri, "validation.jsonl"), store)
+    test = read_split(storage.join(data_uri, "test.jsonl"), store)
+    wv = WordVectors(model_uri, max_len=max_len, store=store)
     dev_scores, test_scores = pair_scores(wv, dev, strategies), pair_scores(wv, test, strategies)
     y_dev, y_test = np.asarray(dev["label"]), np.asarray(test["label"])
     results = {}

@@ -181,7 +181,7 @@ def test_report_on_s3_run(s3_bucket, s3_server, tmp_path, monkeypatch):
     run = f"s3://{s3_bucket}/runs/bert-tiny"
     storage.upload_dir(local, run, s3_server)
     monkeypatch.chdir(tmp_path)
-    index = write_report(run, endpoint_url=s3_server)
+    index = write_report(run, store=s3_server)
     assert index == tmp_path / "report-bert-tiny" / "index.html"
     assert "bert / tiny" in index.read_text() and (index.parent / "throughput.png").exists()
 

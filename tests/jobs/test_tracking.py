@@ -46,7 +46,7 @@ def test_a_registry_that_fails_keeps_the_checkpoint_and_says_so(tmp_path, monkey
     recipe = load_recipe(REPO / "configs/bert-tiny.yaml", [f"registry.tracking_uri=http://127.0.0.1:{free_port()}"])
     with pytest.raises(RegistrationError, match=f"checkpoint {ckpt} is kept.*ctx models register bert-tiny {ckpt}"):
         record_run(kind="pretrain", recipe=recipe, checkpoint=str(ckpt), metrics={"step": 1}, history=[], run_uri=str(tmp_path),
-                   shards=[], eval_metrics={}, family="bert", endpoint_url=None, log=lambda *_: None)
+                   shards=[], eval_metrics={}, family="bert", store=None, log=lambda *_: None)
     assert ckpt.is_dir()
 
 
@@ -64,7 +64,7 @@ def test_recipes_refuse_a_name_the_registry_cannot_hold_on_load():
 def test_registry_disabled_logs_nothing():
     recipe = load_recipe(REPO / "configs/bert-tiny.yaml", ["registry.enabled=false", "registry.tracking_uri=http://127.0.0.1:1"])
     assert record_run(kind="pretrain", recipe=recipe, checkpoint="/nowhere", metrics={}, history=[], run_uri="/nowhere",
-                      shards=["/nowhere/x.txt"], eval_metrics={}, family="bert", endpoint_url=None) is None
+                      shards=["/nowhere/x.txt"], eval_metrics={}, family="bert", store=None) is None
 
 
 @pytest.mark.slow
