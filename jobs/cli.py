@@ -215,6 +215,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.perf_counter()  # the summary's seconds: wall time from here, Ray's start included
     import json
 
     import ray
@@ -225,12 +228,14 @@ def cmd_embed(args: argparse.Namespace) -> int:
     try:
         summary = reembed(args.model, args.input, args.output, id_column=args.id_column, text_column=args.text_column,
                           pooling=args.pooling, normalize=args.normalize, endpoint_url=args.endpoint_url,
-                          batch_size=args.batch_size, actors=args.actors, num_gpus=args.num_gpus)
+                          batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, actor_batch_size=args.actor_batch_size,
+                          actors=args.actors, cpus_per_actor=args.cpus_per_actor, num_gpus=args.num_gpus,
+                          verbose=args.verbose, started=started)
+        print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise SystemExit(f"ctx embed: {e}") from None
     finally:
         ray.shutdown()  # a local Ray this command started; a cluster's driver just disconnects
-    print(json.dumps(summary))
     return 0
 
 
@@ -574,8 +579,14 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-column", default="text")
     p.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"], help="as /v1/embeddings' pooling")
     p.add_argument("--normalize", action="store_true", help="unit-length vectors, as /v1/embeddings' normalize")
-    p.add_argument("--batch-size", type=int, default=64, help="texts per batch sent to an actor")
-    p.add_argument("--actors", type=int, default=1, help="model actors (each loads the model once)")
+    p.add_argument("--batch-size", type=int, default=32, help="rows per forward pass (default %(default)s, as ctx serve's max_batch_size)")
+    p.add_argument("--max-batch-tokens", type=int, default=16384,
+                   help="padded tokens (rows x longest row) per forward pass (default %(default)s, as ctx serve's)")
+    p.add_argument("--actor-batch-size", type=int, default=1024,
+                   help="rows Ray Data hands an actor at a time, sorted by length into forward passes (default %(default)s)")
+    p.add_argument("--actors", type=int, default=None,
+                   help="model actors, each loads the model once (default: as many as the cluster's CPUs hold, one CPU left to Ray Data)")
+    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs per actor, also its torch threads (default %(default)s)")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint of input and output (default: AWS_ENDPOINT_URL)")
 

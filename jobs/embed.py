@@ -2,8 +2,8 @@
 
     ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v7/
 
-    Parquet (id, text) --read_parquet--> rows --map_batches(Embedder, actor pool)--> (id, embedding,
-    model_version, tokenizer_hash) --write_parquet--> a NEW folder
+    Parquet (id, text) --read_parquet--> blocks of --actor-batch-size rows --map_batches(Embedder,
+    a fixed pool of --actors)--> (id, embedding, model_version, tokenizer_hash) --write_parquet--> a NEW folder
 
 Each actor loads the model once, through the serving code (``jobs.serve.EmbeddingModel.embed_now``),
 so a stored vector equals what /v1/embeddings answers for that text with the same ``pooling`` and
@@ -12,10 +12,17 @@ refused). The output is written beside the old embeddings, never over them: a fo
 holds files is refused before anything is read. Every row carries the model version (folder name +
 MANIFEST.json hash) and the tokenizer hash, as the server's answers do, so an index never mixes two
 embedding spaces unknowingly.
+
+Two batch sizes: Ray Data hands an actor ``actor_batch_size`` rows (1024) at a time, and ``embed_now``
+sorts them by length into forward passes of at most ``batch_size`` rows (32, the server's
+``max_batch_size``) and ``max_batch_tokens`` padded tokens (``jobs.serve.token_budget_groups``): the
+more rows one call sorts, the less padding its passes carry, while each pass stays small.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Literal
 
 import numpy as np
@@ -26,19 +33,42 @@ from pipelines import storage
 
 Pooling = Literal["mean", "cls", "last"]
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
-# A bulk job bounds its work by --batch-size; the server's per-request token cap protects a server from
-# one client and would only refuse a large batch of long texts here.
+# A bulk job bounds its work by the pass sizes below; the server's per-request token cap protects a
+# server from one client and would only refuse a large batch of long texts here.
 UNBOUNDED_TOKENS = 2**62
+PASS_ROWS = 32  # rows per forward pass: the server's max_batch_size (jobs.serve_config.ModelSettings)
+PASS_TOKENS = 16384  # padded tokens (rows x longest row) per forward pass: the server's max_batch_tokens
+# Rows an actor is handed per call and sorts by length into passes. Sorting 512 or more rows leaves little
+# padding (one actor, one thread: 296 rows/s sorting 128 rows at a time, 347 at 512, 344 at 1024); more rows
+# per call means fewer, longer calls and a longer tail at the end of a run.
+ACTOR_BATCH_ROWS = 1024
+# One torch thread per actor, as many actors as the CPUs hold: on 2 cores 2 actors x 1 thread ran a
+# steady 588 rows/s where 1 actor x 2 threads ran 205-300 (README, "Re-embedding"). The OpenMP threads
+# of one actor wait for each other at every operation, and Ray's own processes keep taking a core from one.
+CPUS_PER_ACTOR = 1.0
+# Ray Data's listing, reading, repartitioning and writing tasks each ask for a whole CPU (ListFiles and
+# StreamingRepartition cannot be told less): a pool that held every CPU would leave them waiting, and itself
+# waiting for their blocks, forever. The pool leaves this many CPUs to them, and a local Ray that ctx embed
+# starts counts that many more than the machine's cores: those tasks spend little of one.
+IO_CPUS = 1
 
 
 class Embedder:
-    """Ray Data actor: one model per actor, loaded once; a pyarrow batch of (id, text) -> vectors."""
+    """Ray Data actor: one model per actor, loaded once; a pyarrow batch of (id, text) -> vectors.
 
-    def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool, batch_size: int):
+    ``batch_size`` and ``max_batch_tokens`` bound each forward pass (``embed_now`` sorts the batch it is
+    handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor."""
+
+    def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool,
+                 batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None):
+        import torch
+
         from jobs.serve import EmbeddingModel
         from jobs.serve_config import Limits, ModelConfig
 
-        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens)
         # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
         self.model = EmbeddingModel.func_or_class("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
@@ -90,9 +120,14 @@ def reembed(
     pooling: Pooling = "mean",
     normalize: bool = False,
     endpoint_url: str | None = None,
-    batch_size: int = 64,
-    actors: int = 1,
+    batch_size: int = PASS_ROWS,
+    max_batch_tokens: int = PASS_TOKENS,
+    actor_batch_size: int = ACTOR_BATCH_ROWS,
+    actors: int | None = None,
+    cpus_per_actor: float = CPUS_PER_ACTOR,
     num_gpus: float = 0.0,
+    verbose: bool = False,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
@@ -100,40 +135,56 @@ def reembed(
     Face folder or ``pkg:PACKAGE/PATH``, local or ``s3://``, or a registry version ``models:/NAME@alias``
     / ``models:/NAME/N`` (looked up once, in $MLFLOW_TRACKING_URI's registry) (a model on S3 is read with
     AWS_ENDPOINT_URL, as ``ctx serve`` reads it). ``endpoint_url`` is the S3 endpoint of ``input`` and
-    ``output``. Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input",
-    "output", "registry_version"}, read back from what was written.
+    ``output``.
+
+    ``batch_size`` / ``max_batch_tokens``: rows and padded tokens per forward pass; ``actor_batch_size``:
+    rows handed to an actor per call, sorted by length into those passes. ``actors``: a fixed pool of that
+    many model actors, each with ``cpus_per_actor`` CPUs (its torch threads) and ``num_gpus``; default as
+    many as the cluster's CPUs hold (its GPUs, when ``num_gpus`` is set). Ray is started (``jobs.loop.
+    init_ray``, quiet unless ``verbose``) only after the input, output and model have been checked.
+
+    Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
+    "registry_version", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
+    is wall time from ``started`` (a ``time.perf_counter()`` value, default this call's start).
     """
+    started = time.perf_counter() if started is None else started
     import ray
 
+    from jobs.loop import init_ray
     from jobs.registry import resolve
     from jobs.serve import checkpoint_version, resolve_checkpoint
 
     if pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
-    if batch_size < 1 or actors < 1:
-        raise ValueError(f"batch_size ({batch_size}) and actors ({actors}) must be at least 1")
+    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens), ("actor_batch_size", actor_batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} ({value}) must be at least 1")
+    if (actors is not None and actors < 1) or cpus_per_actor <= 0:
+        raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
     existed_empty = refuse_existing(output, endpoint_url)  # before any work: old vectors stay as they are
     in_fs, in_path = storage.filesystem(input, endpoint_url)
     out_fs, out_path = storage.filesystem(output, endpoint_url)
+    files, rows_in = _input_rows(input, in_fs, in_path, id_column, text_column)  # Parquet footers only: no Ray yet
     source, registered = resolve(model)  # models:/NAME@alias -> the version's checkpoint, once
     checkpoint = resolve_checkpoint(source)
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
 
     # --- Ray seam: Ray Data read -> actor pool -> write ---
-    ds = ray.data.read_parquet(in_path, filesystem=in_fs, columns=[id_column, text_column])
-    schema = ds.schema()
-    for col in (id_column, text_column):
-        if col not in schema.names:
-            raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(schema.names)}); name it with --id-column / --text-column")
-    rows_in = ds.count()
-    if rows_in == 0:
-        raise ValueError(f"--input {input}: no rows to embed")
+    init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
+    pool = actors or pool_size(cpus_per_actor, num_gpus)
+    _check_pool(pool, cpus_per_actor)
+    ds = ray.data.read_parquet(files, filesystem=in_fs).select_columns([id_column, text_column])  # read only these two
+    # One Parquet file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
+    # every actor of the pool gets work (streaming: no barrier before the model starts).
+    ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
+    threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
     vectors = ds.map_batches(
         Embedder,
-        fn_constructor_args=(checkpoint, version, id_column, text_column, pooling, normalize, batch_size),
-        batch_size=batch_size,
+        fn_constructor_args=(checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens, threads),
+        batch_size=actor_batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
+        compute=ray.data.ActorPoolStrategy(size=pool),
+        num_cpus=cpus_per_actor,
         num_gpus=num_gpus,
     )
     # SaveMode.ERROR: Ray Data refuses too if another writer created the folder since the check above.
@@ -141,7 +192,60 @@ def reembed(
     vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
 
     summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
-    return {**summary, "registry_version": registered.ref if registered else None}
+    seconds = time.perf_counter() - started
+    return {**summary, "registry_version": registered.ref if registered else None, "actors": pool,
+            "seconds": round(seconds, 2), "rows_per_s": round(rows_in / seconds, 1)}
+
+
+def pool_size(cpus_per_actor: float, num_gpus: float = 0.0) -> int:
+    """Actors the cluster's CPUs hold beside IO_CPUS for Ray Data's own tasks (and its GPUs, when each
+    actor takes some); at least 1."""
+    import ray
+
+    resources = ray.cluster_resources()
+    n = int((resources.get("CPU", 0) - IO_CPUS) // cpus_per_actor)
+    if num_gpus > 0:
+        n = min(n, int(resources.get("GPU", 0) // num_gpus))
+    return max(1, n)
+
+
+def _check_pool(actors: int, cpus_per_actor: float) -> None:
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if actors * cpus_per_actor > cpus - IO_CPUS:
+        raise ValueError(
+            f"{actors} actors x {cpus_per_actor:g} CPUs leave less than {IO_CPUS} of the cluster's {cpus:g} CPUs to Ray Data's "
+            f"read and write tasks, which would wait for them forever: ask for fewer --actors or --cpus-per-actor"
+        )
+
+
+def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text_column: str) -> tuple[list[str], int]:
+    """The Parquet files at ``path`` and their row count, from the files' footers. The files are those
+    Ray Data's read_parquet would read there: ``path`` itself, or every ``*.parquet`` under the folder
+    whose path below it starts with neither "." nor "_"."""
+    import pyarrow.dataset as pads
+
+    info = storage.with_retries(lambda: fs.get_file_info(path), f"stat {input}")
+    if info.type == pafs.FileType.File:
+        files = [path]
+    else:
+        listed = storage.with_retries(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {input}")
+        base = path.rstrip("/") + "/"
+        files = sorted(
+            i.path for i in listed
+            if i.type == pafs.FileType.File and i.path.endswith(".parquet") and not i.path[len(base):].startswith((".", "_"))
+        )
+        if not files:
+            raise ValueError(f"--input {input}: no Parquet file (*.parquet) there")
+    dataset = pads.dataset(files, filesystem=fs, format="parquet")
+    for col in (id_column, text_column):
+        if col not in dataset.schema.names:
+            raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(dataset.schema.names)}); name it with --id-column / --text-column")
+    rows = storage.with_retries(dataset.count_rows, f"count rows of {input}")
+    if rows == 0:
+        raise ValueError(f"--input {input}: no rows to embed")
+    return files, rows
 
 
 def _summary(fs: pafs.FileSystem, path: str, rows_in: int, **where: str) -> dict[str, Any]:

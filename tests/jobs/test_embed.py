@@ -1,8 +1,17 @@
 """``ctx embed`` / ``jobs.embed.reembed``: stored texts re-embedded with Ray Data give every id once,
 with the vectors the serving code computes (and sentence-transformers' for all-MiniLM-L6-v2), into a
-new folder; a second run into a folder that holds vectors is refused and leaves them as they were."""
+new folder; a second run into a folder that holds vectors is refused and leaves them as they were.
+An actor sorts the rows Ray Data hands it into small length-sorted forward passes; the command prints
+rows, seconds and rows/s, and none of Ray Data's own log lines without --verbose."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -10,7 +19,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.embed import reembed
+from jobs.embed import Embedder, reembed
 from jobs.registry import Registry
 from jobs.serve import EmbeddingModel, checkpoint_version
 from jobs.serve_config import Limits, ModelConfig
@@ -60,10 +69,13 @@ def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrite
     registry = Registry()
     registered = registry.register("embed-minilm", str(minilm_dir))
     registry.promote("embed-minilm", registered.version)
-    summary = reembed("models:/embed-minilm@production", str(src), str(out), batch_size=3)  # 3 batches, the last one short
+    # Ray Data hands the actor 3 rows at a time (the last call 1 row), run in passes of at most 2
+    summary = reembed("models:/embed-minilm@production", str(src), str(out), actor_batch_size=3, batch_size=2)
     version = checkpoint_version(str(minilm_dir))
     assert summary["rows"] == len(IDS) and summary["dim"] == 384 and summary["model_version"] == version
     assert summary["checkpoint"] == str(minilm_dir) and summary["registry_version"] == registered.ref
+    assert summary["actors"] >= 1 and summary["seconds"] > 0
+    assert summary["rows_per_s"] == pytest.approx(summary["rows"] / summary["seconds"], rel=0.02, abs=0.06)  # rounded to 0.1
     _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), version)
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -82,7 +94,7 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
     with fs.open_output_stream(f"{s3_bucket}/index/texts/part-0.parquet") as f:
         pq.write_table(_input_table(), f)
     out = f"s3://{s3_bucket}/index/vectors/minilm-v1"
-    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out, normalize=True, batch_size=4)
+    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out, normalize=True, actor_batch_size=4)
     assert summary["output"] == out and summary["rows"] == len(IDS)
     expected = _serving_vectors(minilm_dir, normalize=True)
     _check_rows(_read(out), expected, checkpoint_version(str(minilm_dir)))
@@ -105,3 +117,71 @@ def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm
         main(["embed", "--model", str(minilm_dir), "--input", str(tmp_path / "nothing.parquet"), "--output", str(out),
               "--id-column", "doc", "--text-column", "body", "--pooling", "cls", "--normalize", "--batch-size", "8"])
     assert (out / "part-0.parquet").read_bytes() == b"old"
+
+
+def test_an_actor_sorts_the_rows_it_is_handed_into_small_length_sorted_passes(minilm_dir):
+    """What Ray Data hands an actor (--actor-batch-size rows, in stored order) runs as several forward passes
+    of at most --batch-size rows and --max-batch-tokens padded tokens, shortest texts first, and every id
+    keeps its own text's vector."""
+    rng = np.random.default_rng(7)
+    words = "the river bank was muddy after the flood and she deposited a cheque there".split()
+    texts = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(1, 40, size=45)]  # lengths in no order
+    ids = [int(i) for i in rng.permutation(10_000)[: len(texts)]]
+    embedder = Embedder(str(minilm_dir), None, "id", "text", "mean", False, batch_size=6, max_batch_tokens=120, threads=1)
+    embedder.model.recent_passes.clear()
+    out = embedder(pa.table({"id": pa.array(ids, pa.int64()), "text": texts}))
+
+    passes = list(embedder.model.recent_passes)  # (rows, padded length) per forward pass, in order
+    n_tokens = embedder.model.embed_now(texts, truncate=True)["n_tokens"]
+    assert sum(rows for rows, _ in passes) == len(texts)
+    assert len(passes) > len(texts) / 6  # the token budget cuts the passes of long texts shorter still
+    for rows, length in passes:
+        assert rows <= 6 and (rows * length <= 120 or rows == 1)
+    assert [length for _, length in passes] == sorted(length for _, length in passes)  # shortest first
+    assert sorted(length for _, length in passes)[-1] == max(n_tokens)
+    assert sum(rows * length for rows, length in passes) < len(texts) * max(n_tokens) * 0.7  # little padding left
+
+    assert out.column("id").to_pylist() == ids  # the rows come back in the order given
+    one_by_one = np.stack([embedder.model.embed_now([t], truncate=True)["embeddings"][0] for t in texts])
+    np.testing.assert_allclose(np.asarray(out.column("embedding").to_pylist(), np.float32), one_by_one, atol=1e-5)
+
+
+def _ctx_embed(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """``ctx embed ARGS`` in a fresh process with its own local Ray, as a user runs it; (result, wall seconds)."""
+    ctx = Path(sys.executable).parent / "ctx"
+    cmd = [str(ctx)] if ctx.exists() else [sys.executable, "-c", "import sys; from jobs.cli import main; sys.exit(main())"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.perf_counter()
+    done = subprocess.run([*cmd, "embed", *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    return done, time.perf_counter() - start
+
+
+RAY_DATA_LINES = ("Starting execution of Dataset", "Execution plan of Dataset", "logging_progress", "Total Progress",
+                  "Progress will be logged", "execution finished in", "Data sink Parquet finished")
+
+
+@pytest.mark.slow
+def test_ctx_embed_prints_rows_seconds_and_rate_and_no_ray_data_lines_without_verbose(minilm_dir, tmp_path):
+    n = 150
+    texts = [TEXTS[i % len(TEXTS)] + f" ({i})" for i in range(n)]
+    pq.write_table(pa.table({"id": pa.array(range(n), pa.int64()), "text": texts}), tmp_path / "texts.parquet")
+    common = ["--model", str(minilm_dir), "--input", str(tmp_path / "texts.parquet"), "--actor-batch-size", "64", "--batch-size", "8"]
+
+    done, wall = _ctx_embed(*common, "--output", str(tmp_path / "quiet"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout  # the summary, nothing else
+    summary = json.loads(lines[0])
+    assert summary["rows"] == n and summary["dim"] == 384 and summary["actors"] >= 1
+    assert 0 < summary["seconds"] < wall  # from the command's start, Ray's start included, within the process's life
+    assert summary["rows_per_s"] == pytest.approx(n / summary["seconds"], rel=0.02, abs=0.06)  # rounded to 0.1
+    assert sorted(_read(str(tmp_path / "quiet")).column("id").to_pylist()) == list(range(n))
+    both = done.stdout + done.stderr
+    shown = [line for line in both.splitlines() if any(s in line for s in RAY_DATA_LINES) or "\tINFO " in line]
+    assert not shown, "\n".join(shown[:20])
+
+    # the control: --verbose shows them, so the check above reads the streams where they would be
+    done, _ = _ctx_embed(*common, "--output", str(tmp_path / "verbose"), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Starting execution of Dataset" in done.stdout + done.stderr
