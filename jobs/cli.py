@@ -49,17 +49,51 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def _interrupted(command: str) -> int:
+    """Ctrl-C: one line and the shell's status for SIGINT, no traceback. By the time the
+    KeyboardInterrupt reaches a command, `finally` blocks have released the run lock and removed
+    temporary folders."""
+    print(f"ctx {command}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _store(args: argparse.Namespace):
+    """The Store of a command without a recipe: --endpoint-url and --retry-deadline."""
+    from pipelines.storage import Store
+
+    return Store(args.endpoint_url, args.retry_deadline, "--retry-deadline")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text}")
+    return value
+
+
+def _add_retry_deadline(p: argparse.ArgumentParser) -> None:
+    """--retry-deadline: a recipe's data.retry_deadline_s, for commands without a recipe."""
+    from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
+
+    p.add_argument("--retry-deadline", type=_seconds, default=DEFAULT_RETRY_DEADLINE_S, metavar="SECONDS",
+                   help=f"how long one object-store call retries through an outage before the command fails (default {DEFAULT_RETRY_DEADLINE_S:g})")
+
+
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    from pipelines import storage
     from pipelines.sources import sample_text
     from pipelines.tokenizers import train_tokenizer
 
-    shards = storage.list_files(args.input, args.endpoint_url)
-    texts = sample_text(shards, args.sample_chars, args.format, args.text_field, args.endpoint_url)
-    tok = train_tokenizer(args.kind, texts, args.vocab_size, lowercase=not args.cased)
-    with tempfile.TemporaryDirectory() as d:
-        tok.save(d)
-        storage.copy_dir(d, args.output, args.endpoint_url)
+    _exit_on_sigterm()
+    store = _store(args)
+    try:
+        shards = store.list_files(args.input)
+        texts = sample_text(shards, args.sample_chars, args.format, args.text_field, store.endpoint_url, store.deadline_s)
+        tok = train_tokenizer(args.kind, texts, args.vocab_size, lowercase=not args.cased)
+        with tempfile.TemporaryDirectory() as d:
+            tok.save(d)
+            store.copy_dir(d, args.output)
+    except KeyboardInterrupt:
+        return _interrupted("tokenizer train")
     print(f"{args.kind} tokenizer with {tok.vocab_size} tokens from {len(shards)} shard(s) -> {args.output}")
     return 0
 
@@ -77,6 +111,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
         print(f"ctx pretrain: {e}", file=sys.stderr)
         return REGISTRATION_FAILED
+    except KeyboardInterrupt:
+        return _interrupted("pretrain")
     m = result.metrics
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s")}
     print(f"done: {shown}")
@@ -133,6 +169,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
         print(f"ctx finetune: {e}", file=sys.stderr)
         return REGISTRATION_FAILED
+    except KeyboardInterrupt:
+        return _interrupted("finetune")
     m = result.metrics
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss") or k.startswith("val_")}
     print(f"done: {shown}")
@@ -144,23 +182,26 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     _quiet_env(args.verbose)
+    _exit_on_sigterm()
     try:
         return _run_eval(args)
     except ValueError as e:  # a model or split that cannot be scored: say why, no traceback
         raise SystemExit(f"ctx eval: {e}") from None
+    except KeyboardInterrupt:
+        return _interrupted("eval")
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     if args.suite == "wic":
         from jobs.wic import evaluate_wic, write_output
 
-        print(write_output(evaluate_wic(args.model, args.data or "data/tasks/wic", endpoint_url=args.endpoint_url), args.output))
+        print(write_output(evaluate_wic(args.model, args.data or "data/tasks/wic", store=_store(args)), args.output))
         return 0
     from jobs.evaluate import evaluate, write_result
 
     if not args.data:
         raise SystemExit("ctx eval: --data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
-    print(write_result(evaluate(args.model, args.data, args.endpoint_url), args.output))
+    print(write_result(evaluate(args.model, args.data, _store(args)), args.output))
     return 0
 
 
@@ -249,11 +290,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from jobs.report import write_report
 
-    print(write_report(args.run_uri, out_dir=args.out, endpoint_url=args.endpoint_url))
+    _exit_on_sigterm()
+    try:
+        print(write_report(args.run_uri, out_dir=args.out, store=_store(args)))
+    except KeyboardInterrupt:
+        return _interrupted("report")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    _exit_on_sigterm()
+    try:
+        return _run_export(args)
+    except KeyboardInterrupt:
+        return _interrupted("export")
+
+
+def _run_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ctxmodels.checkpoint import load_checkpoint
@@ -262,9 +315,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipelines import storage
     from pipelines.tokenizers import load_tokenizer
 
-    checkpoint = resolve_checkpoint(args.model, args.endpoint_url)  # a run folder: its best checkpoint
+    store = _store(args)
+    checkpoint = resolve_checkpoint(args.model, store)  # a run folder: its best checkpoint
     with tempfile.TemporaryDirectory(prefix="ctx-export-") as work:
-        loaded = load_checkpoint(local_copy(checkpoint, Path(work) / "in", args.endpoint_url))
+        loaded = load_checkpoint(local_copy(checkpoint, Path(work) / "in", store))
         pad_id = None  # GPT's HF sequence heads find the last token by the padding id
         if loaded.tokenizer_dir is not None:
             try:
@@ -280,7 +334,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ValueError as e:  # a head transformers lacks: say which, no traceback
             raise SystemExit(f"ctx export: {checkpoint}: {e}") from None
         if storage.is_remote(args.output):
-            storage.copy_dir(out, args.output, args.endpoint_url)
+            store.copy_dir(out, args.output)
     what = f"{loaded.task.kind} model" if loaded.task is not None else "pretraining model"
     where = "Hugging Face folder" if args.format == "hf" else f"sentence-transformers folder, {args.pooling} pooling"
     print(f"{loaded.family} {what} from {checkpoint} -> {args.output} ({where})")
@@ -431,9 +485,13 @@ def cmd_models_register(args: argparse.Namespace) -> int:
     """A checkpoint registered by hand (e.g. after a run whose registration failed): source and tokenizer hash."""
     from jobs.tracking import checkpoint_tokenizer_hash
 
+    _exit_on_sigterm()
     reg = _registry(args)
     tags = {"ctx.registered_by": "ctx models register"}
-    tok = checkpoint_tokenizer_hash(args.checkpoint, args.endpoint_url)
+    try:
+        tok = checkpoint_tokenizer_hash(args.checkpoint, _store(args))
+    except KeyboardInterrupt:
+        return _interrupted("models register")
     if tok:
         tags["ctx.tokenizer_hash"] = tok
     for item in args.tag:
@@ -476,6 +534,7 @@ def _add_models_register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent", default=None, help="NAME@ALIAS or NAME/VERSION it was trained from")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
 
 
 def _add_pretrain(p: argparse.ArgumentParser) -> None:
@@ -495,6 +554,7 @@ def _add_tokenizer_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-field", default="text")
     p.add_argument("--cased", action="store_true", help="keep case (default: lowercase)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
@@ -558,6 +618,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
 
 
 def _add_export(p: argparse.ArgumentParser) -> None:
@@ -569,6 +630,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--normalize", action="store_true", help="sentence-transformers: add a Normalize module (unit vectors)")
     p.add_argument("--output", required=True, help="folder to write (local or s3://)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
@@ -595,6 +657,7 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_uri", metavar="RUN", help="the run folder, <output_dir>/<name> (local, file:// or s3://)")
     p.add_argument("--out", default=None, help="where to write index.html and the PNGs (default: <run>/report, or ./report-<name> for s3://)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
 
 
 # command path -> (help, add-arguments, run)
