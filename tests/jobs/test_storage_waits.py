@@ -195,15 +195,16 @@ FLAG_COMMANDS = {
 
 @pytest.mark.parametrize("name", FLAG_COMMANDS)
 def test_commands_without_a_recipe_wait_as_long_as_retry_deadline_says(name, closed_port, tmp_path):
-    """The error comes at 2 s (its "in 2 s" is measured where it is raised); the line that prints it
-    may come later: ctx imports its error types, torch among them, only once one was raised."""
+    """The error comes at 2 s: its "in 2 s" is measured where it is raised. The line that prints it
+    comes seconds later for commands that import no torch before (report, models register): ctx
+    imports its error types, torch among them, only once one was raised (jobs.cli._user_errors)."""
     args, what = FLAG_COMMANDS[name]
     args = [a.format(out=tmp_path / "out") for a in args]
     cmd = Command([*args, "--endpoint-url", closed_port, "--retry-deadline", "2"], {"TMPDIR": str(tmp_path)})
     first = cmd.wait_for(f"storage: {what}", 60)
     gave_up = cmd.wait_for("ctx: error:", 30)
     assert cmd.finish(30) == 2
-    assert 1.8 <= gave_up - first <= 2 + 4, gave_up - first
+    assert 1.8 <= gave_up - first <= 2 + 10, gave_up - first
     assert f"ctx: error: {what} (endpoint {closed_port}): gave up after " in cmd.stderr
     assert " attempts in 2 s (--retry-deadline=2)" in cmd.stderr
     assert "Traceback" not in cmd.stderr and leftovers(tmp_path) == []
