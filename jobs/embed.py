@@ -42,9 +42,10 @@ PASS_TOKENS = 16384  # padded tokens (rows x longest row) per forward pass: the 
 # padding (one actor, one thread: 296 rows/s sorting 128 rows at a time, 347 at 512, 344 at 1024); more rows
 # per call means fewer, longer calls and a longer tail at the end of a run.
 ACTOR_BATCH_ROWS = 1024
-# One torch thread per actor, as many actors as the CPUs hold: on 2 cores 2 actors x 1 thread ran a
-# steady 588 rows/s where 1 actor x 2 threads ran 205-300 (README, "Re-embedding"). The OpenMP threads
-# of one actor wait for each other at every operation, and Ray's own processes keep taking a core from one.
+# One torch thread per actor, as many actors as the CPUs hold. On 2 cores 2 actors x 1 thread ran a steady
+# 729 rows/s and 0.62 of the in-process limit end to end (16,384 rows), 1 actor x 2 threads 559 rows/s and
+# 0.55 (it starts 2 s sooner); at load 2-3, 588 rows/s against 205-300 (README, Benchmarks). One actor's
+# OpenMP threads wait for each other at every operation, and Ray's own processes keep taking a core from one.
 CPUS_PER_ACTOR = 1.0
 # Ray Data's listing, reading, repartitioning and writing tasks each ask for a whole CPU (ListFiles and
 # StreamingRepartition cannot be told less): a pool that held every CPU would leave them waiting, and itself
