@@ -116,6 +116,8 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
 class AlbertAttention(nn.Module):
     """Self-attention sub-layer, with its residual add and LayerNorm (post-LN, as BERT)."""
 
+    compile_region = True  # ctxmodels.compiling.compile_blocks compiles each sub-layer
+
     def __init__(self, cfg: AlbertConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -141,6 +143,8 @@ class AlbertAttention(nn.Module):
 
 class AlbertFeedForward(nn.Module):
     """Position-wise feed-forward sub-layer, with its residual add and LayerNorm."""
+
+    compile_region = True
 
     def __init__(self, cfg: AlbertConfig):
         super().__init__()

@@ -322,6 +322,8 @@ class FeedForward(nn.Module):
 class BertBlock(nn.Module):
     """Post-LN block (as in the paper, unlike GPT-2's pre-LN): LayerNorm after each residual add."""
 
+    compile_region = True  # ctxmodels.compiling.compile_blocks compiles each block
+
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.attn = SelfAttention(cfg)

@@ -184,6 +184,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One Transformer decoder layer; ``ln_attn``/``ln_mlp`` belong to the attention/MLP sub-layer."""
 
+    compile_region = True  # ctxmodels.compiling.compile_blocks compiles each block
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.pre_norm = cfg.norm == "pre"

@@ -50,6 +50,7 @@ from jobs.loop import (
     resume,
     seed_worker_rng,
     run_folder,
+    to_device,
 )
 from pipelines import storage
 
@@ -468,7 +469,8 @@ def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
     if rank == 0 and t.precision != precision:
         print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
               "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
-    stream = iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True, device=device))  # Ray seam
+    rows = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True)  # Ray seam
+    stream = (to_device(b, device) for b in rows)  # pinned, asynchronous copies on a GPU
     first = next(stream, None)
     if first is None:
         raise RuntimeError("the training stream is empty: no full micro-batch of train.micro_batch_size rows")

@@ -41,6 +41,8 @@ from pipelines import storage
 from pipelines.position import POSITION_FILE, DataPosition, load_position
 
 BOOKKEEPING = ("sample_id", "epoch")
+# The key ``to_device`` sets in a batch whose attention mask is all ones: ``model_inputs`` drops the mask.
+NO_PADDING = "_no_padding"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,8 +105,37 @@ def seed_worker_rng(seed: int, rank: int) -> None:
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch without its bookkeeping columns: what ``model(**inputs)`` takes."""
-    return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_")}
+    """The batch without its bookkeeping columns: what ``model(**inputs)`` takes. A batch that
+    ``to_device`` found unpadded goes without its all-ones ``attention_mask``."""
+    drop = ("attention_mask",) if batch.get(NO_PADDING) else ()
+    return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_") and k not in drop}
+
+
+def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+    """A host batch of tensors on ``device``, for the training step.
+
+    On CUDA the tensors travel through pinned (page-locked) memory and are copied without the
+    host waiting (``non_blocking``): the copy is queued behind the previous step's kernels and the
+    host goes on preparing the next one. An ``attention_mask`` of all ones (packed pretraining
+    rows) is found so here, on the host, and the batch says so (``NO_PADDING``): ``model_inputs``
+    then leaves the mask out, the families attend with no mask at all (SDPA's flash kernel;
+    ``is_causal`` for GPT) and nothing reads the mask on the device, where each check would make
+    the host wait for the GPU. The mask itself stays in the batch (sample digests and token counts
+    read it). On the CPU the batch is returned as it is: the families check their masks there.
+    """
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return batch
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            v = v.pin_memory().to(device, non_blocking=True)
+        out[k] = v
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and bool(mask.all()):
+        out[NO_PADDING] = True
+    return out
 
 
 class StepSamples:
@@ -222,7 +253,7 @@ class StepMeter:
             if k != "n_pred":
                 self.add(k, float(v), n_pred if self.token_metric(k) else 1.0)
         self.counts["rows"] += len(batch["sample_id"])
-        mask = batch.get("attention_mask")
+        mask = None if batch.get(NO_PADDING) else batch.get("attention_mask")  # all ones: no sum on the device
         self.counts["tokens"] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         if "_stream_block" in batch:  # share of batches started without memory: 1 / block length if Ray kept blocks whole
             self.add("stream_resets", float(batch["reset_memory"].reshape(-1)[0]))

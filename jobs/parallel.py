@@ -149,10 +149,19 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
 
     Call it after freezing unused parameters (DDP runs without ``find_unused_parameters``) and
     before building the optimizer: FSDP swaps every parameter for a sharded one in place, so
-    ``unwrap(result).parameters()`` (or the result's) are the ones to optimise. Compiling comes
-    last, around the wrapper, as the DDP and FSDP2 documentation recommend.
+    ``unwrap(result).parameters()`` (or the result's) are the ones to optimise.
+
+    Compiling is regional (``ctxmodels.compiling.compile_blocks``): each Transformer block is
+    compiled in place, before wrapping, as FSDP2's per-block recipe does; the embeddings, heads
+    and loss stay eager. A family with no block marked for it (ELMo, Transformer-XL, XLNet) is
+    compiled whole, around the wrapper, as the DDP and FSDP2 documentation recommend.
     """
     model = model.to(device)
+    whole = False
+    if plan.compile:
+        from ctxmodels.compiling import compile_blocks
+
+        whole = compile_blocks(model) == 0
     n = world_size()
     if n > 1 and plan.strategy == "ddp":
         ids = None
@@ -161,9 +170,10 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     elif n > 1 and plan.strategy == "fsdp":
         model = _fully_shard(model, plan, device)
-    if plan.compile:
+    if whole:
         model = torch.compile(model)
     return model
+
 
 
 def _strip_compile(model: nn.Module) -> nn.Module:

@@ -38,6 +38,7 @@ from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, S
     ingest_options,
     init_ray,
     seed_worker_rng,
+    to_device,
     load_optimizer,
     lr_factor,
     model_inputs,
@@ -317,7 +318,8 @@ def row_digests(batch: dict[str, Any]) -> list[str]:
     sample identically give it the same digest."""
     import hashlib
 
-    inputs = {k: v for k, v in sorted(model_inputs(batch).items()) if k != "reset_memory"}
+    # the batch's model columns, the attention mask included where to_device lets the model skip it
+    inputs = {k: v for k, v in sorted(batch.items()) if k not in BOOKKEEPING and not k.startswith("_") and k != "reset_memory"}
     rows = len(batch["sample_id"])
     arrays = [np.ascontiguousarray(v.detach().cpu().numpy()).reshape(rows, -1) for v in inputs.values()]
     return [hashlib.blake2b(b"".join(a[i].tobytes() for a in arrays), digest_size=8).hexdigest() for i in range(rows)]
@@ -383,7 +385,9 @@ def train_batches(config: dict[str, Any], micro: int, device):
     shard = ray.train.get_dataset_shard("train")
     if config.get("stream_ordered"):  # one Ray Data row = one whole (B, T) micro-batch of this worker
         return stream_batches(shard.iter_torch_batches(batch_size=1, device=device), micro)
-    return iter(shard.iter_torch_batches(batch_size=micro, drop_last=True, device=device))
+    # Host batches, moved by to_device: pinned, asynchronous copies, and packed rows' all-ones
+    # masks found on the host, so attention runs with no mask (flash kernels) on a GPU.
+    return (to_device(b, device) for b in shard.iter_torch_batches(batch_size=micro, drop_last=True))
 
 
 def eval_batches(recipe: Recipe, shards: list[str], tok_dir: Path, rows: int, device) -> list[dict[str, Any]]:

@@ -6,7 +6,10 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
   finite and falls over steps of fused AdamW on one batch, the weights stay float32;
 - the fused masked-LM loss of ``ctxmodels.ops`` equals cross-entropy on CUDA, gradients included,
   and under autocast falls back to the plain one;
-- cached decoding (GPT's key-value cache, Transformer-XL's memory) on CUDA equals the CPU's full forward.
+- cached decoding (GPT's key-value cache, Transformer-XL's memory) on CUDA equals the CPU's full forward;
+- each block compiled (``ctxmodels.compiling``) equals eager CUDA; SDPA's flash and
+  memory-efficient kernels equal its math path under bf16 autocast, for every family and mask
+  kind; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -14,9 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ctxmodels import ops
+from ctxmodels.compiling import compile_blocks, compile_regions
 from ctxmodels.registry import FAMILIES, build_model
+from tests.ctxmodels.test_compiling import BLOCK_FAMILIES, SDPA_FAMILIES, _assert_same, _loss_and_grads, _padded
 from tests.ctxmodels.test_flops import family_batch
 from tests.jobs.test_parallel import assert_bf16_training_learns
 
@@ -119,3 +125,62 @@ def test_cached_decoding_on_cuda_equals_the_full_forward_on_the_cpu(family):
         for t in range(4, 20):
             logits, state = model.decode_step(ids[:, t : t + 1].to(CUDA), state)
             torch.testing.assert_close(logits.cpu(), full[:, t], rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} step {t}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU kernels (issue 25): compiled blocks, SDPA's fused kernels, batches moved by to_device
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_compiled_blocks_on_cuda_equal_eager_ones(family):
+    """Each block compiled by inductor into Triton kernels: the loss and every gradient equal
+    eager CUDA's in fp32 (TF32 off), for a packed and a padded batch."""
+    import torch._dynamo
+
+    _, model, batch = _tiny(family)
+    model.to(CUDA).eval()
+    for b in (batch, _padded(batch)):
+        b = _on(b, CUDA)
+        eager = _loss_and_grads(model, b)
+        compile_blocks(model)
+        try:
+            compiled = _loss_and_grads(model, b)
+        finally:
+            for m in compile_regions(model):
+                m._compiled_call_impl = None
+            torch._dynamo.reset()
+        _assert_same(compiled, eager, family, "compiled on CUDA", rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+@pytest.mark.parametrize("padding", [False, True], ids=["packed", "padded"])
+def test_sdpa_fused_kernels_on_cuda_equal_the_math_path(family, padding):
+    """Under bf16 autocast, as training runs: no mask takes the flash kernel, a padding mask the
+    memory-efficient one; both equal SDPA's math path within bf16 rounding."""
+    _, model, batch = _tiny(family)
+    model.to(CUDA).eval()
+    if hasattr(model.backbone, "skip_padding"):
+        model.backbone.skip_padding = False
+    batch = _on(_padded(batch) if padding else {k: v for k, v in batch.items() if k != "attention_mask"}, CUDA)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = _loss_and_grads(model, batch)
+        with sdpa_kernel(SDPBackend.MATH):
+            reference = _loss_and_grads(model, batch)
+    torch.testing.assert_close(fused[0], reference[0], rtol=2e-2, atol=2e-2)
+    for name, g in reference[1].items():
+        scale = g.abs().max().clamp(min=1e-6)
+        assert (fused[1][name] - g).abs().max() <= 5e-2 * scale, f"{family} {name}"
+
+
+def test_to_device_pins_copies_and_finds_unpadded_batches_on_the_host():
+    from jobs.loop import NO_PADDING, model_inputs, to_device
+
+    ids = torch.randint(5, 100, (4, 16))
+    packed = to_device({"input_ids": ids, "attention_mask": torch.ones_like(ids), "sample_id": torch.arange(4)}, CUDA)
+    assert packed[NO_PADDING] and packed["input_ids"].device.type == "cuda"
+    assert set(model_inputs(packed)) == {"input_ids"}  # the all-ones mask left out of the forward
+    torch.testing.assert_close(packed["input_ids"].cpu(), ids)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    padded = to_device({"input_ids": ids, "attention_mask": mask}, CUDA)
+    assert NO_PADDING not in padded and set(model_inputs(padded)) == {"input_ids", "attention_mask"}

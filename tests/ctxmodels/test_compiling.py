@@ -1,0 +1,132 @@
+"""The GPU path's kernels, checked on the CPU (CI has no GPU; tests/jobs/test_cuda.py repeats the
+checks on one): regional compilation equals eager, SDPA's fused kernels equal its reference (math)
+path for every family that attends through it and every mask kind, and a batch with no padding
+gives the same loss with its mask left out (what ``jobs.loop.to_device`` lets the model do)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ctxmodels.compiling import compile_blocks, compile_regions, is_compiled
+from ctxmodels.registry import build_model
+from tests.ctxmodels.test_flops import family_batch
+
+SDPA_FAMILIES = ["albert", "bert", "gpt", "roberta", "spanbert"]  # attention through F.scaled_dot_product_attention
+BLOCK_FAMILIES = ["albert", "bert", "gpt"]  # one of each block class marked compile_region
+
+
+def _tiny(family: str, dropout: float | None = None):
+    overrides = {"vocab_size": 128}
+    cfg, model = build_model(family, "tiny", overrides, seed=0)
+    batch, _ = family_batch(family, cfg)
+    return cfg, model, batch
+
+
+def _padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with rows of 24, 17, 9 and 24 real tokens (padding at the end, labels -100 there)."""
+    out = dict(batch)
+    B, T = batch["input_ids"].shape
+    lengths = torch.tensor([T, T - 7, T - 15, T])[:B]
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    out["attention_mask"] = mask
+    out["input_ids"] = batch["input_ids"].masked_fill(mask == 0, 0)
+    if "labels" in batch and batch["labels"].shape == mask.shape:
+        out["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return out
+
+
+def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_same(got, want, family: str, what: str, rtol=1e-5, atol=1e-5) -> None:
+    (loss_got, grads_got), (loss_want, grads_want) = got, want
+    torch.testing.assert_close(loss_got, loss_want, rtol=rtol, atol=atol, msg=lambda m: f"{family} {what} loss: {m}")
+    assert grads_got.keys() == grads_want.keys() and grads_want
+    for name, g in grads_want.items():
+        torch.testing.assert_close(grads_got[name], g, rtol=rtol * 10, atol=atol, msg=lambda m: f"{family} {what} {name}: {m}")
+
+
+def test_the_regions_are_each_familys_repeated_blocks():
+    for family, where in [("bert", "backbone.layers"), ("gpt", "backbone.blocks")]:
+        cfg, model, _ = _tiny(family)
+        blocks = list(model.get_submodule(where))
+        assert compile_regions(model) == blocks and len(blocks) == cfg.n_layer
+    _, albert, _ = _tiny("albert")
+    backbone = albert.backbone
+    assert compile_regions(albert) == [*backbone.attention, *backbone.ffn]
+    for family in ("elmo", "transformer-xl", "xlnet"):  # eager (ParallelPlan.compile compiles them whole)
+        _, model, _ = _tiny(family)
+        assert compile_regions(model) == []
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+@pytest.mark.parametrize("padding", [False, True], ids=["packed", "padded"])
+def test_sdpa_fused_kernels_equal_the_math_path(family, padding):
+    """Every mask kind the families pass: none (packed rows; GPT's is_causal) and key padding
+    ((B, 1, 1, T) bool, GPT's causal-and-padding (B, 1, T, T)). BERT's CPU unpadding is off so
+    the (B, T) layout, the one a GPU runs, is the one checked."""
+    _, model, batch = _tiny(family)
+    model.eval()  # no dropout: the kernels draw their own masks
+    if hasattr(model, "backbone") and hasattr(model.backbone, "skip_padding"):
+        model.backbone.skip_padding = False
+    if padding:
+        batch = _padded(batch)
+    fused = _loss_and_grads(model, batch)  # CPU: the flash kernel where it applies
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = _loss_and_grads(model, batch)
+    _assert_same(fused, reference, family, "padded" if padding else "packed")
+
+
+@pytest.mark.parametrize("family", SDPA_FAMILIES)
+def test_an_unpadded_batch_gives_the_same_loss_without_its_mask(family):
+    """``to_device`` drops an all-ones mask on the host; the model then attends with no mask."""
+    _, model, batch = _tiny(family)
+    model.eval()
+    if hasattr(model.backbone, "skip_padding"):
+        model.backbone.skip_padding = False
+    assert bool(batch["attention_mask"].all())
+    without = {k: v for k, v in batch.items() if k != "attention_mask"}
+    _assert_same(_loss_and_grads(model, without), _loss_and_grads(model, batch), family, "no mask")
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_compiled_blocks_equal_eager_ones(family):
+    """Loss and every gradient of a step, eager and with each block compiled by inductor (the CPU
+    backend: the same graphs a GPU compiles, other kernels), fp32."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
+        pytest.skip("torch.compile's CPU backend (inductor) needs a C++ compiler; none on PATH")
+    import torch._dynamo
+    import torch._inductor.config
+
+    _, model, batch = _tiny(family)
+    model.eval()
+    eager = _loss_and_grads(model, batch)
+    names = list(model.state_dict())
+    n = compile_blocks(model)
+    assert n == len(compile_regions(model)) > 0 and all(is_compiled(m) for m in compile_regions(model))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        # One compile worker: a pool of subprocesses costs more than it saves on a tiny graph.
+        with torch._inductor.config.patch(compile_threads=1):
+            compiled = _loss_and_grads(model, batch)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the blocks ran compiled
+            again = _loss_and_grads(model, _padded(batch))  # a second shape: recompiled, still right
+            for m in compile_regions(model):
+                m._compiled_call_impl = None  # back to eager for the reference
+            reference = _loss_and_grads(model, _padded(batch))
+    finally:
+        torch._dynamo.reset()
+    _assert_same(compiled, eager, family, "compiled", rtol=1e-4, atol=1e-5)
+    _assert_same(again, reference, family, "compiled, padded", rtol=1e-4, atol=1e-5)
+    assert list(model.state_dict()) == names  # in place: the same parameter names
