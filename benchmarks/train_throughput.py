@@ -83,6 +83,7 @@ BATCH, SEQ_LEN = 32, 128  # rows per batch (--batch), tokens per row
 N_BATCHES = 3  # distinct batches, cycled; a round times each once per model
 ROUNDS = 7
 WARMUP_STEPS = 2  # per model, before the first round
+CHECK_ROWS = 8  # rows of the first batch on which the two models' losses, gradients and FLOPs are checked (CPU, fp32)
 SEED = 1234
 LR, WEIGHT_DECAY, MAX_NORM = 1e-4, 0.01, 1.0
 # bert-base-uncased's special ids: [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103
@@ -246,6 +247,29 @@ def products_floor(cfg: BertConfig, rows: int, n_pred: int, dtype: torch.dtype, 
     return total + cfg.n_layer * time_of(attention)
 
 
+def gpu_busy(step, batches, device: torch.device, steps: int = 3) -> tuple[float, float]:
+    """(GPU kernel seconds per step, wall seconds per step) over ``steps`` steps under
+    torch.profiler: where the first is much smaller, the GPU waits on the host (launches, syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # union of kernel intervals: overlapping kernels (several streams) count once
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e6 / steps, wall / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both (default 2)")
@@ -259,6 +283,11 @@ def main() -> None:
                         help="bf16: both forwards under torch.autocast(bfloat16), on CUDA or a native-bf16 CPU (default fp32)")
     parser.add_argument("--preset", choices=("mini", "base"), default="mini", help="BERT size (default mini, 4 x 256)")
     parser.add_argument("--batch", type=int, default=BATCH, help=f"rows of {SEQ_LEN} tokens per step (default {BATCH})")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode of ours' blocks (default: PyTorch's; e.g. reduce-overhead: CUDA graphs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: after timing, profile 3 steps of each side; print the GPU's kernel time per step "
+                             "against the step's wall time (gpu_busy)")
     parser.add_argument("--compile", choices=("auto", "blocks", "none"), default="auto",
                         help="ours: each Transformer block under torch.compile (ctxmodels.compiling, as train.compile), "
                              "or eager; auto (default): blocks on CUDA, eager on the CPU. transformers runs eager")
@@ -279,7 +308,8 @@ def main() -> None:
     print(f"{where}, BERT-{args.preset}, threads {torch.get_num_threads()}, batch {rows} x {SEQ_LEN}, dropout {args.dropout}, "
           f"AdamW {args.adamw}, precision {args.precision}, masked positions per batch {n_pred}")
 
-    loss_ours, loss_hf, grad_diff = check_same_objective(ours, hf, batches[0])
+    check = {k: v[:CHECK_ROWS] for k, v in batches[0].items()}  # on the CPU: a few rows say it
+    loss_ours, loss_hf, grad_diff = check_same_objective(ours, hf, check)
     print(f"same objective: loss ours {loss_ours:.6f} transformers {loss_hf:.6f}; "
           f"word-embedding gradient max diff {grad_diff:.2e}")
     if abs(loss_ours - loss_hf) > 1e-4 or grad_diff > 1e-5:
@@ -288,16 +318,20 @@ def main() -> None:
     cfg = ours.cfg
     flops_ours = [train_flops_per_step("bert", cfg, rows, SEQ_LEN, n) for n in n_pred]
     flops_hf = train_flops_per_step("bert", cfg, rows, SEQ_LEN, rows * SEQ_LEN)  # logits everywhere
-    seen = counted_flops(ours, batches[0])
-    print(f"model FLOPs per step, ours: {flops_ours[0] / 1e9:.2f} G (FlopCounterMode: {seen / 1e9:.2f} G)")
-    if abs(seen - flops_ours[0]) > 1e-6 * seen:
+    seen = counted_flops(ours, check)
+    expected = train_flops_per_step("bert", cfg, len(check["input_ids"]), SEQ_LEN, int((check["labels"] != -100).sum()))
+    print(f"model FLOPs per step, ours: {flops_ours[0] / 1e9:.2f} G; on the {len(check['input_ids'])} rows checked "
+          f"{expected / 1e9:.2f} G (FlopCounterMode: {seen / 1e9:.2f} G)")
+    if abs(seen - expected) > 1e-6 * seen:
         raise SystemExit("ctxmodels.flops and FlopCounterMode disagree on our model's FLOPs")
 
     # Checked on the CPU in fp32 above; from here on both run where and how they are timed.
     ours.to(device), hf.to(device)
     compiled = args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda")
     if compiled:
-        print(f"ours: {compile_blocks(ours)} blocks under torch.compile (compiled during the warm-up steps)")
+        options = {} if args.compile_mode is None else {"mode": args.compile_mode}
+        print(f"ours: {compile_blocks(ours, **options)} blocks under torch.compile {options or ''} "
+              "(compiled during the warm-up steps)")
     # Ours gets its batches as ctx pretrain moves them (jobs.loop.to_device: pinned, asynchronous,
     # an all-ones mask found on the host and left out); transformers gets the mask, as users pass it.
     batches_ours = [model_inputs(to_device(b, device)) for b in batches]
@@ -359,6 +393,14 @@ def main() -> None:
         print(f"products floor: {floor * 1e3:.1f} ms/step (this step's matrix products and attention kernels alone, "
               f"{args.precision}); ours takes {med['ours'] / N_BATCHES / floor:.2f}x that; "
               f"mfu_ceiling: {statistics.mean(flops_ours) / floor / peak:.2f}")
+    if args.profile and device.type == "cuda":
+        for name in sides:
+            try:
+                busy, wall = gpu_busy(sides[name], inputs[name], device)
+            except Exception as e:  # the profiler is a diagnostic: the figures above stand without it
+                print(f"gpu_busy {name}: profiler failed: {type(e).__name__}: {e}")
+                continue
+            print(f"gpu_busy {name}: {busy / wall:.2f} (kernels {busy * 1e3:.1f} ms of a {wall * 1e3:.1f} ms step)")
     print(f"speedup_vs_transformers: {tps['ours'] / tps['transformers']:.2f}")
     print(f"mfu: {achieved / peak:.2f}")
 

@@ -167,9 +167,11 @@ def test_sdpa_fused_kernels_on_cuda_equal_the_math_path(family, padding):
         with sdpa_kernel(SDPBackend.MATH):
             reference = _loss_and_grads(model, batch)
     torch.testing.assert_close(fused[0], reference[0], rtol=2e-2, atol=2e-2)
+    # against the largest gradient of the model: some are zero up to rounding (a key bias shifts
+    # every score of a query alike, which the softmax ignores), so their own scale means nothing
+    scale = max(float(g.abs().max()) for g in reference[1].values())
     for name, g in reference[1].items():
-        scale = g.abs().max().clamp(min=1e-6)
-        assert (fused[1][name] - g).abs().max() <= 5e-2 * scale, f"{family} {name}"
+        assert float((fused[1][name] - g).abs().max()) <= 2e-2 * scale, f"{family} {name}"
 
 
 def test_to_device_pins_copies_and_finds_unpadded_batches_on_the_host():
