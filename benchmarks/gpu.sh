@@ -7,8 +7,9 @@
 # made by `make gpu-folder` so it can travel to a borrowed GPU machine that has no wheel of it).
 # Prints, in order: the machine and versions; its measured ceilings (device-to-device copy, bf16
 # 8192^3 products); tests/jobs/test_cuda.py; BERT-base seq-128 bf16 pretraining against
-# transformers' BertForMaskedLM (sdpa) at batch 32 (the issue's figure), eager and with compiled
-# blocks, and at batch 64; a fine-tuning step (MiniLM, padded batches, bf16); MiniLM sentence
+# transformers' BertForMaskedLM (sdpa) at batch 32 (the issue's figure): compiled blocks, eager,
+# and compiled blocks as CUDA graphs (reduce-overhead), then at batch 256, with the share of each
+# step the GPU is busy (torch.profiler); a fine-tuning step (MiniLM, padded batches, bf16); MiniLM sentence
 # embeddings against sentence-transformers. Each part has its own time limit, so one that hangs
 # does not take the others with it. Logs go to $OUT/ when OUT is set.
 set -u
@@ -42,11 +43,12 @@ for name, fn, work in [("copy", lambda: y.copy_(x), 2 * x.numel()), ("bf16 8192^
     t = s.elapsed_time(e) / 1e3 / 10
     print(f"{name}: {work / t / 1e12:.2f} {'TB/s' if name == 'copy' else 'TFLOP/s'}")
 EOF
-part pretrain_b32_blocks 120 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16
-part test_cuda 120 $PY -m pytest tests/jobs/test_cuda.py -q -x -p no:cacheprovider
+part pretrain_b32_blocks 120 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --profile
+part test_cuda 120 $PY -m pytest tests/jobs/test_cuda.py -q -p no:cacheprovider
 part pretrain_b32_eager 75 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile none
-part pretrain_b64_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --batch 64
+part pretrain_b32_graphs 90 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile-mode reduce-overhead --profile
+part pretrain_b256_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
 echo "=== summary"
-grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"
+grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"
