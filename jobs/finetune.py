@@ -18,10 +18,8 @@ its last token, GPT its extract token with the auxiliary LM loss.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import tempfile
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,23 +31,17 @@ from jobs.finetune_config import LOWER_IS_BETTER, FinetuneRecipe
 from jobs.registry import resolve as resolve_model
 from jobs.tracking import record_run
 from jobs.loop import (
-    Checkpointer,
-    StepMeter,
-    Stepper,
-    build_optimizer,
+    WorkerJob,
+    all_gather,
     checkpoint_name,
     evaluate_batches,
-    all_gather,
     fit,
-    freeze_unused,
     ingest_options,
     init_ray,
-    load_optimizer,
-    lr_factor,
-    report_progress,
-    resume,
-    seed_worker_rng,
+    resume_state,
     run_folder,
+    run_worker,
+    seed_worker_rng,
     to_device,
 )
 from pipelines import storage
@@ -139,7 +131,6 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
 
     from ctxmodels.checkpoint import load_checkpoint
     from jobs.runs import best_checkpoint, local_copy, read_best, resolve_checkpoint
-    from jobs.train import resume_state
     from pipelines import finetune_stream as fs
     from pipelines.dataset import tokenizer_files
     from pipelines.datareport import format_report
@@ -411,158 +402,135 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
     from pipelines.dataset import tokenizer_dir_from_files
 
     with tempfile.TemporaryDirectory(prefix="ctx-tokenizer-") as d:
-        _finetune_loop(config, tokenizer_dir_from_files(config["tokenizer_files"], d))
+        run_worker(FinetuneJob(config, tokenizer_dir_from_files(config["tokenizer_files"], d)), config)
 
 
-def _finetune_loop(config: dict[str, Any], tok_dir: Path) -> None:
-    import ray
-    import ray.train
-    import ray.train.torch
-    import torch
+class FinetuneJob(WorkerJob):
+    """Fine-tuning as the worker loop runs it: a task model (a fresh head on the pretrained backbone,
+    or the fine-tuned model as it was), the task's padded rows, validation every epoch (and every
+    ``train.eval_every``), the best checkpoint by ``task.best_metric`` (``best.json``), early
+    stopping after ``train.patience`` validations without a better one."""
 
-    from ctxmodels.checkpoint import load_checkpoint
-    from ctxmodels.registry import config_from_dict
-    from ctxmodels.tasks import TaskConfig, build_task_model, load_backbone
-    from jobs import parallel
-    from jobs.runs import local_copy, read_best, write_best
+    def __init__(self, config: dict[str, Any], tok_dir: Path) -> None:
+        from ctxmodels.registry import config_from_dict
+        from ctxmodels.tasks import TaskConfig
 
-    recipe = FinetuneRecipe.model_validate(config["recipe"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
-    t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
-    deadline = recipe.data.retry_deadline_s
-    store = storage.Store.of(recipe.data)
-    micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
-    total, per_epoch = config["total_steps"], config["steps_per_epoch"]
-    family, task = config["family"], TaskConfig(**config["task"])
-    model_cfg = config_from_dict(family, config["model"])
+        self.config, self.tok_dir = config, tok_dir
+        self.recipe = recipe = FinetuneRecipe.model_validate(config["recipe"])
+        self.run, self.store = config["run_uri"], storage.Store.of(recipe.data)
+        self.total_steps, self.warmup_steps = config["total_steps"], config["warmup_steps"]
+        self.per_epoch = config["steps_per_epoch"]
+        self.family, self.task = config["family"], TaskConfig(**config["task"])
+        self.model_cfg = config_from_dict(self.family, config["model"])
+        self.units = list(range(config["n_units"]))
+        self.extra = {"recipe": config["recipe"], "task": config["task"]}
+        self.metric = recipe.task.best_metric
+        self.data: dict[str, Any] | None = None
 
-    # The task model: a fresh head on the pretrained backbone, then whatever the run committed last.
-    model = build_task_model(family, model_cfg, task, generator=torch.Generator().manual_seed(t.seed))
-    seed_worker_rng(t.seed, rank)  # dropout
-    with tempfile.TemporaryDirectory(prefix="ctx-init-") as tmp:  # every worker, every restart: never left behind
-        pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), store))
-    if config.get("continue_head"):  # model.head: continue: the fine-tuned model as it was, head included
-        result = model.load_state_dict(pretrained.model.state_dict(), strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(f"model.head: continue: {config['init_uri']}'s task model does not fit this recipe's (task.*, model.features, "
-                             f"model.task_model): missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
-    else:
-        load_backbone(model, pretrained.model)
-    del pretrained
-    if family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
-        model.set_char_table(elmo_char_table(tok_dir, model_cfg.max_chars))
-    resumed = resume(run, ep, model, rank, deadline)
-    state = resumed.state
-    if rank == 0 and resumed.uri:
-        print(f"resumed from {resumed.uri}: step {state.step}, data position {resumed.position.summary()}")
-        best = read_best(run, store)
-        if state.best_checkpoint and (best is None or best["checkpoint"] != state.best_checkpoint):
-            # the run stopped between committing a new best and pointing best.json at it
-            write_best(run, {"checkpoint": state.best_checkpoint, "metric": recipe.task.best_metric,
-                             "value": state.best_value, "step": state.best_step}, store)
+    step_inputs = staticmethod(train_inputs)
+    empty_stream = "the training stream is empty: no full micro-batch of train.micro_batch_size rows"
 
-    device = ray.train.torch.get_device()
-    plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
-    precision = parallel.step_precision(plan, device)  # what autocast() runs the step in
-    if rank == 0 and t.precision != precision:
-        print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
-              "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
-    rows = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True)  # Ray seam
-    stream = (to_device(b, device) for b in rows)  # pinned, asynchronous copies on a GPU
-    first = next(stream, None)
-    if first is None:
-        raise RuntimeError("the training stream is empty: no full micro-batch of train.micro_batch_size rows")
-    frozen = freeze_unused(model.to(device), task_inputs(first))
-    if frozen and rank == 0:
-        print(f"not reached by the {task.kind} loss (frozen): {len(frozen)} tensors, e.g. {', '.join(frozen[:3])}")
-    wrapped = parallel.wrap_model(model, plan, device)
-    optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
-    load_optimizer(wrapped, optimizer, resumed)
-    schedule = partial(lr_factor, warmup_samples=config["warmup_steps"] * t.batch_size, total_samples=total * t.batch_size)
-    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip, inputs=train_inputs,
-                      max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
-    meter = StepMeter()
-    checkpointer = Checkpointer(
-        run, ep, list(range(config["n_units"])), rank, world, resumed.position,
-        save=partial(_save, family=family, model_cfg=model_cfg, task=task, tok_dir=tok_dir),
-        fresh_model=lambda: build_task_model(family, model_cfg, task), strategy=recipe.scaling.strategy,
-        committed_step=state.step, retry_deadline_s=deadline,
-    )
-    data = ray.get(config["validation"]) if config.get("validation") is not None else None
-    labels = tuple(task.labels)
-    sample_log = _sample_log(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
-    metrics_log = _metrics_log(run, ep, deadline) if rank == 0 else None
-    t_start, start_step, epoch = time.perf_counter(), state.step, 0
-    metric = recipe.task.best_metric
-    extra = {"recipe": config["recipe"], "task": config["task"]}
+    def build_model(self, rank: int):
+        import torch
 
-    def interval_metrics() -> dict[str, Any]:
-        m = meter.reduce(world)
-        state.tokens_seen += int(m.pop("tokens"))
-        rate = (state.step - start_step) / max(time.perf_counter() - t_start, 1e-9)
-        m.update(step=state.step, max_steps=total, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
-                 tokens_seen=state.tokens_seen, workers=world, eta_s=(total - state.step) / rate if rate > 0 else None,
-                 bad_steps=state.bad_steps)
-        return m
+        from ctxmodels.checkpoint import load_checkpoint
+        from ctxmodels.tasks import build_task_model, load_backbone
+        from jobs.runs import local_copy
 
-    def evaluated(m: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        m.update(validate(wrapped, data, recipe, labels, plan, device, rank, world))
-        improved = state.observe(score_of(metric, m))
+        config, t = self.config, self.recipe.train
+        # The task model: a fresh head on the pretrained backbone, then whatever the run committed last.
+        model = build_task_model(self.family, self.model_cfg, self.task, generator=torch.Generator().manual_seed(t.seed))
+        seed_worker_rng(t.seed, rank)  # dropout
+        with tempfile.TemporaryDirectory(prefix="ctx-init-") as tmp:  # every worker, every restart: never left behind
+            pretrained = load_checkpoint(local_copy(config["init_uri"], Path(tmp), self.store))
+        if config.get("continue_head"):  # model.head: continue: the fine-tuned model as it was, head included
+            result = model.load_state_dict(pretrained.model.state_dict(), strict=False)
+            if result.missing_keys or result.unexpected_keys:
+                raise ValueError(f"model.head: continue: {config['init_uri']}'s task model does not fit this recipe's (task.*, "
+                                 f"model.features, model.task_model): missing {result.missing_keys[:5]}, "
+                                 f"unexpected {result.unexpected_keys[:5]}")
+        else:
+            load_backbone(model, pretrained.model)
+        del pretrained
+        if self.family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
+            model.set_char_table(elmo_char_table(self.tok_dir, self.model_cfg.max_chars))
+        return model
+
+    def resumed(self, resumed, rank: int) -> None:
+        from jobs.runs import read_best, write_best
+
+        state = resumed.state
+        if rank == 0 and resumed.uri:
+            print(f"resumed from {resumed.uri}: step {state.step}, data position {resumed.position.summary()}")
+            best = read_best(self.run, self.store)
+            if state.best_checkpoint and (best is None or best["checkpoint"] != state.best_checkpoint):
+                # the run stopped between committing a new best and pointing best.json at it
+                write_best(self.run, {"checkpoint": state.best_checkpoint, "metric": self.metric,
+                                      "value": state.best_value, "step": state.best_step}, self.store)
+
+    def batches(self, config: dict[str, Any], micro: int, device):
+        import ray.train
+
+        rows = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True)  # Ray seam
+        return (to_device(b, device) for b in rows)  # pinned, asynchronous copies on a GPU
+
+    def freeze_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return task_inputs(batch)
+
+    def frozen_message(self, frozen: list[str]) -> str:
+        return f"not reached by the {self.task.kind} loss (frozen): {len(frozen)} tensors, e.g. {', '.join(frozen[:3])}"
+
+    def checkpointer_options(self) -> dict[str, Any]:
+        from ctxmodels.tasks import build_task_model
+
+        return dict(save=partial(_save, family=self.family, model_cfg=self.model_cfg, task=self.task, tok_dir=self.tok_dir),
+                    fresh_model=lambda: build_task_model(self.family, self.model_cfg, self.task))
+
+    def held_out(self, micro: int, device) -> bool:
+        import ray
+
+        self.data = ray.get(self.config["validation"]) if self.config.get("validation") is not None else None
+        return self.data is not None
+
+    def evaluation_due(self, step: int) -> bool:
+        every = self.recipe.train.eval_every
+        return step % self.per_epoch == 0 or (every is not None and step % every == 0)
+
+    def checkpoint_due(self, step: int, evaluated: bool) -> bool:
+        every = self.recipe.train.checkpoint_every
+        return evaluated or (every is not None and step % every == 0) or (self.data is None and step % self.per_epoch == 0)
+
+    def evaluate(self, wrapped, metrics, state, plan, device, rank: int, world: int) -> bool:
+        metrics.update(validate(wrapped, self.data, self.recipe, tuple(self.task.labels), plan, device, rank, world))
+        improved = state.observe(score_of(self.metric, metrics))
         # Ray keeps checkpoints by this score (and the newest): only a new best scores, so an equal
         # later score never rotates the first best away; the kept best is what best.json names.
-        m["checkpoint_score"] = score_of(metric, m) if improved else NOT_BEST
-        return m, improved
+        metrics["checkpoint_score"] = score_of(self.metric, metrics) if improved else NOT_BEST
+        return improved
 
-    def commit(m: dict[str, Any], improved: bool) -> None:
+    def unscored(self, metrics: dict[str, Any]) -> None:
+        if self.data is not None:
+            metrics["checkpoint_score"] = NOT_BEST  # Ray keeps checkpoints by score: unscored ones go first
+
+    def commit(self, checkpointer, state, wrapped, optimizer, metrics: dict[str, Any], improved: bool, rank: int) -> None:
+        from jobs.runs import write_best
+
         name = checkpoint_name()
         if improved:
-            state.best_checkpoint, state.best_value = name, m.get(f"val_{metric}")
-        checkpointer.commit(state, wrapped, optimizer, m, extra, name=name)
+            state.best_checkpoint, state.best_value = name, metrics.get(f"val_{self.metric}")
+        checkpointer.commit(state, wrapped, optimizer, metrics, self.extra, name=name)
         if improved and rank == 0:
-            write_best(run, {"checkpoint": name, "metric": metric, "value": m.get(f"val_{metric}"), "step": state.step}, store)
+            write_best(self.run, {"checkpoint": name, "metric": self.metric, "value": metrics.get(f"val_{self.metric}"),
+                                  "step": state.step}, self.store)
 
-    batches = itertools.chain([first], stream)
-    model.train()
-    stopped = False
-    while state.step < total and not stopped:
-        taken = stepper.step(batches, state, meter)
-        if taken is None:
-            break
-        checkpointer.record(taken.batches)  # a skipped step's rows: consumed, not trained on (docs/FAULTS.md)
-        epoch = max(int(b["epoch"].max()) for b in taken.batches)
-        if sample_log is not None:
-            sample_log.step(state.step + taken.skipped, taken.batches, skipped=taken.skipped)
-        if taken.skipped:
-            continue
-        last = state.step >= total
-        eval_now = data is not None and (last or state.step % per_epoch == 0 or (t.eval_every is not None and state.step % t.eval_every == 0))
-        ckpt_now = eval_now or last or (t.checkpoint_every is not None and state.step % t.checkpoint_every == 0) or (data is None and state.step % per_epoch == 0)
-        if state.step % t.log_every == 0 or eval_now or ckpt_now:
-            metrics, improved = interval_metrics(), False
-            if eval_now:
-                metrics, improved = evaluated(metrics)
-            elif data is not None:
-                metrics["checkpoint_score"] = NOT_BEST  # Ray keeps checkpoints by score: unscored ones go first
-            report_progress(config, rank, metrics, metrics_log)
-            if ckpt_now:
-                commit(metrics, improved)
-            else:
-                ray.train.report(metrics)
-            if eval_now and t.patience is not None and state.evals_since_best >= t.patience:
-                stopped = True
-                if rank == 0:
-                    print(f"early stop at step {state.step}: {t.patience} validations without a better {metric} "
-                          f"(best {state.best_value} at step {state.best_step})")
-    if state.step > checkpointer.committed_step:  # the stream ended between checkpoints
-        metrics, improved = (interval_metrics() if meter.steps else {"step": state.step}), False
-        if data is not None:
-            metrics, improved = evaluated(metrics)
-        report_progress(config, rank, metrics, metrics_log)
-        commit(metrics, improved)
-    if metrics_log is not None:
-        metrics_log.close()
+    def stop_after_evaluation(self, state, rank: int) -> bool:
+        patience = self.recipe.train.patience
+        if patience is None or state.evals_since_best < patience:
+            return False
+        if rank == 0:
+            print(f"early stop at step {state.step}: {patience} validations without a better {self.metric} "
+                  f"(best {state.best_value} at step {state.best_step})")
+        return True
 
 
 def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[str, Any], *, family: str, model_cfg, task, tok_dir: Path) -> None:
@@ -582,15 +550,3 @@ def elmo_char_table(tok_dir: Path, max_chars: int):
     tokens = [tok.id_to_token(i) for i in range(tok.vocab_size)]
     special = {role: getattr(tok, f"{role}_id") for role in ROLES}
     return torch.from_numpy(build_char_table(tokens, max_chars, special).astype("int64"))
-
-
-def _sample_log(run, ep, rank, world, step, resumed_from, deadline_s):
-    from jobs.train import SampleLog
-
-    return SampleLog(run, ep, rank, world, step, resumed_from, deadline_s)
-
-
-def _metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
-    from jobs.train import _metrics_log
-
-    return _metrics_log(run, endpoint_url, deadline_s)  # the same best-effort set-up as pretraining

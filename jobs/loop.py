@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -136,6 +137,93 @@ def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and bool(mask.all()):
         out[NO_PADDING] = True
     return out
+
+
+def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
+                 ) -> tuple[dict[str, Any], DataPosition] | None:
+    """trainer_state.json and the data position of the run's latest committed checkpoint, if any."""
+    latest = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
+    if latest is None:
+        return None
+    state = json.loads(storage.read_bytes(storage.join(latest, "trainer_state.json"), endpoint_url, deadline_s))
+    return state, load_position(latest, endpoint_url, deadline_s)
+
+
+def row_digests(batch: dict[str, Any]) -> list[str]:
+    """A short hash of each row's model inputs (tokens, mask, labels, ...): two runs that fed a
+    sample identically give it the same digest."""
+    import hashlib
+
+    # the batch's model columns, the attention mask included where to_device lets the model skip it
+    inputs = {k: v for k, v in sorted(batch.items()) if k not in BOOKKEEPING and not k.startswith("_") and k != "reset_memory"}
+    rows = len(batch["sample_id"])
+    arrays = [np.ascontiguousarray(v.detach().cpu().numpy()).reshape(rows, -1) for v in inputs.values()]
+    return [hashlib.blake2b(b"".join(a[i].tobytes() for a in arrays), digest_size=8).hexdigest() for i in range(rows)]
+
+
+class SampleLog:
+    """``train.sample_log``: every consumed sample id, per worker and attempt, as JSON lines under
+    ``<run>/sample_log/``, for audits and the exactly-once tests. A line is written when its
+    optimizer step is done; the first line of a file says which step the attempt resumed from.
+    A local file is appended to; an object-store file (no appends there) is rewritten whole.
+    Best-effort (telemetry): a failed write is a warning; an object-store file catches up at the
+    next write, which sends every line again."""
+
+    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None,
+                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
+        import uuid
+
+        self.uri = storage.join(run, "sample_log", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}-rank{rank}.jsonl")
+        self.endpoint_url, self.deadline_s = endpoint_url, deadline_s
+        self.fs, self.path = storage.filesystem(self.uri, endpoint_url)
+        self.remote = storage.is_remote(self.uri)
+        self.lines: list[str] = []  # the lines an object-store file must hold
+        self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
+
+    def step(self, step: int, batches: list[dict[str, Any]], skipped: bool = False) -> None:
+        """The samples of optimizer step ``step``; ``skipped``: of an attempt at it that was skipped
+        (consumed, committed with the next checkpoint, not trained on)."""
+        self.write([
+            json.dumps({
+                "step": step,
+                **({"skipped": True} if skipped else {}),
+                "epoch": np.asarray(b["epoch"].cpu()).reshape(-1).tolist(),
+                "ids": np.asarray(b["sample_id"].cpu()).reshape(-1).tolist(),
+                "digests": row_digests(b),
+            })
+            for b in batches
+        ])
+
+    def write(self, new: list[str]) -> None:
+        if not self.remote:
+
+            def append() -> None:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write("".join(line + "\n" for line in new))
+
+            storage.best_effort(append, f"write {self.uri}", self.deadline_s, self.endpoint_url)
+            return
+        self.lines.extend(new)
+        data = "".join(line + "\n" for line in self.lines).encode()
+
+        def put() -> None:
+            with self.fs.open_output_stream(self.path) as f:
+                f.write(data)
+
+        storage.best_effort(put, f"write {self.uri}", self.deadline_s, self.endpoint_url)
+
+
+def open_metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
+    """Rank 0's ``MetricsLog``, or None (with a warning) when its folder cannot be set up: metrics
+    are telemetry, a run trains without them."""
+    from jobs.metrics import MetricsLog
+
+    try:
+        return MetricsLog(run, endpoint_url, deadline_s=deadline_s)
+    except (OSError, storage.StorageError) as e:
+        print(f"warning: metrics of {run} will not be written: {e}", file=sys.stderr)
+        return None
 
 
 class StepSamples:
@@ -801,3 +889,221 @@ def report_progress(config: dict[str, Any], rank: int, metrics: dict[str, Any], 
     config["board"].update.remote(metrics)
     if metrics_log is not None:
         metrics_log.log(metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker loop: one for every job (pretraining, fine-tuning)
+
+
+class WorkerJob:
+    """One kind of training as the worker loop runs it: what differs between pretraining and
+    fine-tuning, behind the questions the loop asks. The loop (``run_worker``) owns the order of
+    things and every cadence decision (log, evaluate, checkpoint, stop); a job owns its model,
+    batches, inputs, evaluation and what a commit writes besides the checkpoint.
+
+    A subclass sets ``recipe`` (a pretraining or fine-tuning recipe: ``train``, ``scaling``,
+    ``data``, ``micro_batch_size``, ``accumulation``), ``run`` (the run's URI), ``total_steps`` and
+    ``warmup_steps`` in its constructor, and overrides what it needs; the defaults are a job with
+    no held-out data.
+    """
+
+    recipe: Any
+    run: str
+    total_steps: int
+    warmup_steps: int
+    units: list  # the shard keys (or unit numbers) whose data position the checkpoints commit
+    extra: dict[str, Any]  # JSON written into every checkpoint (the recipe, ...)
+
+    # -- set-up
+    def build_model(self, rank: int):
+        """The model before resuming: built, its starting weights loaded, and the worker's RNG
+        seeded (``seed_worker_rng``) once its own initialisation is done."""
+        raise NotImplementedError
+
+    def resumed(self, resumed: "Resumed", rank: int) -> None:
+        """Called after ``resume``: report where the run goes on from."""
+        if rank == 0 and resumed.uri:
+            print(f"resumed from {resumed.uri}: step {resumed.state.step}, {resumed.state.samples_seen} samples, "
+                  f"data position {resumed.position.summary()}")
+
+    def started(self, device, precision: str) -> None:
+        """The device the worker trains on and the precision its step runs in (``jobs.parallel.step_precision``)."""
+
+    def batches(self, config: dict[str, Any], micro: int, device) -> Iterator[dict[str, Any]]:
+        """This worker's training micro-batches, on ``device``."""
+        raise NotImplementedError
+
+    empty_stream = "the data stream is empty: no full micro-batch of train.micro_batch_size rows"
+
+    def freeze_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The forward's keywords for a batch, as ``freeze_unused`` probes them."""
+        return model_inputs(batch)
+
+    def frozen_message(self, frozen: list[str]) -> str:
+        return f"not trained (frozen): {', '.join(frozen)}"
+
+    step_inputs: Callable[[dict[str, Any]], dict[str, Any]] = staticmethod(model_inputs)  # the training forward's keywords
+
+    def meter(self) -> "StepMeter":
+        return StepMeter()
+
+    def checkpointer_options(self) -> dict[str, Any]:
+        """``Checkpointer`` keywords beyond the common ones: ``save`` and ``fresh_model`` at least."""
+        raise NotImplementedError
+
+    def held_out(self, micro: int, device) -> bool:
+        """Prepare the held-out data; whether there is any to evaluate on."""
+        return False
+
+    # -- while training
+    def interval_extras(self, metrics: dict[str, Any], world: int) -> None:
+        """Add the job's own figures to an interval's metrics reduced over ``world`` workers
+        (perplexity, MFU, ...)."""
+
+    def evaluation_due(self, step: int) -> bool:
+        """Whether to evaluate after ``step`` (the last step always is, when there is held-out data)."""
+        return False
+
+    def checkpoint_due(self, step: int, evaluated: bool) -> bool:
+        """Whether to commit a checkpoint after ``step`` (the last step always does)."""
+        return step % self.recipe.train.checkpoint_every == 0
+
+    def evaluate(self, wrapped, metrics: dict[str, Any], state: "TrainState", plan, device, rank: int,
+                 world: int) -> bool:
+        """Add held-out metrics to ``metrics``; return whether they are a new best."""
+        return False
+
+    def unscored(self, metrics: dict[str, Any]) -> None:
+        """An interval logged without an evaluation."""
+
+    def commit(self, checkpointer: "Checkpointer", state: "TrainState", wrapped, optimizer, metrics: dict[str, Any],
+               improved: bool, rank: int) -> None:
+        checkpointer.commit(state, wrapped, optimizer, metrics, self.extra)
+
+    def stop_after_evaluation(self, state: "TrainState", rank: int) -> bool:
+        """Early stopping: whether to stop after this evaluation."""
+        return False
+
+    def finished(self, state: "TrainState", rank: int) -> None:
+        """After the last step or the end of the stream."""
+
+
+def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
+    """The loop every Ray Train worker runs, whatever the job: resume from what the run committed
+    last, then step, record the samples, log, evaluate when due, commit when due, stop when done
+    (``total_steps``, the end of the stream, or the job's early stopping); a run that ends between
+    checkpoints commits what it trained. The exactly-once protocol (docs/EXACTLY_ONCE.md) is the
+    ``Checkpointer``'s; skipped steps are the ``Stepper``'s (docs/FAULTS.md)."""
+    import itertools
+    from functools import partial
+
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from jobs import parallel
+
+    recipe, t, run = job.recipe, job.recipe.train, job.run
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
+    ep, deadline = recipe.data.endpoint_url, recipe.data.retry_deadline_s
+    micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
+    if micro * accum * world != t.batch_size:
+        raise RuntimeError(f"{world} workers x {accum} micro-batches x {micro} rows != train.batch_size {t.batch_size}")
+    total = job.total_steps
+
+    model = job.build_model(rank)
+    # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
+    # a new worker count).
+    resumed = resume(run, ep, model, rank, deadline)
+    state = resumed.state
+    job.resumed(resumed, rank)
+
+    device = ray.train.torch.get_device()
+    plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
+    precision = parallel.step_precision(plan, device)  # what autocast() runs the step in
+    if rank == 0 and t.precision != precision:
+        print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
+              "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
+    job.started(device, precision)
+    stream = job.batches(config, micro, device)
+    first = next(stream, None)
+    if first is None:
+        raise RuntimeError(job.empty_stream)
+    frozen = freeze_unused(model.to(device), job.freeze_inputs(first))
+    if frozen and rank == 0:
+        print(job.frozen_message(frozen))
+    wrapped = parallel.wrap_model(model, plan, device)
+    optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
+    load_optimizer(wrapped, optimizer, resumed)
+    schedule = partial(lr_factor, warmup_samples=job.warmup_steps * t.batch_size, total_samples=total * t.batch_size)
+    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip,
+                      inputs=job.step_inputs, max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
+    meter = job.meter()
+    checkpointer = Checkpointer(run, ep, job.units, rank, world, resumed.position, strategy=recipe.scaling.strategy,
+                                committed_step=state.step, retry_deadline_s=deadline, **job.checkpointer_options())
+    has_held_out = job.held_out(micro, device)
+    sample_log = SampleLog(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
+    metrics_log = open_metrics_log(run, ep, deadline) if rank == 0 else None
+    t_start, start_step, epoch = time.perf_counter(), state.step, 0
+
+    def interval_metrics() -> dict[str, Any]:
+        """The interval's metrics, reduced over workers (every rank calls it)."""
+        m = meter.reduce(world)
+        state.tokens_seen += int(m.pop("tokens"))
+        job.interval_extras(m, world)
+        rate = (state.step - start_step) / max(time.perf_counter() - t_start, 1e-9)
+        m.update(
+            step=state.step, max_steps=total, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
+            tokens_seen=state.tokens_seen, workers=world, eta_s=(total - state.step) / rate if rate > 0 else None,
+            bad_steps=state.bad_steps,
+        )
+        return m
+
+    def evaluated(m: dict[str, Any]) -> bool:
+        improved = job.evaluate(wrapped, m, state, plan, device, rank, world)
+        stepper.forget_memory()  # evaluation ran other text through the memory of memory models
+        return improved
+
+    batches = itertools.chain([first], stream)
+    model.train()
+    stopped = False
+    while state.step < total and not stopped:
+        taken = stepper.step(batches, state, meter)
+        if taken is None:  # the stream ended (inside a step: its partial gradient is dropped, its samples not committed)
+            break
+        # A skipped step's samples count as consumed, not trained on (docs/FAULTS.md): committed
+        # with the next checkpoint, so the batch that broke the step is not fed again on resume.
+        checkpointer.record(taken.batches)
+        epoch = max(int(b["epoch"].max()) for b in taken.batches)
+        if sample_log is not None:
+            sample_log.step(state.step + taken.skipped, taken.batches, skipped=taken.skipped)
+        if taken.skipped:
+            continue  # no new step: nothing to log, evaluate or commit
+        last = state.step >= total
+        eval_now = has_held_out and (last or job.evaluation_due(state.step))
+        ckpt_now = last or job.checkpoint_due(state.step, eval_now)
+        if state.step % t.log_every == 0 or eval_now or ckpt_now:
+            metrics, improved = interval_metrics(), False
+            if eval_now:
+                improved = evaluated(metrics)
+            else:
+                job.unscored(metrics)
+            report_progress(config, rank, metrics, metrics_log)
+            if ckpt_now:
+                job.commit(checkpointer, state, wrapped, optimizer, metrics, improved, rank)
+            else:
+                ray.train.report(metrics)
+            if eval_now and job.stop_after_evaluation(state, rank):
+                stopped = True
+    if state.step > checkpointer.committed_step:  # the stream ended between checkpoints: commit what was trained
+        metrics, improved = (interval_metrics() if meter.steps else {"step": state.step}), False
+        if has_held_out:
+            improved = evaluated(metrics)
+        if len(metrics) > 1:
+            report_progress(config, rank, metrics, metrics_log)
+        job.commit(checkpointer, state, wrapped, optimizer, metrics, improved, rank)
+    if metrics_log is not None:
+        metrics_log.close()
+    job.finished(state, rank)

@@ -8,10 +8,7 @@ the same recipe (same ``output_dir`` and ``name``) resumes from the run's latest
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,35 +22,28 @@ from ctxmodels.registry import FAMILIES
 from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
 from jobs.registry import ModelVersion, resolve
 from jobs.tracking import record_run
-from jobs.loop import (  # noqa: F401 (lr_factor, param_groups, freeze_unused, StepSamples, model_inputs: re-exported)
-    BOOKKEEPING,
-    Checkpointer,
-    Stepper,
+from jobs.loop import (  # noqa: F401 (re-exported: lr_factor, param_groups, model_inputs, row_digests)
     StepMeter,
-    StepSamples,
-    build_optimizer,
+    WorkerJob,
     evaluate_batches,
     fit,
-    freeze_unused,
-    ingest_options,
     init_ray,
-    seed_worker_rng,
-    to_device,
-    load_optimizer,
     lr_factor,
     model_inputs,
     param_groups,
     perplexity,
-    report_progress,
-    resume,
+    resume_state,
+    row_digests,
     run_folder,
+    run_worker,
+    seed_worker_rng,
+    to_device,
 )
 from pipelines import storage
 from pipelines.dataset import StreamSpec, build_dataset, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files, vocab_info
 from pipelines.masking import MlmConfig
 from pipelines.objectives import Objective, objective
 from pipelines.permutation import PlmConfig
-from pipelines.position import DataPosition, load_position
 from pipelines.spans import NgramConfig, SpanConfig
 from pipelines.sources import sample_text
 from pipelines.tokenizers import ROLES, MissingSpecialToken, load_tokenizer, train_tokenizer
@@ -125,16 +115,6 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Pa
     tok = local / "tokenizer" if (local / "tokenizer").is_dir() else local  # ours in tokenizer/, HF folders at the top
     log(f"warm start: weights and tokenizer of {uri}" + (f" (registry version {version.ref})" if version else ""))
     return uri, tok, version
-
-
-def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
-                 ) -> tuple[dict[str, Any], DataPosition] | None:
-    """trainer_state.json and the data position of the run's latest committed checkpoint, if any."""
-    latest = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
-    if latest is None:
-        return None
-    state = json.loads(storage.read_bytes(storage.join(latest, "trainer_state.json"), endpoint_url, deadline_s))
-    return state, load_position(latest, endpoint_url, deadline_s)
 
 
 def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri: str | None = None) -> StreamSpec:
@@ -313,71 +293,6 @@ def stream_batches(rows, per_worker: int):
         yield batch
 
 
-def row_digests(batch: dict[str, Any]) -> list[str]:
-    """A short hash of each row's model inputs (tokens, mask, labels, ...): two runs that fed a
-    sample identically give it the same digest."""
-    import hashlib
-
-    # the batch's model columns, the attention mask included where to_device lets the model skip it
-    inputs = {k: v for k, v in sorted(batch.items()) if k not in BOOKKEEPING and not k.startswith("_") and k != "reset_memory"}
-    rows = len(batch["sample_id"])
-    arrays = [np.ascontiguousarray(v.detach().cpu().numpy()).reshape(rows, -1) for v in inputs.values()]
-    return [hashlib.blake2b(b"".join(a[i].tobytes() for a in arrays), digest_size=8).hexdigest() for i in range(rows)]
-
-
-class SampleLog:
-    """``train.sample_log``: every consumed sample id, per worker and attempt, as JSON lines under
-    ``<run>/sample_log/``, for audits and the exactly-once tests. A line is written when its
-    optimizer step is done; the first line of a file says which step the attempt resumed from.
-    A local file is appended to; an object-store file (no appends there) is rewritten whole.
-    Best-effort (telemetry): a failed write is a warning; an object-store file catches up at the
-    next write, which sends every line again."""
-
-    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None,
-                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
-        import uuid
-
-        self.uri = storage.join(run, "sample_log", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}-rank{rank}.jsonl")
-        self.endpoint_url, self.deadline_s = endpoint_url, deadline_s
-        self.fs, self.path = storage.filesystem(self.uri, endpoint_url)
-        self.remote = storage.is_remote(self.uri)
-        self.lines: list[str] = []  # the lines an object-store file must hold
-        self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
-
-    def step(self, step: int, batches: list[dict[str, Any]], skipped: bool = False) -> None:
-        """The samples of optimizer step ``step``; ``skipped``: of an attempt at it that was skipped
-        (consumed, committed with the next checkpoint, not trained on)."""
-        self.write([
-            json.dumps({
-                "step": step,
-                **({"skipped": True} if skipped else {}),
-                "epoch": np.asarray(b["epoch"].cpu()).reshape(-1).tolist(),
-                "ids": np.asarray(b["sample_id"].cpu()).reshape(-1).tolist(),
-                "digests": row_digests(b),
-            })
-            for b in batches
-        ])
-
-    def write(self, new: list[str]) -> None:
-        if not self.remote:
-
-            def append() -> None:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "a") as f:
-                    f.write("".join(line + "\n" for line in new))
-
-            storage.best_effort(append, f"write {self.uri}", self.deadline_s, self.endpoint_url)
-            return
-        self.lines.extend(new)
-        data = "".join(line + "\n" for line in self.lines).encode()
-
-        def put() -> None:
-            with self.fs.open_output_stream(self.path) as f:
-                f.write(data)
-
-        storage.best_effort(put, f"write {self.uri}", self.deadline_s, self.endpoint_url)
-
-
 def train_batches(config: dict[str, Any], micro: int, device):
     """Ray seam: this worker's share of the training stream, as (micro, ...) tensor batches."""
     import ray.train
@@ -433,135 +348,85 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray seam: the loop Ray Train runs on every worker. The tokenizer's files (written into each
     checkpoint) live in a temporary folder for the attempt, removed when it ends."""
     with tempfile.TemporaryDirectory(prefix="ctx-tokenizer-") as d:
-        _train_loop(config, tokenizer_dir_from_files(config["tokenizer_files"], d))
+        run_worker(PretrainJob(config, tokenizer_dir_from_files(config["tokenizer_files"], d)), config)
 
 
-def _train_loop(config: dict[str, Any], tok_dir: Path) -> None:
-    import ray.train
-    import ray.train.torch
-    import torch
+class PretrainJob(WorkerJob):
+    """Pretraining as the worker loop runs it: a fresh (or warm-started) model of the recipe's
+    family, the objective's stream of batches, held-out batches of ``data.eval_input``, perplexity
+    and MFU in the metrics, and the data report of every epoch that closes."""
 
-    from ctxmodels.registry import build_model
-    from jobs import parallel
+    def __init__(self, config: dict[str, Any], tok_dir: Path) -> None:
+        self.config, self.tok_dir = config, tok_dir
+        self.recipe = recipe = Recipe.model_validate(config["recipe"])
+        self.run, self.obj = config["run_uri"], objective(recipe.data.objective)
+        self.total_steps, self.warmup_steps = recipe.train.max_steps, recipe.train.warmup_steps
+        self.units, self.extra = config["shard_keys"], {"recipe": config["recipe"]}
+        self.eval_batches: list[dict[str, Any]] = []
+        self.flops_per_sample = self.peak = 0.0
 
-    recipe = Recipe.model_validate(config["recipe"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
-    t, ep, run = recipe.train, recipe.data.endpoint_url, config["run_uri"]
-    deadline = recipe.data.retry_deadline_s
-    micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
-    if micro * accum * world != t.batch_size:
-        raise RuntimeError(f"{world} workers x {accum} micro-batches x {micro} rows != train.batch_size {t.batch_size}")
-    obj = objective(recipe.data.objective)
+    def build_model(self, rank: int):
+        from ctxmodels.registry import build_model
 
-    if config.get("init_checkpoint"):  # warm start: the checkpoint's architecture and weights
-        model_cfg, model = warm_start_model(config["init_checkpoint"], storage.Store(ep, deadline))
-    else:
-        overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
-        for key, value in obj.families[recipe.model.family].items():
-            overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
-        model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=t.seed)
-    seed_worker_rng(t.seed, rank)  # dropout
-    # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
-    # a new worker count).
-    resumed = resume(run, ep, model, rank, deadline)
-    state = resumed.state
-    if rank == 0 and resumed.uri:
-        print(f"resumed from {resumed.uri}: step {state.step}, {state.samples_seen} samples, data position {resumed.position.summary()}")
+        recipe, config = self.recipe, self.config
+        if config.get("init_checkpoint"):  # warm start: the checkpoint's architecture and weights
+            self.model_cfg, model = warm_start_model(config["init_checkpoint"], storage.Store(recipe.data.endpoint_url,
+                                                                                              recipe.data.retry_deadline_s))
+        else:
+            overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
+            for key, value in self.obj.families[recipe.model.family].items():
+                overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
+            self.model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=recipe.train.seed)
+        seed_worker_rng(recipe.train.seed, rank)  # dropout
+        return model
 
-    device = ray.train.torch.get_device()
-    plan = parallel.ParallelPlan(strategy=recipe.scaling.strategy, precision=t.precision, compile=t.compile)
-    precision = parallel.step_precision(plan, device)  # what autocast() runs the step in
-    if rank == 0 and t.precision != precision:
-        print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
-              "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
-    stream = train_batches(config, micro, device)
-    first = next(stream, None)
-    if first is None:
-        raise RuntimeError("the data stream is empty: no full micro-batch of train.micro_batch_size rows")
-    frozen = freeze_unused(model.to(device), model_inputs(first))
-    if frozen and rank == 0:
-        print(f"not trained by objective {recipe.data.objective!r} (frozen): {', '.join(frozen)}")
-    wrapped = parallel.wrap_model(model, plan, device)
-    optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
-    load_optimizer(wrapped, optimizer, resumed)
-    schedule = partial(lr_factor, warmup_samples=t.warmup_steps * t.batch_size, total_samples=t.max_steps * t.batch_size)
-    stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip,
-                      max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
-    meter = StepMeter(obj.is_token_metric)
+    def started(self, device, precision: str) -> None:
+        import torch
 
-    checkpointer = Checkpointer(
-        run, ep, config["shard_keys"], rank, world, resumed.position,
-        save=partial(_save, family=recipe.model.family, model_cfg=model_cfg, tok_dir=tok_dir),
-        fresh_model=lambda: build_model(recipe.model.family, recipe.model.preset, dataclasses.asdict(model_cfg))[1],
-        strategy=recipe.scaling.strategy,
-        sampleless=partial(_sampleless, run, ep, deadline), on_epoch_closed=partial(_epoch_closed, run, ep, deadline),
-        committed_step=state.step, retry_deadline_s=deadline,
-    )
-    held_out = eval_batches(recipe, config["eval_shards"], tok_dir, micro, device) if config.get("eval_shards") else []
-    log = SampleLog(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
-    metrics_log = _metrics_log(run, ep, deadline) if rank == 0 else None
-    flops_per_sample, peak = _flops_and_peak(recipe, model_cfg, config.get("predicted_per_row"), device, precision, torch)
-    t_start, start_step, epoch = time.perf_counter(), state.step, 0
+        self.flops_per_sample, self.peak = _flops_and_peak(self.recipe, self.model_cfg, self.config.get("predicted_per_row"),
+                                                           device, precision, torch)
 
-    def interval_metrics() -> dict[str, Any]:
-        """The interval's metrics, reduced over workers (every rank calls it)."""
-        m = meter.reduce(world)
-        state.tokens_seen += int(m.pop("tokens"))
-        if obj.main_loss in m:
-            m["ppl"] = perplexity(m[obj.main_loss])
-        rate = (state.step - start_step) / max(time.perf_counter() - t_start, 1e-9)
-        m.update(
-            step=state.step, max_steps=t.max_steps, epoch=epoch, lr=stepper.current_lr, samples_seen=state.samples_seen,
-            tokens_seen=state.tokens_seen, workers=world, eta_s=(t.max_steps - state.step) / rate if rate > 0 else None,
-            bad_steps=state.bad_steps,
+    def batches(self, config: dict[str, Any], micro: int, device):
+        return train_batches(config, micro, device)
+
+    def frozen_message(self, frozen: list[str]) -> str:
+        return f"not trained by objective {self.recipe.data.objective!r} (frozen): {', '.join(frozen)}"
+
+    def meter(self) -> StepMeter:
+        return StepMeter(self.obj.is_token_metric)
+
+    def checkpointer_options(self) -> dict[str, Any]:
+        from ctxmodels.registry import build_model
+
+        recipe, run = self.recipe, self.run
+        ep, deadline = recipe.data.endpoint_url, recipe.data.retry_deadline_s
+        return dict(
+            save=partial(_save, family=recipe.model.family, model_cfg=self.model_cfg, tok_dir=self.tok_dir),
+            fresh_model=lambda: build_model(recipe.model.family, recipe.model.preset, dataclasses.asdict(self.model_cfg))[1],
+            sampleless=partial(_sampleless, run, ep, deadline), on_epoch_closed=partial(_epoch_closed, run, ep, deadline),
         )
-        if flops_per_sample and peak:
-            m["mfu"] = m["samples_per_s"] * flops_per_sample / (peak * world)
-        return m
 
-    def evaluated(m: dict[str, Any]) -> dict[str, Any]:
-        m.update(evaluate(wrapped, held_out, obj, plan, device, rank, world))
-        stepper.forget_memory()  # evaluation ran other text through the memory of memory models
-        return m
+    def held_out(self, micro: int, device) -> bool:
+        if self.config.get("eval_shards"):
+            self.eval_batches = eval_batches(self.recipe, self.config["eval_shards"], self.tok_dir, micro, device)
+        return bool(self.eval_batches)
 
-    batches = itertools.chain([first], stream)
-    model.train()
-    while state.step < t.max_steps:
-        taken = stepper.step(batches, state, meter)
-        if taken is None:  # the stream ended (inside a step: its partial gradient is dropped, its samples not committed)
-            break
-        # A skipped step's samples count as consumed, not trained on (docs/FAULTS.md): committed
-        # with the next checkpoint, so the batch that broke the step is not fed again on resume.
-        checkpointer.record(taken.batches)
-        epoch = max(int(b["epoch"].max()) for b in taken.batches)
-        if log is not None:
-            log.step(state.step + taken.skipped, taken.batches, skipped=taken.skipped)
-        if taken.skipped:
-            continue  # no new step: nothing to log, evaluate or commit
-        last = state.step >= t.max_steps
-        eval_now = bool(held_out) and (last or state.step % t.eval_every == 0)
-        if state.step % t.log_every == 0 or last or eval_now:
-            metrics = interval_metrics()
-            if eval_now:
-                metrics = evaluated(metrics)
-            report_progress(config, rank, metrics, metrics_log)
-            if state.step % t.checkpoint_every == 0 or last:
-                checkpointer.commit(state, wrapped, optimizer, metrics, {"recipe": config["recipe"]})
-            else:
-                ray.train.report(metrics)
-    if state.step > checkpointer.committed_step:  # the stream ended between checkpoints: commit what was trained
-        metrics = interval_metrics() if meter.steps else {"step": state.step}
-        if held_out:
-            metrics = evaluated(metrics)
-        if len(metrics) > 1:
-            report_progress(config, rank, metrics, metrics_log)
-        checkpointer.commit(state, wrapped, optimizer, metrics, {"recipe": config["recipe"]})
-    if metrics_log is not None:
-        metrics_log.close()
-    if state.step < t.max_steps and rank == 0:
-        print(f"data stream ended at step {state.step} before train.max_steps={t.max_steps}; raise data.max_epochs")
+    def interval_extras(self, metrics: dict[str, Any], world: int) -> None:
+        if self.obj.main_loss in metrics:
+            metrics["ppl"] = perplexity(metrics[self.obj.main_loss])
+        if self.flops_per_sample and self.peak and "samples_per_s" in metrics:
+            metrics["mfu"] = metrics["samples_per_s"] * self.flops_per_sample / (self.peak * world)
+
+    def evaluation_due(self, step: int) -> bool:
+        return step % self.recipe.train.eval_every == 0
+
+    def evaluate(self, wrapped, metrics, state, plan, device, rank: int, world: int) -> bool:
+        metrics.update(evaluate(wrapped, self.eval_batches, self.obj, plan, device, rank, world))
+        return False  # pretraining keeps the newest checkpoints, not a best one
+
+    def finished(self, state, rank: int) -> None:
+        if state.step < self.total_steps and rank == 0:
+            print(f"data stream ended at step {state.step} before train.max_steps={self.total_steps}; raise data.max_epochs")
 
 
 def warm_start_model(checkpoint: str, store: storage.Store | str | None):
@@ -598,18 +463,6 @@ def _epoch_closed(run: str, endpoint_url: str | None, deadline_s: float, epoch: 
         print(f"warning: data report of epoch {epoch} not written: {e}")
         return
     print("data: " + datareport.format_report(report).replace("\n", "\ndata: "))
-
-
-def _metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
-    """Rank 0's ``MetricsLog``, or None (with a warning) when its folder cannot be set up: metrics
-    are telemetry, a run trains without them."""
-    from jobs.metrics import MetricsLog
-
-    try:
-        return MetricsLog(run, endpoint_url, deadline_s=deadline_s)
-    except (OSError, storage.StorageError) as e:
-        print(f"warning: metrics of {run} will not be written: {e}", file=sys.stderr)
-        return None
 
 
 def _flops_and_peak(recipe: Recipe, model_cfg, predicted_per_row: int | None, device, precision: str, torch) -> tuple[float, float]:
