@@ -1031,3 +1031,76 @@ def _read_config(folder: Path) -> dict:
         return json.loads(config_path.read_text())
     except ValueError as e:
         raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# DistilBERT: a BERT without token types and pooler (what ctx distill's students are short of)
+# ----------------------------------------------------------------------------------------------
+
+
+def to_distilbert(model: nn.Module) -> tuple[dict, dict[str, Tensor]]:
+    """Our BERT pretraining model -> (config.json dict, state dict) of transformers'
+    ``DistilBertForMaskedLM`` computing the same masked-LM logits for inputs of one segment.
+
+    DistilBERT is BERT's post-LN block with separate query, key and value projections, no token-type
+    embeddings, no pooler and the same MLM head (``vocab_transform``, GELU, ``vocab_layer_norm``,
+    ``vocab_projector`` tied to the word embeddings). Our segment-0 embedding, added to every token,
+    is folded into the position embeddings, so every input whose ``token_type_ids`` are all 0 (or
+    absent) gives the same logits; the NSP head and the pooler are left out. Fits when the family is
+    bert (absolute positions), the activation GELU (exact) or ReLU, and the LayerNorm epsilon
+    DistilBERT's fixed 1e-12. Sanh et al. 2019; transformers' ``modeling_distilbert.py``.
+    """
+    from ctxmodels.bert import BertForPreTraining
+
+    if not isinstance(model, BertForPreTraining):
+        raise ValueError(f"DistilBERT export takes a BERT pretraining model, got {type(model).__name__}")
+    cfg = model.cfg
+    problems = []
+    if cfg.position_style != "absolute":
+        problems.append(f"positions are {cfg.position_style!r} (RoBERTa's), DistilBERT's count from 0")
+    if cfg.activation not in ("gelu", "relu"):
+        problems.append(f"activation {cfg.activation!r}: DistilBERT has exact gelu or relu")
+    if cfg.layer_norm_eps != 1e-12:
+        problems.append(f"layer_norm_eps {cfg.layer_norm_eps}: DistilBERT's LayerNorms use 1e-12")
+    if problems:
+        raise ValueError("this model does not fit DistilBertForMaskedLM: " + "; ".join(problems))
+    s = {k: v.detach() for k, v in model.state_dict().items()}
+    D = cfg.d_model
+    out = {
+        "distilbert.embeddings.word_embeddings.weight": s["backbone.embeddings.word.weight"],
+        # segment 0, which our embeddings add to every token, folded into each position's row
+        "distilbert.embeddings.position_embeddings.weight": s["backbone.embeddings.position.weight"]
+        + s["backbone.embeddings.token_type.weight"][0],
+        "distilbert.embeddings.LayerNorm.weight": s["backbone.embeddings.ln.weight"],
+        "distilbert.embeddings.LayerNorm.bias": s["backbone.embeddings.ln.bias"],
+        "vocab_transform.weight": s["mlm.dense.weight"],
+        "vocab_transform.bias": s["mlm.dense.bias"],
+        "vocab_layer_norm.weight": s["mlm.ln.weight"],
+        "vocab_layer_norm.bias": s["mlm.ln.bias"],
+        "vocab_projector.bias": s["mlm.bias"],
+    }
+    for i in range(cfg.n_layer):
+        ours, hf = f"backbone.layers.{i}.", f"distilbert.transformer.layer.{i}."
+        w, b = s[ours + "attn.qkv.weight"], s[ours + "attn.qkv.bias"]  # rows: [query; key; value]
+        for j, name in enumerate(("q_lin", "k_lin", "v_lin")):
+            out[hf + f"attention.{name}.weight"] = w[j * D : (j + 1) * D]
+            out[hf + f"attention.{name}.bias"] = b[j * D : (j + 1) * D]
+        for ours_name, hf_name in (("attn.proj", "attention.out_lin"), ("ln1", "sa_layer_norm"), ("ffn.fc_in", "ffn.lin1"),
+                                   ("ffn.fc_out", "ffn.lin2"), ("ln2", "output_layer_norm")):
+            out[hf + hf_name + ".weight"] = s[ours + ours_name + ".weight"]
+            out[hf + hf_name + ".bias"] = s[ours + ours_name + ".bias"]
+    hf_config = {
+        "model_type": "distilbert", "architectures": ["DistilBertForMaskedLM"], "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len, "sinusoidal_pos_embds": False, "n_layers": cfg.n_layer,
+        "n_heads": cfg.n_head, "dim": D, "hidden_dim": cfg.d_ff, "dropout": cfg.dropout,
+        "attention_dropout": cfg.attn_dropout, "activation": cfg.activation, "initializer_range": cfg.init_std,
+        "qa_dropout": 0.1, "seq_classif_dropout": 0.2, "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": True,
+    }
+    return hf_config, {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def export_distilbert_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """``to_distilbert`` written as a folder transformers loads (``DistilBertForMaskedLM``, or
+    ``DistilBertModel`` for its hidden states)."""
+    hf_config, tensors = to_distilbert(model)
+    return write_hf_folder(out_dir, hf_config, tensors, tokenizer_dir)

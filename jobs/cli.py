@@ -119,6 +119,33 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    """``ctx pretrain`` with a ``teacher`` section: the student (the teacher's family, fewer layers)
+    learns from the teacher on the recipe's corpus (ctxmodels/distill.py)."""
+    from jobs.config import RecipeError, load_recipe
+    from jobs.tracking import RegistrationError
+    from jobs.train import pretrain
+
+    recipe = load_recipe(args.config, args.set)  # fails before Ray starts
+    if recipe.teacher is None:
+        raise RecipeError(f"{args.config}: ctx distill needs a teacher section (teacher.init: the model to distil); "
+                          "without one, run ctx pretrain")
+    _quiet_env(args.verbose)
+    _exit_on_sigterm()
+    try:
+        result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
+    except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
+        print(f"ctx distill: {e}", file=sys.stderr)
+        return REGISTRATION_FAILED
+    except KeyboardInterrupt:
+        return _interrupted("distill")
+    m = result.metrics
+    keys = ("step", "loss", "cos_loss", "sentence_cos", "eval_sentence_cos", "mlm_acc", "tokens_per_s")
+    print(f"done: {({k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in keys})}")
+    print(f"student: {result.checkpoint_uri}")
+    return 0
+
+
 def _serve_config(args: argparse.Namespace):
     """The ServeConfig from --config and/or the flags (flags win); errors name the file and key."""
     from jobs import serve_config as sc
@@ -310,7 +337,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ctxmodels.checkpoint import load_checkpoint
-    from ctxmodels.hf import export_hf_folder
+    from ctxmodels.hf import export_distilbert_folder, export_hf_folder
     from jobs.runs import local_copy, resolve_checkpoint
     from pipelines import storage
     from pipelines.tokenizers import load_tokenizer
@@ -329,6 +356,11 @@ def _run_export(args: argparse.Namespace) -> int:
         try:
             if args.format == "hf":
                 export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id)
+            elif args.format == "distilbert":
+                if loaded.family != "bert" or loaded.task is not None:
+                    raise ValueError(f"--format distilbert takes a bert pretraining model, not a {loaded.family} "
+                                     + ("task model" if loaded.task is not None else "model"))
+                export_distilbert_folder(loaded.model, out, loaded.tokenizer_dir)
             else:
                 _export_sentence_transformers(loaded, out, pad_id, args.pooling, args.normalize)
         except ValueError as e:  # a head transformers lacks: say which, no traceback
@@ -336,7 +368,8 @@ def _run_export(args: argparse.Namespace) -> int:
         if storage.is_remote(args.output):
             store.copy_dir(out, args.output)
     what = f"{loaded.task.kind} model" if loaded.task is not None else "pretraining model"
-    where = "Hugging Face folder" if args.format == "hf" else f"sentence-transformers folder, {args.pooling} pooling"
+    where = {"hf": "Hugging Face folder", "distilbert": "Hugging Face folder, DistilBertForMaskedLM"}.get(
+        args.format, f"sentence-transformers folder, {args.pooling} pooling")
     print(f"{loaded.family} {what} from {checkpoint} -> {args.output} ({where})")
     return 0
 
@@ -623,9 +656,11 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
 
 def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint or run folder (its best checkpoint), local or s3://")
-    p.add_argument("--format", required=True, choices=["hf", "sentence-transformers"],
+    p.add_argument("--format", required=True, choices=["hf", "sentence-transformers", "distilbert"],
                    help="hf: a folder transformers loads (config.json, model.safetensors, tokenizer); "
-                        "sentence-transformers: that plus the pooling modules, equal to ctx serve's vectors")
+                        "sentence-transformers: that plus the pooling modules, equal to ctx serve's vectors; "
+                        "distilbert: a BERT pretraining model (a ctx distill student) as DistilBertForMaskedLM "
+                        "(one segment: the segment-0 embedding folded into the positions)")
     p.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"], help="sentence-transformers: as /v1/embeddings' pooling")
     p.add_argument("--normalize", action="store_true", help="sentence-transformers: add a Normalize module (unit vectors)")
     p.add_argument("--output", required=True, help="folder to write (local or s3://)")
@@ -665,6 +700,7 @@ COMMANDS = {
     ("tokenizer", "train"): ("train a WordPiece, SentencePiece or byte-level BPE tokenizer from a corpus", _add_tokenizer_train, cmd_tokenizer_train),
     ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
     ("finetune",): ("fine-tune a model on a downstream task from a recipe with Ray Train", _add_pretrain, cmd_finetune),
+    ("distill",): ("distil a model into a shallower student of its family (DistilBERT's recipe) with Ray Train", _add_pretrain, cmd_distill),
     ("eval",): ("score a fine-tuned model on a split (JSON + HTML), or `eval wic` a model's contextual vectors", _add_eval, cmd_eval),
     ("serve",): ("serve models over HTTP with Ray Serve", _add_serve_run, cmd_serve),
     ("serve", "build"): ("write the Serve config that `serve deploy` accepts", _add_serve_build, cmd_serve_build),

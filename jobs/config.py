@@ -253,9 +253,40 @@ def check_registry_name(name: str, registry: RegistrySection) -> None:
                          f"set registry.model_name or registry.enabled: false")
 
 
+class TeacherSection(_Section):
+    """``ctx distill``: the teacher, the student's layers and the loss's weights
+    (``ctxmodels/distill.py``, DistilBERT's recipe; its defaults are the paper's code's)."""
+
+    # The teacher: one of our checkpoints, a run folder, a Hugging Face folder or models:/NAME@alias,
+    # as model.init takes. The student is its family with fewer layers; the run keeps its tokenizer.
+    init: str
+    student_layers: list[int] | None = None  # teacher layers the student's blocks start from; None: 0, 2, 4, ...
+    temperature: float = Field(2.0, gt=0)  # of the soft targets
+    alpha_soft: float = Field(5.0, ge=0)  # soft-target cross-entropy on the teacher's masked-LM distribution
+    alpha_mlm: float = Field(2.0, ge=0)  # the student's own masked-LM loss
+    alpha_cos: float = Field(1.0, ge=0)  # 1 - cosine of the last hidden states, every real token
+    alpha_sentence: float = Field(0.0, ge=0)  # 1 - cosine of the mean-pooled sentence vectors
+
+    @model_validator(mode="after")
+    def _check(self) -> "TeacherSection":
+        if not self.init.strip():
+            raise ValueError("init: give the teacher: a checkpoint, run folder, Hugging Face folder or models:/NAME@alias")
+        if self.student_layers is not None:
+            layers = self.student_layers
+            if not layers or any(i < 0 for i in layers) or sorted(set(layers)) != layers:
+                raise ValueError(f"student_layers: distinct teacher layers in ascending order, from 0; got {layers}")
+        if self.alpha_soft + self.alpha_mlm + self.alpha_cos + self.alpha_sentence <= 0:
+            raise ValueError("alpha_soft, alpha_mlm, alpha_cos, alpha_sentence: at least one must be above 0")
+        return self
+
+
+DISTILL_FAMILIES = ("bert", "roberta", "spanbert")  # ctxmodels.distill: BertForPreTraining's families
+
+
 class Recipe(_Section):
     name: str = "run"
     output_dir: str = "runs"
+    teacher: TeacherSection | None = None  # distillation (ctx distill): the student starts from the teacher's layers
     model: ModelSection = ModelSection()
     tokenizer: TokenizerSection = TokenizerSection()
     data: DataSection = DataSection()
@@ -286,6 +317,17 @@ class Recipe(_Section):
         for key, value in supported[self.data.objective].items():
             if self.model.overrides.get(key, value) != value:
                 raise ValueError(f"model.{key}: objective {self.data.objective!r} needs {key}={value}")
+        if self.teacher is not None:
+            if self.model.init is not None:
+                raise ValueError("model.init: a distillation's student starts from teacher.init; remove model.init")
+            if self.model.overrides:
+                key = sorted(self.model.overrides)[0]
+                raise ValueError(f"model.{key}: the student's architecture is the teacher's (teacher.init), less its layers; "
+                                 f"remove model.{key}")
+            if self.model.family not in DISTILL_FAMILIES:
+                raise ValueError(f"model.family: distillation takes a {', '.join(DISTILL_FAMILIES)} teacher, not {self.model.family!r}")
+            if self.data.objective != "mlm":
+                raise ValueError(f"data.objective: distillation trains on masked-LM batches (mlm), not {self.data.objective!r}")
         return self
 
 

@@ -92,7 +92,7 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     return local
 
 
-def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Path, ModelVersion | None]:
+def warm_start_source(recipe: Recipe, workdir: Path, log=print, key: str = "model.init") -> tuple[str, Path, ModelVersion | None]:
     """``model.init`` resolved to one checkpoint URI (a run folder: its best or newest complete
     checkpoint), checked against the recipe's family, and that checkpoint's tokenizer as a local
     folder: a warm start keeps the vocabulary its embeddings were trained with. The third item is the
@@ -100,20 +100,23 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print) -> tuple[str, Pa
     from jobs.runs import local_copy, resolve_checkpoint
 
     store = storage.Store.of(recipe.data)
-    source, version = resolve(recipe.model.init, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
+    given = recipe.teacher.init if key == "teacher.init" else recipe.model.init
+    source, version = resolve(given, recipe.registry.tracking_uri)  # models:/NAME@alias -> its checkpoint
     uri = resolve_checkpoint(source, store)
     local = local_copy(uri, workdir / "init", store)
     try:
         payload = json.loads((local / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise RecipeError(f"model.init: {uri} has no readable config.json ({e}); give a checkpoint or run folder") from None
+        raise RecipeError(f"{key}: {uri} has no readable config.json ({e}); give a checkpoint or run folder") from None
     if "task" in payload:
-        raise RecipeError(f"model.init: {uri} is a fine-tuned checkpoint; pretraining continues from a pretraining checkpoint")
+        raise RecipeError(f"{key}: {uri} is a fine-tuned checkpoint; {'distillation' if key == 'teacher.init' else 'pretraining'} "
+                          "starts from a pretraining checkpoint")
     family = payload.get("family") if payload.get("format") == "ctxmodels" else None
     if family is not None and family != recipe.model.family:
-        raise RecipeError(f"model.init: {uri} is a {family} checkpoint but model.family is {recipe.model.family!r}; set model.family: {family}")
+        raise RecipeError(f"{key}: {uri} is a {family} checkpoint but model.family is {recipe.model.family!r}; set model.family: {family}")
     tok = local / "tokenizer" if (local / "tokenizer").is_dir() else local  # ours in tokenizer/, HF folders at the top
-    log(f"warm start: weights and tokenizer of {uri}" + (f" (registry version {version.ref})" if version else ""))
+    what = "teacher" if key == "teacher.init" else "warm start"
+    log(f"{what}: weights and tokenizer of {uri}" + (f" (registry version {version.ref})" if version else ""))
     return uri, tok, version
 
 
@@ -182,7 +185,12 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
     eval_shards = store.list_files(recipe.data.eval_input) if recipe.data.eval_input else []
     run = run_uri(recipe)
-    init = warm_start_source(recipe, workdir, log) if recipe.model.init else None
+    if recipe.teacher is not None:  # distillation: the teacher's weights and tokenizer, checked before Ray starts
+        init = warm_start_source(recipe, workdir, log, key="teacher.init")
+        tok_folder = init[1]
+        check_teacher(recipe, tok_folder.parent if tok_folder.name == "tokenizer" else tok_folder)  # the checkpoint's folder
+    else:
+        init = warm_start_source(recipe, workdir, log) if recipe.model.init else None
     init_version = init[2] if init else None  # models:/NAME@alias: the parent of the version this run registers
     tok_dir = init[1] if init and not recipe.tokenizer.path else ensure_tokenizer(recipe, shards, run, workdir, log)
     tok = load_tokenizer(tok_dir)
@@ -217,7 +225,8 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
             "predicted_per_row": objective(spec.objective).predicted(recipe.data.seq_len, spec),
         },
         name=recipe.name, output_dir=recipe.output_dir, endpoint_url=ep, scaling=recipe.scaling,
-        datasets={"train": dataset}, max_steps=recipe.train.max_steps, progress=progress, label="pretrain",
+        datasets={"train": dataset}, max_steps=recipe.train.max_steps, progress=progress,
+        label="distill" if recipe.teacher is not None else "pretrain",
         retry_deadline_s=recipe.data.retry_deadline_s,
     )
     log(f"checkpoint: {result.checkpoint_uri}")
@@ -347,8 +356,9 @@ def evaluate(wrapped, batches: list[dict[str, Any]], obj: Objective, plan, devic
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray seam: the loop Ray Train runs on every worker. The tokenizer's files (written into each
     checkpoint) live in a temporary folder for the attempt, removed when it ends."""
+    job = DistillJob if config["recipe"].get("teacher") else PretrainJob
     with tempfile.TemporaryDirectory(prefix="ctx-tokenizer-") as d:
-        run_worker(PretrainJob(config, tokenizer_dir_from_files(config["tokenizer_files"], d)), config)
+        run_worker(job(config, tokenizer_dir_from_files(config["tokenizer_files"], d)), config)
 
 
 class PretrainJob(WorkerJob):
@@ -427,6 +437,57 @@ class PretrainJob(WorkerJob):
     def finished(self, state, rank: int) -> None:
         if state.step < self.total_steps and rank == 0:
             print(f"data stream ended at step {state.step} before train.max_steps={self.total_steps}; raise data.max_epochs")
+
+
+class DistillJob(PretrainJob):
+    """Distillation (``ctx distill``) as the worker loop runs it: pretraining's stream, held-out
+    batches and cadence, with a ``ctxmodels.distill.Distiller`` as the model: the student (the
+    teacher's family, ``teacher.student_layers`` of its layers) trained against the frozen teacher
+    in the same worker. Checkpoints hold the student alone, a plain pretraining model of its
+    family: ``ctx serve``, ``ctx eval``, ``ctx export`` and ``model.init`` take them as any other."""
+
+    def build_model(self, rank: int):
+        from ctxmodels.distill import DistillWeights, Distiller, every_other_layer, init_student
+
+        recipe, s = self.recipe, self.recipe.teacher
+        teacher_cfg, teacher = warm_start_model(self.config["init_checkpoint"],
+                                                storage.Store(recipe.data.endpoint_url, recipe.data.retry_deadline_s))
+        student = init_student(teacher, s.student_layers or every_other_layer(teacher_cfg.n_layer))
+        self.model_cfg = student.cfg
+        seed_worker_rng(recipe.train.seed, rank)  # dropout
+        weights = DistillWeights(temperature=s.temperature, soft=s.alpha_soft, mlm=s.alpha_mlm, cos=s.alpha_cos,
+                                 sentence=s.alpha_sentence)
+        return Distiller(student, teacher, weights)
+
+    def checkpointer_options(self) -> dict[str, Any]:
+        options = super().checkpointer_options()
+        save = options["save"]
+        options["save"] = lambda folder, model, *args, **kwargs: save(folder, getattr(model, "student", model), *args, **kwargs)
+        return options
+
+    def frozen_message(self, frozen: list[str]) -> str:
+        return f"not trained by the distillation loss (frozen): {', '.join(frozen)}"
+
+
+def check_teacher(recipe: Recipe, folder: Path) -> None:
+    """Before Ray starts: the teacher loads, the student's layers exist in it, and a teacher without a
+    trained masked-LM head (an embedding model) is not asked for soft targets or an MLM loss."""
+    from ctxmodels.checkpoint import load_checkpoint
+
+    s = recipe.teacher
+    try:
+        loaded = load_checkpoint(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise RecipeError(f"teacher.init: {s.init} does not load as a {recipe.model.family} model: {e}") from None
+    n = getattr(loaded.config, "n_layer", 0)
+    if s.student_layers is not None and s.student_layers[-1] >= n:
+        raise RecipeError(f"teacher.student_layers: {s.student_layers} names a layer the {n}-layer teacher does not have")
+    untrained_head = [name for name in loaded.untrained if name.startswith("mlm.")]
+    if untrained_head and (s.alpha_soft > 0 or s.alpha_mlm > 0):
+        raise RecipeError(
+            f"teacher.init: {s.init} has no trained masked-LM head ({', '.join(untrained_head[:3])} missing): it is an "
+            "embedding model; distil it through the hidden states alone: teacher.alpha_soft=0, teacher.alpha_mlm=0, "
+            "and teacher.alpha_cos and/or teacher.alpha_sentence above 0")
 
 
 def warm_start_model(checkpoint: str, store: storage.Store | str | None):

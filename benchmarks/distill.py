@@ -1,0 +1,117 @@
+"""What distillation kept and what it bought: a student run of ``ctx distill`` against its teacher.
+
+Run: ``python benchmarks/distill.py RUN`` (RUN: a ``ctx distill`` run folder or checkpoint, e.g.
+``runs/minilm-l3`` after ``ctx distill --config configs/distill/minilm-l3.yaml``; 1 to 2 minutes).
+
+- Sentence vectors kept: the mean cosine between the teacher's and the student's normalised
+  mean-pooled vectors (what ``/v1/embeddings`` serves) over ``--texts`` held-out sentences of the
+  bundled corpus's 8th shard (the one ``minilm-l3.yaml`` evaluates on and never trains on),
+  unmasked, beside the same figure for the untrained student: the teacher's layers the recipe
+  named, copied (``ctxmodels.distill.init_student``), before any step.
+- Speed: sentence vectors per second of teacher and student, in-process, the same texts sorted by
+  length in batches of 32 (what a serving pass runs), ``--threads`` torch threads, the two taking
+  turns for ``--rounds`` rounds; medians.
+
+The last lines are ``sentence_cos_student: X``, ``sentence_cos_untrained: X`` and
+``student_speedup: X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ctxmodels.checkpoint import load_checkpoint  # noqa: E402
+from ctxmodels.distill import every_other_layer, init_student, mean_pooled  # noqa: E402
+from pipelines.tokenizers import load_tokenizer  # noqa: E402
+
+HELD_OUT = REPO / "data" / "sample" / "wordnet-0007-of-0008.txt.gz"
+
+
+def sentences(n: int) -> list[str]:
+    out: list[str] = []
+    with gzip.open(HELD_OUT, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                out.append(line.strip())
+            if len(out) == n:
+                break
+    return out
+
+
+@torch.inference_mode()
+def vectors(model, tok, texts: list[str], batch: int = 32, max_len: int = 128) -> torch.Tensor:
+    """(N, D) normalised mean-pooled last hidden states, in the texts' order."""
+    ids = tok.ids_for_model(texts, max_len)
+    order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+    out = torch.empty(len(texts), model.cfg.d_model)
+    for start in range(0, len(order), batch):
+        rows = order[start : start + batch]
+        width = max(len(ids[i]) for i in rows)
+        x = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            x[r, : len(ids[i])] = torch.as_tensor(ids[i])
+            mask[r, : len(ids[i])] = 1
+        last = model.backbone.hidden_states(x, mask)[-1]
+        out[rows] = F.normalize(mean_pooled(last, mask), dim=-1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="a ctx distill run folder or one of its checkpoints")
+    parser.add_argument("--texts", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from jobs.runs import resolve_checkpoint
+
+    ckpt = Path(resolve_checkpoint(args.run, None))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    recipe = state.get("recipe") or {}
+    teacher_ref = recipe["teacher"]["init"]
+    teacher_path = Path(resolve_checkpoint(teacher_ref, None))
+    teacher = load_checkpoint(teacher_path).model.eval()
+    student = load_checkpoint(ckpt).model.eval()
+    layers = recipe["teacher"].get("student_layers") or every_other_layer(teacher.cfg.n_layer)
+    untrained = init_student(teacher, layers).eval()
+    tok = load_tokenizer(ckpt / "tokenizer")
+    texts = sentences(args.texts)
+    print(f"teacher {teacher_ref} ({teacher.cfg.n_layer} layers), student {ckpt} ({student.cfg.n_layer} layers, "
+          f"step {state.get('step')}), untrained student: teacher layers {layers}; {len(texts)} held-out sentences")
+
+    t_vec = vectors(teacher, tok, texts)
+    cos = {name: float((vectors(m, tok, texts) * t_vec).sum(-1).mean()) for name, m in (("student", student), ("untrained", untrained))}
+    print(f"mean cosine to the teacher's sentence vectors: distilled student {cos['student']:.4f}, "
+          f"untrained student {cos['untrained']:.4f}")
+
+    sides = {"teacher": teacher, "student": student}
+    seconds: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(args.rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            t0 = time.perf_counter()
+            vectors(sides[name], tok, texts)
+            seconds[name].append(time.perf_counter() - t0)
+    rate = {k: len(texts) / statistics.median(v) for k, v in seconds.items()}
+    print(f"sentence vectors per second ({args.threads} threads): teacher {rate['teacher']:,.0f}, student {rate['student']:,.0f}")
+    print(f"sentence_cos_student: {cos['student']:.4f}")
+    print(f"sentence_cos_untrained: {cos['untrained']:.4f}")
+    print(f"student_speedup: {rate['student'] / rate['teacher']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
