@@ -56,9 +56,8 @@ from ctxmodels import registry
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
 from ctxmodels.ops import Dropout
+from ctxmodels.task_kinds import TASK_KINDS, TaskKind  # noqa: F401 (TASK_KINDS re-exported)
 
-TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
-TASK_KINDS: tuple[str, ...] = ("classification", "regression", "multiple-choice", "token-classification", "question-answering")
 IGNORE_INDEX = -100
 
 # Where each family reads a sequence's vector: "first" ([CLS] through the pooler), "summary"

@@ -26,9 +26,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from jobs.config import RecipeError, RegistrySection, ScalingSection, StepChecks, _Section, check_batch, check_registry_name, load_recipe
+from ctxmodels.task_kinds import TaskKind
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
-TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
 Features = Literal["last", "first", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
 SplitFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet", "squad"]
 

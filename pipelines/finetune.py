@@ -61,11 +61,11 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 
+from ctxmodels.task_kinds import TaskKind
 from pipelines.alignment import encode_texts, encode_words, first_subtokens
 from pipelines.rng import stable_hash64
 
 InputStyle = Literal["bert", "xlnet", "gpt"]
-TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
 
 IGNORE_INDEX = -100  # label of positions without a target (Hugging Face / PyTorch convention)
 NO_ANSWER_POSITION = 0  # start/end of a window without the answer (and of SQuAD 2.0 unanswerables)
