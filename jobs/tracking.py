@@ -107,9 +107,9 @@ def _shards_tag(listed: list[dict[str, Any]], run_uri: str, store: Store | str |
 
 
 def checkpoint_tokenizer_hash(checkpoint: str, store: Store | str | None = None) -> str | None:
-    """What serving sends as X-Tokenizer-Hash for this checkpoint (``jobs.serve.tokenizer_hash`` of its
+    """What serving sends as X-Tokenizer-Hash for this checkpoint (``jobs.identity.tokenizer_hash`` of its
     ``tokenizer/``), reading only the tokenizer files; None when it has none."""
-    from jobs.serve import tokenizer_hash
+    from jobs.identity import tokenizer_hash
 
     store = as_store(store)
     uri = storage.join(checkpoint, "tokenizer")
