@@ -71,7 +71,8 @@ def _write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[st
     _publish(tmp, path)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -181,7 +182,7 @@ def save_checkpoint(
     manifest = {
         "format": "ctxmodels-manifest",
         "files": [
-            {"path": p.relative_to(out).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+            {"path": p.relative_to(out).as_posix(), "size": p.stat().st_size, "sha256": file_sha256(p)}
             for p in written
         ],
     }
@@ -228,7 +229,7 @@ def checkpoint_problem(ckpt_dir: str | Path, verify_hashes: bool = False) -> str
             problems.append(f"{entry['path']} missing")
         elif path.stat().st_size != entry["size"]:
             problems.append(f"{entry['path']}: {path.stat().st_size} bytes, manifest says {entry['size']}")
-        elif verify_hashes and _sha256(path) != entry.get("sha256"):
+        elif verify_hashes and file_sha256(path) != entry.get("sha256"):
             problems.append(f"{entry['path']}: sha256 differs from the manifest")
     if not problems:
         return None

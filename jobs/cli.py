@@ -100,22 +100,29 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from jobs.config import load_recipe
+
+    recipe = load_recipe(args.config, args.set)  # fails before Ray starts
+    return _pretrain_run(args, recipe, "pretrain", ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s"))
+
+
+def _pretrain_run(args: argparse.Namespace, recipe, command: str, shown: tuple[str, ...]):
+    """``ctx pretrain`` and ``ctx distill``: run the recipe; the result's ``shown`` metrics, or the
+    exit status of a failed registration or an interruption."""
     from jobs.tracking import RegistrationError
     from jobs.train import pretrain
 
-    recipe = load_recipe(args.config, args.set)  # fails before Ray starts
     _quiet_env(args.verbose)
     _exit_on_sigterm()
     try:
         result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
     except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
-        print(f"ctx pretrain: {e}", file=sys.stderr)
+        print(f"ctx {command}: {e}", file=sys.stderr)
         return REGISTRATION_FAILED
     except KeyboardInterrupt:
-        return _interrupted("pretrain")
-    m = result.metrics
-    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s")}
-    print(f"done: {shown}")
+        return _interrupted(command)
+    print(f"done: {({k: round(v, 4) if isinstance(v, float) else v for k, v in result.metrics.items() if k in shown})}")
+    if command == "distill":
+        print(f"student: {result.checkpoint_uri}")
     return 0
 
 
@@ -123,27 +130,13 @@ def cmd_distill(args: argparse.Namespace) -> int:
     """``ctx pretrain`` with a ``teacher`` section: the student (the teacher's family, fewer layers)
     learns from the teacher on the recipe's corpus (ctxmodels/distill.py)."""
     from jobs.config import RecipeError, load_recipe
-    from jobs.tracking import RegistrationError
-    from jobs.train import pretrain
 
     recipe = load_recipe(args.config, args.set)  # fails before Ray starts
     if recipe.teacher is None:
         raise RecipeError(f"{args.config}: ctx distill needs a teacher section (teacher.init: the model to distil); "
                           "without one, run ctx pretrain")
-    _quiet_env(args.verbose)
-    _exit_on_sigterm()
-    try:
-        result = pretrain(recipe, verbose=args.verbose, progress=not args.no_progress)
-    except RegistrationError as e:  # trained and checkpointed, not registered: say so, and not with 0
-        print(f"ctx distill: {e}", file=sys.stderr)
-        return REGISTRATION_FAILED
-    except KeyboardInterrupt:
-        return _interrupted("distill")
-    m = result.metrics
-    keys = ("step", "loss", "cos_loss", "sentence_cos", "eval_sentence_cos", "mlm_acc", "tokens_per_s")
-    print(f"done: {({k: round(v, 4) if isinstance(v, float) else v for k, v in m.items() if k in keys})}")
-    print(f"student: {result.checkpoint_uri}")
-    return 0
+    return _pretrain_run(args, recipe, "distill", ("step", "loss", "cos_loss", "sentence_cos", "eval_sentence_cos",
+                                                   "mlm_acc", "tokens_per_s"))
 
 
 def _serve_config(args: argparse.Namespace):

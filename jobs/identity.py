@@ -11,17 +11,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from ctxmodels.checkpoint import file_sha256
+
 
 def _folder_name(uri: str) -> str:
     return uri.rstrip("/").rsplit("/", 1)[-1] or uri
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoint_version(checkpoint: str, local_dir: Path | None = None) -> str | None:
@@ -46,7 +40,7 @@ def checkpoint_version(checkpoint: str, local_dir: Path | None = None) -> str | 
     h = hashlib.sha256()
     for p in sorted(local_dir.iterdir()):
         if p.is_file() and (p.name == "config.json" or p.suffix == ".safetensors"):
-            h.update(f"{p.name}\0{_file_sha256(p)}\n".encode())
+            h.update(f"{p.name}\0{file_sha256(p)}\n".encode())
     return f"{name}@{h.hexdigest()[:16]}"
 
 
@@ -56,5 +50,5 @@ def tokenizer_hash(tokenizer_dir: Path) -> str:
 
     h = hashlib.sha256()
     for p in tokenizer_files(tokenizer_dir):
-        h.update(f"{p.name}\0{_file_sha256(p)}\n".encode())
+        h.update(f"{p.name}\0{file_sha256(p)}\n".encode())
     return h.hexdigest()[:16]
