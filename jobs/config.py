@@ -173,7 +173,8 @@ class TrainSection(StepChecks):
     eval_every: int = Field(100, ge=1)  # steps between evaluations on data.eval_input (and at the end)
     seed: int = 0  # model initialisation
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU or a native-bf16 CPU, fp32 weights and optimizer
-    compile: bool = False  # torch.compile the model
+    # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
+    compile: bool | Literal["graphs"] = False
     sample_log: bool = False  # write every consumed sample id (and a digest of its tokens) to <run>/sample_log/
 
 class ScalingSection(_Section):

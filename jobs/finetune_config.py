@@ -136,7 +136,8 @@ class FtTrainSection(StepChecks):
     patience: int | None = Field(None, ge=1)  # stop after this many validations without a better task.metric
     seed: int = 0  # head initialisation, epoch order of the records
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU or a native-bf16 CPU, fp32 weights and optimizer
-    compile: bool = False
+    # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
+    compile: bool | Literal["graphs"] = False
     sample_log: bool = False  # every consumed sample id to <run>/sample_log/ (audits, exactly-once tests)
 
 

@@ -44,15 +44,17 @@ Precision = Literal["fp32", "bf16"]
 class ParallelPlan:
     strategy: Strategy = "ddp"  # replicate (DDP) or shard (FSDP2) the model across the workers
     precision: Precision = "fp32"  # bf16: autocast on CUDA and native-bf16 CPUs (bf16 matmuls, fp32 master weights/optimizer)
-    compile: bool = False  # torch.compile the wrapped model (DDP and FSDP2 both support compiling the wrapper)
+    # True: each Transformer block under torch.compile (ctxmodels.compiling); "graphs": the same, on
+    # CUDA replayed as CUDA graphs (mode reduce-overhead: the host launches a block's kernels at once)
+    compile: bool | Literal["graphs"] = False
 
     def __post_init__(self) -> None:
         if self.strategy not in get_args(Strategy):
             raise ValueError(f"ParallelPlan.strategy must be one of {get_args(Strategy)}, got {self.strategy!r}")
         if self.precision not in get_args(Precision):
             raise ValueError(f"ParallelPlan.precision must be one of {get_args(Precision)}, got {self.precision!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"ParallelPlan.compile must be true or false, got {self.compile!r}")
+        if not isinstance(self.compile, bool) and self.compile != "graphs":
+            raise ValueError(f"ParallelPlan.compile must be true, false or 'graphs', got {self.compile!r}")
 
 
 def world_size() -> int:
@@ -161,7 +163,8 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
     if plan.compile:
         from ctxmodels.compiling import compile_blocks
 
-        whole = compile_blocks(model) == 0
+        graphs = plan.compile == "graphs" and device.type == "cuda"  # CUDA graphs exist on CUDA only
+        whole = compile_blocks(model, **({"mode": "reduce-overhead"} if graphs else {})) == 0
     n = world_size()
     if n > 1 and plan.strategy == "ddp":
         ids = None
