@@ -291,7 +291,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           pooling=args.pooling, normalize=args.normalize, endpoint_url=args.endpoint_url,
                           batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, actor_batch_size=args.actor_batch_size,
                           actors=args.actors, cpus_per_actor=args.cpus_per_actor, num_gpus=args.num_gpus,
-                          verbose=args.verbose, started=started)
+                          retry_deadline_s=args.retry_deadline, verbose=args.verbose, started=started)
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise SystemExit(f"ctx embed: {e}") from None
@@ -679,6 +679,7 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs per actor, also its torch threads (default %(default)s)")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint of input and output (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
 
 
 def _add_report(p: argparse.ArgumentParser) -> None:

@@ -95,14 +95,16 @@ class Embedder:
         })
 
 
-def refuse_existing(output: str, endpoint_url: str | None = None) -> bool:
+def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> bool:
     """Raise FileExistsError when ``output`` is a file or a folder holding anything; True when it is
-    an empty folder already (the write then adds to it), False when it does not exist."""
-    fs, path = storage.filesystem(output, endpoint_url)
-    info = storage.with_retries(lambda: fs.get_file_info(path), f"stat {output}")
+    an empty folder already (the write then adds to it), False when it does not exist. ``store``:
+    the endpoint and retry deadline (or an endpoint URL, with the default deadline)."""
+    store = store if isinstance(store, storage.Store) else storage.Store(store)
+    fs, path = store.filesystem(output)
+    info = store.retry(lambda: fs.get_file_info(path), f"stat {output}")
     if info.type != pafs.FileType.File:
         # A prefix with objects under it can read as NotFound on some S3 stores (no folder markers): list it.
-        listed = storage.with_retries(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
+        listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
         if not listed:
             return info.type == pafs.FileType.Directory
     raise FileExistsError(
@@ -127,6 +129,7 @@ def reembed(
     actors: int | None = None,
     cpus_per_actor: float = CPUS_PER_ACTOR,
     num_gpus: float = 0.0,
+    retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S,
     verbose: bool = False,
     started: float | None = None,
 ) -> dict[str, Any]:
@@ -162,10 +165,11 @@ def reembed(
             raise ValueError(f"{name} ({value}) must be at least 1")
     if (actors is not None and actors < 1) or cpus_per_actor <= 0:
         raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
-    existed_empty = refuse_existing(output, endpoint_url)  # before any work: old vectors stay as they are
-    in_fs, in_path = storage.filesystem(input, endpoint_url)
-    out_fs, out_path = storage.filesystem(output, endpoint_url)
-    files, rows_in = _input_rows(input, in_fs, in_path, id_column, text_column)  # Parquet footers only: no Ray yet
+    store = storage.Store(endpoint_url, retry_deadline_s, "--retry-deadline")  # every wait below: said, bounded
+    existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
+    in_fs, in_path = store.filesystem(input)
+    out_fs, out_path = store.filesystem(output)
+    files, rows_in = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # Parquet footers only: no Ray yet
     source, registered = resolve(model)  # models:/NAME@alias -> the version's checkpoint, once
     checkpoint = resolve_checkpoint(source)
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
@@ -221,17 +225,18 @@ def _check_pool(actors: int, cpus_per_actor: float) -> None:
         )
 
 
-def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text_column: str) -> tuple[list[str], int]:
+def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text_column: str,
+                store: storage.Store) -> tuple[list[str], int]:
     """The Parquet files at ``path`` and their row count, from the files' footers. The files are those
     Ray Data's read_parquet would read there: ``path`` itself, or every ``*.parquet`` under the folder
     whose path below it starts with neither "." nor "_"."""
     import pyarrow.dataset as pads
 
-    info = storage.with_retries(lambda: fs.get_file_info(path), f"stat {input}")
+    info = store.retry(lambda: fs.get_file_info(path), f"stat {input}")
     if info.type == pafs.FileType.File:
         files = [path]
     else:
-        listed = storage.with_retries(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {input}")
+        listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {input}")
         base = path.rstrip("/") + "/"
         files = sorted(
             i.path for i in listed
@@ -243,7 +248,7 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
     for col in (id_column, text_column):
         if col not in dataset.schema.names:
             raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(dataset.schema.names)}); name it with --id-column / --text-column")
-    rows = storage.with_retries(dataset.count_rows, f"count rows of {input}")
+    rows = store.retry(dataset.count_rows, f"count rows of {input}")
     if rows == 0:
         raise ValueError(f"--input {input}: no rows to embed")
     return files, rows

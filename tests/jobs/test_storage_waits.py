@@ -188,6 +188,8 @@ FLAG_COMMANDS = {
     "export": (["export", "--model", "s3://corp/runs/r", "--format", "hf", "--output", "{out}"], "stat s3://corp/runs/r"),
     "eval": (["eval", "--model", "s3://corp/runs/r", "--data", "s3://corp/d.jsonl"], "stat s3://corp/runs/r"),
     "models register": (["models", "register", "x", "s3://corp/runs/r/checkpoint_1"], "stat s3://corp/runs/r/checkpoint_1/tokenizer"),
+    "embed": (["embed", "--model", "s3://corp/runs/r", "--input", "s3://corp/texts/", "--output", "s3://corp/vectors/"],
+              "stat s3://corp/vectors/"),
     "tokenizer train": (["tokenizer", "train", "--kind", "wordpiece", "--input", "s3://corp/x/", "--vocab-size", "100",
                          "--output", "{out}"], "stat s3://corp/x/"),
 }
