@@ -64,9 +64,10 @@ class ScheduleState:
     """``rounds.jsonl`` (one JSON object per round, rewritten whole: object stores cannot append)
     and ``seen_shards.json``. One writer at a time: rounds never overlap."""
 
-    def __init__(self, state_uri: str, endpoint_url: str | None = None):
-        self.uri, self.endpoint_url = state_uri, endpoint_url
-        self.fs, self.path = storage.filesystem(state_uri, endpoint_url)
+    def __init__(self, state_uri: str, store: storage.Store | str | None = None):
+        self.uri = state_uri
+        self.store = store if isinstance(store, storage.Store) else storage.Store(store)
+        self.fs, self.path = self.store.filesystem(state_uri)
 
     def _read(self, name: str) -> bytes | None:
         path = f"{self.path.rstrip('/')}/{name}"
@@ -78,7 +79,7 @@ class ScheduleState:
             except FileNotFoundError:
                 return None
 
-        return storage.with_retries(read, f"read {storage.join(self.uri, name)}")
+        return self.store.retry(read, f"read {storage.join(self.uri, name)}")
 
     def _write(self, name: str, data: bytes) -> None:
         path = f"{self.path.rstrip('/')}/{name}"
@@ -89,7 +90,7 @@ class ScheduleState:
             with self.fs.open_output_stream(path) as f:
                 f.write(data)
 
-        storage.with_retries(write, f"write {storage.join(self.uri, name)}")
+        self.store.retry(write, f"write {storage.join(self.uri, name)}")
 
     def rounds(self) -> list[dict[str, Any]]:
         data = self._read(HISTORY)
@@ -146,7 +147,7 @@ def watched_files(cfg: ScheduleConfig) -> list[str]:
     else:
         suffixes = storage.CORPUS_SUFFIXES
     try:
-        return storage.list_files(cfg.trigger.watch, cfg.endpoint_url, suffixes=suffixes)
+        return cfg.store.list_files(cfg.trigger.watch, suffixes=suffixes)
     except storage.StorageError as e:
         if "matches no" in str(e):  # an empty or not yet created prefix: nothing new
             return []
@@ -157,10 +158,10 @@ def watched_files(cfg: ScheduleConfig) -> list[str]:
 # Evaluation of one version: held-out masked-LM metrics, WiC, probe vectors
 
 
-def _local_checkpoint(uri: str, workdir: Path, endpoint_url: str | None) -> Path:
+def _local_checkpoint(uri: str, workdir: Path, store: storage.Store | str | None) -> Path:
     from jobs.runs import local_copy, resolve_checkpoint
 
-    return local_copy(resolve_checkpoint(uri, endpoint_url), workdir, endpoint_url)
+    return local_copy(resolve_checkpoint(uri, store), workdir, store)
 
 
 def held_out_metrics(checkpoint: Path, recipe, shards: list[str]) -> dict[str, float]:
@@ -200,14 +201,12 @@ def probe_texts(cfg: ScheduleConfig) -> list[str]:
 
     ev = cfg.evaluate
     if ev.probes:
-        fs, path = storage.filesystem(ev.probes, cfg.endpoint_url)
-        with fs.open_input_stream(path) as f:
-            lines = f.read().decode("utf-8").splitlines()
+        lines = cfg.store.read_bytes(ev.probes).decode("utf-8").splitlines()
     elif cfg.train.kind == "finetune":
         lines = split_texts(cfg)
     else:
-        lines = sample_text(storage.list_files(ev.held_out, cfg.endpoint_url), 2_000_000, cfg.recipe["data"]["format"],
-                            cfg.recipe["data"]["text_field"], cfg.endpoint_url)
+        lines = sample_text(cfg.store.list_files(ev.held_out), 2_000_000, cfg.recipe["data"]["format"],
+                            cfg.recipe["data"]["text_field"], cfg.endpoint_url, cfg.retry_deadline_s)
     texts: list[str] = []
     for line in lines:
         line = line.strip()
@@ -226,7 +225,7 @@ def split_texts(cfg: ScheduleConfig) -> list[str]:
     from pipelines.finetune_stream import read_split
 
     task, fmt = cfg.recipe["task"], cfg.recipe["data"]["format"]
-    table = read_split(cfg.evaluate.held_out, fmt, cfg.endpoint_url)
+    table = read_split(cfg.evaluate.held_out, fmt, cfg.endpoint_url, cfg.retry_deadline_s)
     fields = [f for f in (task.get("text_field"), "sentence1", "text", "sentence", "question") if f]
     out = []
     for raw in table.column("_json").to_pylist():
@@ -239,12 +238,12 @@ def split_texts(cfg: ScheduleConfig) -> list[str]:
     return out
 
 
-def task_metrics_of(checkpoint: Path, recipe, split: str, endpoint_url: str | None) -> dict[str, float]:
+def task_metrics_of(checkpoint: Path, recipe, split: str, store: storage.Store | str | None) -> dict[str, float]:
     """A fine-tuned checkpoint's task metrics on ``split`` (``jobs.finetune.score_split``: the
     validation code of ``ctx finetune``), named without the ``val_`` prefix: loss, accuracy, f1 ..."""
     from jobs.finetune import score_split
 
-    return {k.removeprefix("val_"): float(v) for k, v in score_split(str(checkpoint), recipe, split, endpoint_url).items()}
+    return {k.removeprefix("val_"): float(v) for k, v in score_split(str(checkpoint), recipe, split, store).items()}
 
 
 def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=print) -> tuple[dict[str, float], dict[str, float]]:
@@ -261,22 +260,22 @@ def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=prin
         shards: list[str] = []
     else:
         recipe = Recipe.model_validate({**cfg.recipe, "data": {**cfg.recipe["data"], "eval_max_samples": cfg.evaluate.max_samples}})
-        shards = storage.list_files(cfg.evaluate.held_out, cfg.endpoint_url)
+        shards = cfg.store.list_files(cfg.evaluate.held_out)
     texts = probe_texts(cfg)
     work = Path(tempfile.mkdtemp(prefix="ctx-round-eval-"))
     try:
         out: dict[str, dict[str, float]] = {}
         vectors = {}
         for role, uri in (("candidate", candidate), ("production", production)):
-            local = _local_checkpoint(uri, work / role, cfg.endpoint_url)
+            local = _local_checkpoint(uri, work / role, cfg.store)
             if finetuning:
-                m = task_metrics_of(local, recipe, cfg.evaluate.held_out, cfg.endpoint_url)
+                m = task_metrics_of(local, recipe, cfg.evaluate.held_out, cfg.store)
             else:
                 m = held_out_metrics(local, recipe, shards)
             if cfg.evaluate.wic:
                 from jobs.wic import evaluate_wic
 
-                m["wic_accuracy"] = float(evaluate_wic(str(local), cfg.evaluate.wic, strategies=("last",), store=cfg.endpoint_url)["accuracy"])
+                m["wic_accuracy"] = float(evaluate_wic(str(local), cfg.evaluate.wic, strategies=("last",), store=cfg.store)["accuracy"])
             vectors[role] = probe_vectors(local, texts)
             out[role] = m
             log(f"evaluate: {role} {uri}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(m.items())))
@@ -369,7 +368,7 @@ def run_round(cfg: ScheduleConfig, trigger: str = "manual", log: Callable[[str],
               registry=None, train: Callable | None = None) -> dict[str, Any]:
     """One round, start to end; returns its record (also saved in the history). Never raises for
     a round that failed: the record says why (``status: failed``, ``error``)."""
-    state = ScheduleState(cfg.state_uri, cfg.endpoint_url)
+    state = ScheduleState(cfg.state_uri, cfg.store)
     busy = running_round(state)
     if busy is not None:
         return {"status": "busy", "reason": f"round {busy['round']} is running since {busy['started']} on {busy.get('host')}"}
@@ -462,7 +461,8 @@ def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
         return {"status": "skipped", "reason": "jobs.embed (ctx embed) is not installed in this checkout"}
     try:
         out = bulk(version.source, r.input, output, id_column=r.id_column, text_column=r.text_column,
-                   pooling=r.pooling, normalize=r.normalize, endpoint_url=cfg.endpoint_url)
+                   pooling=r.pooling, normalize=r.normalize, endpoint_url=cfg.endpoint_url,
+                   retry_deadline_s=cfg.retry_deadline_s)
         return {"status": "done", "output": output, **{k: v for k, v in (out or {}).items() if isinstance(v, (int, float, str))}}
     except Exception as e:
         return {"status": "failed", "output": output, "reason": f"{type(e).__name__}: {e}"}
@@ -543,7 +543,7 @@ class Scheduler:
     def _loop(self) -> None:
         cfg = self.cfg
         cron_due: float | None = None
-        state = ScheduleState(cfg.state_uri, cfg.endpoint_url)
+        state = ScheduleState(cfg.state_uri, cfg.store)
         while not self._stop.is_set():
             wait = cfg.trigger.poll_s
             try:
@@ -627,7 +627,7 @@ def stop(cfg: ScheduleConfig, address: str | None = None) -> bool:
 
 def status(cfg: ScheduleConfig, address: str | None = None, with_actor: bool = True) -> dict[str, Any]:
     """The history (from state_uri: readable from any client) and, if reachable, the actor's state."""
-    out: dict[str, Any] = {"schedule": cfg.name, "rounds": ScheduleState(cfg.state_uri, cfg.endpoint_url).rounds()}
+    out: dict[str, Any] = {"schedule": cfg.name, "rounds": ScheduleState(cfg.state_uri, cfg.store).rounds()}
     if with_actor:
         try:
             import ray

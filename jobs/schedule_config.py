@@ -5,6 +5,7 @@ names the file and the key. Nothing here imports Ray or torch.
     name: bert-nightly               # the scheduler actor's name, the round folders, the history
     model: bert-tiny                 # the registered model (MLflow) whose @production is retrained
     state_uri: s3://runs/schedules/bert-nightly   # rounds.jsonl (the history) and the shards seen
+    retry_deadline_s: 300            # the scheduler's own object-store waits (its runs: their recipe's)
     trigger:
       cron: "0 3 * * *"              # and/or
       watch: s3://corpora/wiki/new/  # a round starts when new shards appear under this prefix
@@ -35,6 +36,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 # What a round measures, by train.kind; a gate on anything else is refused on load. Lower is
 # better for these; the rest are better higher.
@@ -212,6 +215,9 @@ class ScheduleConfig(_Section):
     state_uri: str
     namespace: str = "ctx-schedule"  # Ray namespace of the detached actor
     endpoint_url: str | None = None  # S3-compatible endpoint (default AWS_ENDPOINT_URL)
+    # how long one object-store call of the scheduler (watching, state, evaluation, re-embedding)
+    # retries through an outage before the round fails; the rounds' runs take their recipe's
+    retry_deadline_s: float = Field(DEFAULT_RETRY_DEADLINE_S, ge=1)
     trigger: Trigger
     train: TrainStep
     evaluate: EvaluateStep
@@ -219,6 +225,13 @@ class ScheduleConfig(_Section):
     serve: ServeStep | None = None
     reembed: ReembedStep | None = None
     recipe: dict[str, Any] = {}  # filled on load: train.recipe with train.set applied, as validated
+
+    @property
+    def store(self):
+        """The scheduler's object store: ``endpoint_url`` and ``retry_deadline_s``, bound once."""
+        from pipelines.storage import Store
+
+        return Store(self.endpoint_url, self.retry_deadline_s, "retry_deadline_s")
 
     @field_validator("name")
     @classmethod
