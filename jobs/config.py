@@ -142,6 +142,15 @@ class StepChecks(_Section):
     # Fault injection, for tests and drills: the optimizer-step attempts (1-based, skipped ones
     # counted) whose loss is made NaN on rank 0. Never set it in a real run.
     debug_nan_steps: tuple[int, ...] = ()
+    # The learning-rate schedule: linear warm-up then linear decay (BERT), or ULMFiT's slanted
+    # triangular one (Howard & Ruder 2018): a rise over cut_frac of the steps, a long fall, its
+    # lowest lr the peak / stlr_ratio (warm-up keys are then unused).
+    schedule: Literal["linear", "stlr"] = "linear"
+    cut_frac: float = Field(0.1, gt=0, lt=1)
+    stlr_ratio: float = Field(32.0, ge=1)
+    # ULMFiT's discriminative fine-tuning: each layer down learns at the lr of the one above / this
+    # (the paper: 2.6); the head and the last block at train.lr (jobs.loop.layer_depths).
+    discriminative_lr: float | None = Field(None, ge=1)
 
     @field_validator("betas", "debug_nan_steps", mode="before", check_fields=False)  # betas: in each subclass
     @classmethod

@@ -492,6 +492,9 @@ class FinetuneJob(WorkerJob):
         self.data = ray.get(self.config["validation"]) if self.config.get("validation") is not None else None
         return self.data is not None
 
+    def trainable_depths(self, step: int) -> int | None:
+        return 1 + step // self.per_epoch  # ULMFiT: one more layer depth thawed each epoch, the head first
+
     def evaluation_due(self, step: int) -> bool:
         every = self.recipe.train.eval_every
         return step % self.per_epoch == 0 or (every is not None and step % every == 0)

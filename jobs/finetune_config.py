@@ -139,6 +139,9 @@ class FtTrainSection(StepChecks):
     # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
     compile: bool | Literal["graphs"] = False
     sample_log: bool = False  # every consumed sample id to <run>/sample_log/ (audits, exactly-once tests)
+    # ULMFiT's gradual unfreezing: epoch e trains the top e + 1 layer depths (the head alone, then
+    # the last block too, ...; jobs.loop.layer_depths); deeper ones stay as loaded until their epoch.
+    gradual_unfreezing: bool = False
 
 
 class FinetuneRecipe(_Section):

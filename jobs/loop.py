@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -263,14 +264,70 @@ def freeze_unused(model, inputs: dict[str, Any]) -> list[str]:
 # Optimizer and schedule
 
 
-def param_groups(model, weight_decay: float):
-    """No weight decay on biases and LayerNorm weights (as BERT's AdamWeightDecayOptimizer)."""
-    decay, no_decay = [], []
+def param_groups(model, weight_decay: float, discriminative: float | None = None, by_depth: bool = False):
+    """No weight decay on biases and LayerNorm weights (as BERT's AdamWeightDecayOptimizer).
+
+    ``discriminative`` (ULMFiT's discriminative fine-tuning, Howard & Ruder 2018, sec. 3.2): one
+    pair of groups per layer depth (``layer_depths``), depth d learning at ``lr / discriminative**d``
+    (``lr_scale``; the paper's 2.6). ``by_depth``: the same groups at one learning rate (what
+    gradual unfreezing needs to know the depths). Each group says its ``depth``."""
+    if discriminative is None and not by_depth:
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    depths = layer_depths(model)
+    factor = discriminative or 1.0
+    groups: dict[tuple[int, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        d = depths[name]
+        g = groups.setdefault((d, p.ndim < 2), {"params": [], "weight_decay": 0.0 if p.ndim < 2 else weight_decay,
+                                                 "depth": d, "lr_scale": factor ** -d})
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+_BLOCK = re.compile(r"(?:^|\.)(?:layers|blocks|fwd_lstms|bwd_lstms)\.(\d+)\.")
+
+
+def layer_depths(model) -> dict[str, int]:
+    """Each parameter's layer depth, counted from the top as ULMFiT unfreezes and discounts them:
+    0 the task head (everything outside ``backbone``, or a pretraining model's heads), 1 the last
+    block (and the backbone's other non-embedding parameters: pooler, final LayerNorm), ...,
+    ``n`` the first of ``n`` blocks, ``n + 1`` the embeddings. Blocks are ``backbone.layers.i``,
+    ``backbone.blocks.i`` or ELMo's ``fwd_lstms.i``/``bwd_lstms.i`` (both directions of a layer
+    together); ALBERT's shared layers are one body at depth 1 over its embeddings at 2."""
+    names = [n for n, _ in model.named_parameters()]
+    blocks = [int(m.group(1)) for n in names if (m := _BLOCK.search(n))]
+    n_blocks = max(blocks) + 1 if blocks else 0
+    out = {}
+    for name in names:
+        m = _BLOCK.search(name)
+        inside = name.startswith("backbone.")
+        if m:
+            out[name] = 1 + (n_blocks - 1 - int(m.group(1)))
+        elif inside and ("emb" in name.split(".")[1] or "embed" in name):
+            out[name] = max(n_blocks, 1) + 1
+        elif inside:
+            out[name] = 1
+        else:
+            out[name] = 0
+    return out
+
+
+def stlr_factor(samples: int, batch_size: int, total_steps: int, cut_frac: float = 0.1, ratio: float = 32.0) -> float:
+    """ULMFiT's slanted triangular learning rate (Howard & Ruder 2018, eq. 3), as a factor of the
+    peak: at step ``t = samples // batch_size`` of ``T = total_steps``, ``cut = floor(T * cut_frac)``,
+    ``p = t / cut`` before the cut, else ``1 - (t - cut) / (cut * (1 / cut_frac - 1))``, and the factor
+    ``(1 + p * (ratio - 1)) / ratio``: a short linear rise, a long linear fall, never below
+    ``1 / ratio``."""
+    t, cut = samples // batch_size, max(1, math.floor(total_steps * cut_frac))
+    p = t / cut if t < cut else 1.0 - (t - cut) / (cut * (1.0 / cut_frac - 1.0))
+    return (1.0 + max(0.0, p) * (ratio - 1.0)) / ratio
 
 
 def lr_factor(samples: int, warmup_samples: int, total_samples: int) -> float:
@@ -281,13 +338,16 @@ def lr_factor(samples: int, warmup_samples: int, total_samples: int) -> float:
     return max(0.0, (total_samples - samples) / max(1, total_samples - warmup_samples))
 
 
-def build_optimizer(model, wrapped, strategy: str, device, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8):
+def build_optimizer(model, wrapped, strategy: str, device, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                    discriminative: float | None = None, by_depth: bool = False):
     """AdamW without decay on biases/LayerNorm; fused (one kernel over all parameters) under DDP
-    on CPU and CUDA; FSDP's sharded DTensor parameters take the default implementation."""
+    on CPU and CUDA; FSDP's sharded DTensor parameters take the default implementation. Groups per
+    layer depth with ``discriminative`` or ``by_depth`` (``param_groups``)."""
     import torch
 
     fused = strategy == "ddp" and device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps, fused=fused)
+    groups = param_groups(model, weight_decay, discriminative, by_depth)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
 
 
 def load_optimizer(wrapped, optimizer, resumed: "Resumed") -> None:
@@ -425,6 +485,10 @@ class Stepper:
     inputs: Callable[[dict[str, Any]], dict[str, Any]] = model_inputs
     max_bad_steps: int = 10  # skipped steps in a row before the run stops
     debug_nan_steps: tuple[int, ...] = ()  # fault injection: attempts (1-based, skips counted) whose loss is made NaN on rank 0
+    # ULMFiT's gradual unfreezing: step -> how many layer depths train (0: the head, 1: the last
+    # block, ...); the deeper groups' gradients are dropped before clipping and the update, so
+    # they neither move nor gather optimizer state. None: every depth trains.
+    trainable_depths: Callable[[int], int | None] | None = None
     _forget_memory: bool = field(default=False, repr=False)
     _bad_in_a_row: int = field(default=0, repr=False)
 
@@ -460,6 +524,12 @@ class Stepper:
             # Numbers only: keeping ``out`` until the decision would hold every micro-batch's logits.
             measured.append((float(loss.detach()), {k: float(v) for k, v in out.metrics.items()}))
             taken.append(batch)
+        limit = self.trainable_depths(state.step) if self.trainable_depths is not None else None
+        if limit is not None:
+            for g in self.optimizer.param_groups:
+                if g.get("depth", 0) >= limit:  # frozen at this step: as if requires_grad were False
+                    for p in g["params"]:
+                        p.grad = None
         norm = parallel.grad_norm(self.wrapped)  # before clipping, which the optimizer step does (clipped_step)
         # One decision for every rank, before any rank updates: DDP's averaged gradients are NaN
         # everywhere if they are NaN anywhere, but a rank's loss is its own (and a rank whose
@@ -485,8 +555,10 @@ class Stepper:
         self._bad_in_a_row = 0
         for (loss, metrics), batch in zip(measured, taken):
             meter.add_micro_batch(loss, metrics, batch)
+        factor = self.schedule(state.samples_seen)
         for g in self.optimizer.param_groups:
-            g["lr"] = self.lr * self.schedule(state.samples_seen)
+            g["lr"] = self.lr * g.get("lr_scale", 1.0) * factor  # lr_scale: discriminative fine-tuning
+        self._top_lr = self.lr * factor
         parallel.clipped_step(self.wrapped, self.optimizer, norm, self.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -496,7 +568,9 @@ class Stepper:
 
     @property
     def current_lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The learning rate of the top layers (the peak's share the schedule gives now)."""
+        top = getattr(self, "_top_lr", None)
+        return float(top if top is not None else max(g["lr"] for g in self.optimizer.param_groups))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -947,6 +1021,10 @@ class WorkerJob:
     def meter(self) -> "StepMeter":
         return StepMeter()
 
+    def trainable_depths(self, step: int) -> int | None:
+        """Gradual unfreezing (``train.gradual_unfreezing``): how many layer depths train at ``step``."""
+        return None
+
     def checkpointer_options(self) -> dict[str, Any]:
         """``Checkpointer`` keywords beyond the common ones: ``save`` and ``fresh_model`` at least."""
         raise NotImplementedError
@@ -1035,11 +1113,17 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
     if frozen and rank == 0:
         print(job.frozen_message(frozen))
     wrapped = parallel.wrap_model(model, plan, device)
-    optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps)
+    unfreezing = getattr(t, "gradual_unfreezing", False)
+    optimizer = build_optimizer(model, wrapped, recipe.scaling.strategy, device, t.lr, t.weight_decay, t.betas, t.eps,
+                                discriminative=t.discriminative_lr, by_depth=unfreezing)
     load_optimizer(wrapped, optimizer, resumed)
-    schedule = partial(lr_factor, warmup_samples=job.warmup_steps * t.batch_size, total_samples=total * t.batch_size)
+    if t.schedule == "stlr":  # ULMFiT's slanted triangular rate: its rise is the warm-up
+        schedule = partial(stlr_factor, batch_size=t.batch_size, total_steps=total, cut_frac=t.cut_frac, ratio=t.stlr_ratio)
+    else:
+        schedule = partial(lr_factor, warmup_samples=job.warmup_steps * t.batch_size, total_samples=total * t.batch_size)
     stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip,
-                      inputs=job.step_inputs, max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps)
+                      inputs=job.step_inputs, max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps,
+                      trainable_depths=job.trainable_depths if unfreezing else None)
     meter = job.meter()
     checkpointer = Checkpointer(run, ep, job.units, rank, world, resumed.position, strategy=recipe.scaling.strategy,
                                 committed_step=state.step, retry_deadline_s=deadline, **job.checkpointer_options())
