@@ -293,14 +293,13 @@ class TeacherSection(_Section):
 DISTILL_FAMILIES = ("bert", "roberta", "spanbert")  # ctxmodels.distill: BertForPreTraining's families
 
 
-class Recipe(_Section):
+class RecipeBase(_Section):
+    """What every training recipe shares (pretraining, distillation and fine-tuning): its name and
+    run folder, the workers and the registry, and the batch arithmetic over a ``train`` section
+    with ``batch_size`` and ``micro_batch_size`` (each subclass declares its own ``train``)."""
+
     name: str = "run"
     output_dir: str = "runs"
-    teacher: TeacherSection | None = None  # distillation (ctx distill): the student starts from the teacher's layers
-    model: ModelSection = ModelSection()
-    tokenizer: TokenizerSection = TokenizerSection()
-    data: DataSection = DataSection()
-    train: TrainSection = TrainSection()
     scaling: ScalingSection = ScalingSection()
     registry: RegistrySection = RegistrySection()
 
@@ -313,9 +312,21 @@ class Recipe(_Section):
         return self.train.batch_size // (world * self.micro_batch_size)
 
     @model_validator(mode="after")
-    def _check_batch(self) -> "Recipe":
+    def _check_batch_and_name(self) -> "RecipeBase":
         check_batch(self.train.batch_size, self.micro_batch_size, self.scaling.worker_range)
         check_registry_name(self.name, self.registry)
+        return self
+
+
+class Recipe(RecipeBase):
+    teacher: TeacherSection | None = None  # distillation (ctx distill): the student starts from the teacher's layers
+    model: ModelSection = ModelSection()
+    tokenizer: TokenizerSection = TokenizerSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> "Recipe":
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
         supported = FAMILY_OBJECTIVES.get(self.model.family, {})

@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from jobs.config import RecipeError, RegistrySection, ScalingSection, StepChecks, _Section, check_batch, check_registry_name, load_recipe
+from jobs.config import RecipeBase, RecipeError, StepChecks, _Section, load_recipe
 from ctxmodels.task_kinds import TaskKind
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
@@ -144,27 +144,15 @@ class FtTrainSection(StepChecks):
     gradual_unfreezing: bool = False
 
 
-class FinetuneRecipe(_Section):
+class FinetuneRecipe(RecipeBase):
     name: str = "finetune"
-    output_dir: str = "runs"
     model: FtModelSection
     task: TaskSection = TaskSection()
     data: FtDataSection
     train: FtTrainSection = FtTrainSection()
-    scaling: ScalingSection = ScalingSection()
-    registry: RegistrySection = RegistrySection()
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.train.micro_batch_size or self.train.batch_size // self.scaling.worker_range[1]
-
-    def accumulation(self, world: int) -> int:
-        return self.train.batch_size // (world * self.micro_batch_size)
 
     @model_validator(mode="after")
     def _check(self) -> "FinetuneRecipe":
-        check_batch(self.train.batch_size, self.micro_batch_size, self.scaling.worker_range)
-        check_registry_name(self.name, self.registry)
         if self.train.patience is not None and not self.data.validation:
             raise ValueError("train.patience: early stopping needs a validation split (data.validation)")
         if self.model.task_model == "bilstm" and self.model.features is None:
