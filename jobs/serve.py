@@ -57,7 +57,6 @@ import asyncio
 import atexit
 import base64
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import hmac
@@ -87,6 +86,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs.batching import Batcher
 from jobs.identity import checkpoint_version, tokenizer_hash  # noqa: F401 (tokenizer_hash re-exported)
+from jobs.passes import PASS_TOKENS, forward, on_forward_thread, token_budget_groups  # noqa: F401 (re-exported)
 from jobs.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
 from jobs.serve_tasks import REQUESTS, TaskRequest, TaskServing, cannot_serve, check_texts, read_recipe
 
@@ -94,11 +94,6 @@ logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
 TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
-# What a forward pass costs besides its tokens, in tokens (``token_budget_groups``). MiniLM on 2 CPU threads:
-# a pass takes ~2.3 ms plus ~0.1 ms a token, and small passes use the cores less well (8 rows of 16 tokens
-# run at 8 tokens/ms, 32 rows at 11), so cutting a batch in two costs 5.7-7.7 ms more than padding it:
-# 55-70 tokens (benchmarks/serving.py's 8 x 64-text load ran 16.9 texts a pass at 24, 3% padding).
-PASS_TOKENS = 64
 # Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
 CAUSAL_FAMILIES = ("gpt", "transformer-xl")
 VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
@@ -204,71 +199,6 @@ def char_ids_backbone(backbone, tokenizer, max_chars: int):
             return self.inner.hidden_states(char_ids, attention_mask)
 
     return CharIdsBackbone()
-
-
-def token_budget_groups(lengths: list[int], max_rows: int, max_tokens: int, pass_tokens: int = PASS_TOKENS) -> list[list[int]]:
-    """Indices of rows (``lengths`` in tokens) grouped into forward passes, shortest rows first: each
-    group has at most ``max_rows`` rows and at most ``max_tokens`` padded tokens (rows x its longest
-    row). Of all such cuts of the length-sorted rows into runs, the one with the fewest padded tokens,
-    counting ``pass_tokens`` more for each pass (what a pass costs besides its tokens), so a long row
-    among short ones gets a pass of its own instead of padding them all to its length, while rows of
-    similar length share one. A row longer than ``max_tokens`` gets a pass of its own (it cannot be
-    split). Ties keep their given order."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    n = len(order)
-    # cost[j]: the cheapest cut of the j shortest rows; start[j]: where its last run starts. A run
-    # order[i:j] is padded to its last (longest) row.
-    cost = [0] + [0] * n
-    start = [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = lengths[order[j - 1]]
-        best, best_i = None, j - 1
-        for i in range(j - 1, max(j - max_rows, 0) - 1, -1):
-            rows = j - i
-            if rows > 1 and rows * longest > max_tokens:
-                break  # more rows only pad more
-            c = cost[i] + rows * longest + pass_tokens
-            if best is None or c < best:  # on a tie the shorter last run (earlier runs filled first)
-                best, best_i = c, i
-        cost[j], start[j] = best, best_i
-    groups: list[list[int]] = []
-    j = n
-    while j > 0:
-        groups.append(order[start[j] : j])
-        j = start[j]
-    return groups[::-1]
-
-
-_FORWARD: concurrent.futures.ThreadPoolExecutor | None = None
-_FORWARD_LOCK = threading.Lock()
-
-
-def _forward_executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _FORWARD
-    with _FORWARD_LOCK:
-        if _FORWARD is None:
-            _FORWARD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctx-forward")
-        return _FORWARD
-
-
-def on_forward_thread(fn, *args):
-    """``fn(*args)`` on this process's one forward-pass thread, waiting for it.
-
-    Every torch operation of a serving process (loading, forward passes, pooling) runs on that one
-    thread. GNU OpenMP gives each thread that runs a parallel operation a team of its own, and once
-    its threads outnumber the cores it stops spinning between operations (GOMP_SPINCOUNT's
-    oversubscribed case) and wakes them through the kernel for every operation instead: MiniLM's
-    passes then ran at 1.5 of 2 cores, 370 texts/s instead of 580, in every thread of the process,
-    once a second thread had run one (1,000 texts in-process, ``asyncio.to_thread`` per pass)."""
-    if threading.current_thread().name.startswith("ctx-forward"):
-        return fn(*args)
-    return _forward_executor().submit(fn, *args).result()
-
-
-async def forward(fn, *args):
-    """``on_forward_thread`` for a coroutine: the event loop goes on meanwhile. Passes take turns
-    anyway (``model_lock``)."""
-    return await asyncio.get_running_loop().run_in_executor(_forward_executor(), fn, *args)
 
 
 def _item_length(item: tuple[np.ndarray, int | None, str]) -> int:

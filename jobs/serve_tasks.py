@@ -32,7 +32,7 @@ recipe defaults of ``jobs.finetune_config``. Over-long inputs are a 400 unless t
 models and the pure decoding functions are the Gateway half. Rows of a task model (and masked-LM rows)
 are collected by one ``jobs.batching.Batcher``, so concurrent requests share forward passes; as for embeddings, a
 batch runs sorted by length in passes of at most ``max_batch_tokens`` padded tokens, each padded only to
-its own longest row (``jobs.serve.token_budget_groups``), and every answer is put back in request order.
+its own longest row (``jobs.passes.token_budget_groups``), and every answer is put back in request order.
 Generation runs one request at a time (every new token depends on the previous one); GPT / GPT-2 and
 Transformer-XL keep what they read (key-value cache, recurrence memory) so each new token costs one
 position, XLNet re-reads the sequence.
@@ -648,12 +648,12 @@ class TaskServing:
     def _rows_forward(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
         """Each row's output in the given order, with the (rows, real tokens, padded tokens) of each
         forward pass riding on one of its rows. The rows run sorted by length in passes of at most
-        max_batch_size rows and max_batch_tokens padded tokens (``jobs.serve.token_budget_groups``, as
+        max_batch_size rows and max_batch_tokens padded tokens (``jobs.passes.token_budget_groups``, as
         the embeddings' passes), each pass padded only to its own longest row.
 
         Task model: logits per row ((L,), or (T, L) padded back to the row's width with -1e4).
         Pretrained masked LM: probabilities (M, V) at each row's mask ``positions``."""
-        from jobs.serve import token_budget_groups
+        from jobs.passes import token_budget_groups
 
         sizes = [self._row_size(r) for r in rows]
         out: list[tuple[np.ndarray, tuple[int, int, int] | None]] = [None] * len(rows)  # type: ignore[list-item]
@@ -692,7 +692,7 @@ class TaskServing:
         return outputs, (len(rows), int(mask.sum()), n_seq * width)
 
     async def _rows_pass(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
-        from jobs.serve import forward
+        from jobs.passes import forward
 
         return await forward(self._rows_forward, rows)
 
@@ -800,9 +800,9 @@ class TaskServing:
             )
         if seed is None:
             seed = secrets.randbits(63)  # fresh entropy (never the global RNG), returned so the answer can be reproduced
-        from jobs.serve import forward
+        from jobs.passes import forward
 
-        # On the forward-pass thread, as every torch operation of the replica (jobs.serve.on_forward_thread).
+        # On the forward-pass thread, as every torch operation of the replica (jobs.passes.on_forward_thread).
         new, finish = await forward(
             generate_ids, self.family, self.model, ids, max_tokens, stop, placeholder, temperature, top_k, top_p, seed, self.device
         )
