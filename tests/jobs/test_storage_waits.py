@@ -54,13 +54,32 @@ def fake_keys(monkeypatch) -> None:
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
 
 
+def _as_from_a_terminal() -> None:
+    """In the child, before exec: SIGINT and SIGTERM handled by default and not blocked, as a command
+    typed at a terminal has them. Ignored and blocked signals are inherited across exec, and the
+    pytest process may have either from what ran in it before (a library's handler set-up); a
+    command started so would never see the signal the test sends."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def signal_state(pid: int) -> str:
+    """The process's blocked, ignored and caught signal masks (/proc), for failure messages."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as e:
+        return f"({e})"
+    return ", ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 class Command:
     """``ctx ARGS`` in a subprocess; every stderr line with the time it arrived."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: Path = REPO):
         self.started = time.monotonic()
         self.proc = subprocess.Popen([str(CTX), *args], cwd=cwd, env={**os.environ, **(env or {})}, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_as_from_a_terminal)
         self.lines: list[tuple[float, str]] = []
         self.stdout: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -153,8 +172,9 @@ def test_a_signal_during_the_wait_ends_the_command_at_once_with_the_lock_release
     assert (tmp_path / "runs" / "bert-tiny" / "LOCK.json").exists() and len(leftovers(temp)) == 1  # the lock, the work folder
     time.sleep(0.5)  # well inside the wait
     sent = time.monotonic()
+    state = signal_state(cmd.proc.pid)
     cmd.proc.send_signal(sig)
-    assert cmd.finish(10) == status
+    assert cmd.finish(10) == status, f"the command's signals when {sig.name} was sent: {state}; stderr:\n{cmd.stderr}"
     assert time.monotonic() - sent < 5
     assert not (tmp_path / "runs" / "bert-tiny" / "LOCK.json").exists() and leftovers(temp) == []
     assert "Traceback" not in cmd.stderr
