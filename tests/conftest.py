@@ -61,6 +61,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture()
+def closed_port() -> str:
+    """http://127.0.0.1:PORT where nothing listens: the port was bound and closed again."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture()
+def sleeps(monkeypatch) -> list[float]:
+    """Storage retries record their waits here instead of sleeping; their clock is the sum of the waits."""
+    from pipelines import storage
+
+    waits: list[float] = []
+    monkeypatch.setattr(storage, "_sleep", waits.append)
+    monkeypatch.setattr(storage, "_clock", lambda: sum(waits))
+    return waits
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """SIGTERM a process started with ``start_new_session=True`` (`ray start --block`, `mlflow
     server`, `ctx schedule`), which then stops its children in order (a Ray head: ~3 s; signalling

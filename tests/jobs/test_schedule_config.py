@@ -110,20 +110,16 @@ def test_a_multiplexed_model_can_be_rolled_and_an_unknown_one_is_named(tmp_path,
     assert "serve.model" in str(e.value) and "'nope' is not a model" in str(e.value) and "['bert', 'ft', 'other']" in str(e.value)
 
 
-def test_the_schedulers_own_storage_waits_end_at_its_retry_deadline(tmp_path, monkeypatch):
+def test_the_schedulers_own_storage_waits_end_at_its_retry_deadline(tmp_path, monkeypatch, closed_port):
     """Watching for new shards against an endpoint that refuses every connection: the scheduler's
     calls take schedule.yaml's retry_deadline_s (not the 300 s default) and the error names it."""
-    import socket
     import time
 
     from jobs.schedule import ScheduleState, new_shards
     from pipelines.storage import StorageError
 
     monkeypatch.chdir(REPO)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    cfg = load_schedule(_write(tmp_path, endpoint_url=closed, retry_deadline_s=2, **{"trigger.watch": "s3://corp/incoming/"}))
+    cfg = load_schedule(_write(tmp_path, endpoint_url=closed_port, retry_deadline_s=2, **{"trigger.watch": "s3://corp/incoming/"}))
     assert cfg.store.deadline_s == 2
     start = time.monotonic()
     with pytest.raises(StorageError, match=r"in 2 s \(retry_deadline_s=2\)"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,22 +27,6 @@ from tests.proxy import CutProxy
 REPO = Path(__file__).resolve().parents[2]
 CTX = Path(sys.executable).parent / "ctx"
 KEY_ID, SECRET = "AKIAMARKERKEYID7777", "MARKERsecretKEY/9999+x"  # marker credentials, searched for afterwards
-
-
-@pytest.fixture()
-def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture()
-def sleeps(monkeypatch) -> list[float]:
-    waits: list[float] = []
-    monkeypatch.setattr(storage, "_sleep", waits.append)
-    monkeypatch.setattr(storage, "_clock", lambda: sum(waits))
-    return waits
 
 
 @pytest.fixture()

@@ -31,15 +31,6 @@ def saved(tmp_path_factory) -> Path:
     return write_small_checkpoint(tmp_path_factory.mktemp("saved") / "checkpoint")
 
 
-@pytest.fixture()
-def sleeps(monkeypatch) -> list[float]:
-    """Retries record their waits here instead of sleeping; their clock is the sum of the waits."""
-    waits: list[float] = []
-    monkeypatch.setattr(storage, "_sleep", waits.append)
-    monkeypatch.setattr(storage, "_clock", lambda: sum(waits))
-    return waits
-
-
 def local_run(tmp_path: Path, saved: Path, names=(OLDER, NEWER)) -> Path:
     run = tmp_path / "run"
     for name in names:

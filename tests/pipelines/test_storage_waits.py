@@ -11,7 +11,6 @@ connection is refused at once.
 from __future__ import annotations
 
 import errno
-import socket
 import time
 
 import pytest
@@ -21,15 +20,6 @@ from pipelines import storage
 S3_REFUSED = OSError("When getting information for key 'x' in bucket 'corp': AWS Error NETWORK_CONNECTION during HeadObject "
                      "operation: curlCode: 7, Could not connect to server; Details: Failed to connect to 127.0.0.1 port 9")
 SLOW_DOWN = OSError("AWS Error SLOW_DOWN during ListObjectsV2 operation: Please reduce your request rate.")
-
-
-@pytest.fixture()
-def sleeps(monkeypatch) -> list[float]:
-    """Retries record their waits here instead of sleeping; their clock is the sum of the waits."""
-    waits: list[float] = []
-    monkeypatch.setattr(storage, "_sleep", waits.append)
-    monkeypatch.setattr(storage, "_clock", lambda: sum(waits))
-    return waits
 
 
 @pytest.fixture()
@@ -44,15 +34,6 @@ def said(monkeypatch) -> list[tuple[float, str]]:
 def never_answered(monkeypatch) -> None:
     """No endpoint has answered this process yet (as at the start of a command)."""
     monkeypatch.setattr(storage, "_answered", set())
-
-
-@pytest.fixture()
-def closed_port() -> str:
-    """http://127.0.0.1:PORT where nothing listens: the port was bound and closed again."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def failing(error: BaseException, times: int, calls: list[int] | None = None):
