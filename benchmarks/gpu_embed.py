@@ -19,7 +19,6 @@ The last line is ``embed_vs_sentence_transformers: X`` (the smaller ratio over t
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import statistics
 import sys
@@ -36,13 +35,9 @@ import torch.nn.functional as F  # noqa: E402
 
 def texts(n: int) -> list[str]:
     """``n`` texts of 1 to 6 consecutive sentences of the bundled corpus (5 to 120 words)."""
-    lines: list[str] = []
-    with gzip.open(REPO / "data" / "sample" / "wordnet-0000-of-0008.txt.gz", "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                lines.append(line.strip())
-            if len(lines) >= 4 * n:
-                break
+    from finetune_throughput import sentences  # the benchmarks' corpus reader
+
+    lines = sentences(4 * n)
     out, i = [], 0
     while len(out) < n:
         k = 1 + len(out) % 6

@@ -326,7 +326,7 @@ class Recipe(RecipeBase):
     train: TrainSection = TrainSection()
 
     @model_validator(mode="after")
-    def _check_batch(self) -> "Recipe":
+    def _check_model_data_and_teacher(self) -> "Recipe":
         if self.data.seq_len > _max_seq_len(self):
             raise ValueError(f"data.seq_len: {self.data.seq_len} exceeds the model's max_seq_len {_max_seq_len(self)}")
         supported = FAMILY_OBJECTIVES.get(self.model.family, {})

@@ -491,6 +491,7 @@ class Stepper:
     trainable_depths: Callable[[int], int | None] | None = None
     _forget_memory: bool = field(default=False, repr=False)
     _bad_in_a_row: int = field(default=0, repr=False)
+    _top_lr: float | None = field(default=None, repr=False)  # lr * schedule at the last step: the head's rate
 
     def forget_memory(self) -> None:
         """The next micro-batch starts without recurrent memory (after an evaluation changed it)."""
@@ -569,8 +570,9 @@ class Stepper:
     @property
     def current_lr(self) -> float:
         """The learning rate of the top layers (the peak's share the schedule gives now)."""
-        top = getattr(self, "_top_lr", None)
-        return float(top if top is not None else max(g["lr"] for g in self.optimizer.param_groups))
+        if self._top_lr is not None:
+            return float(self._top_lr)
+        return float(max(g["lr"] for g in self.optimizer.param_groups))  # before the first step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -966,12 +968,12 @@ def report_progress(config: dict[str, Any], rank: int, metrics: dict[str, Any], 
 
 
 # ---------------------------------------------------------------------------------------------
-# The worker loop: one for every job (pretraining, fine-tuning)
+# The worker loop: one for every job (pretraining, distillation, fine-tuning)
 
 
 class WorkerJob:
-    """One kind of training as the worker loop runs it: what differs between pretraining and
-    fine-tuning, behind the questions the loop asks. The loop (``run_worker``) owns the order of
+    """One kind of training as the worker loop runs it: what differs between pretraining,
+    distillation and fine-tuning, behind the questions the loop asks. The loop (``run_worker``) owns the order of
     things and every cadence decision (log, evaluate, checkpoint, stop); a job owns its model,
     batches, inputs, evaluation and what a commit writes besides the checkpoint.
 

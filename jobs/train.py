@@ -380,8 +380,7 @@ class PretrainJob(WorkerJob):
 
         recipe, config = self.recipe, self.config
         if config.get("init_checkpoint"):  # warm start: the checkpoint's architecture and weights
-            self.model_cfg, model = warm_start_model(config["init_checkpoint"], storage.Store(recipe.data.endpoint_url,
-                                                                                              recipe.data.retry_deadline_s))
+            self.model_cfg, model = warm_start_model(config["init_checkpoint"], storage.Store.of(recipe.data))
         else:
             overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
             for key, value in self.obj.families[recipe.model.family].items():
@@ -450,8 +449,7 @@ class DistillJob(PretrainJob):
         from ctxmodels.distill import DistillWeights, Distiller, every_other_layer, init_student
 
         recipe, s = self.recipe, self.recipe.teacher
-        teacher_cfg, teacher = warm_start_model(self.config["init_checkpoint"],
-                                                storage.Store(recipe.data.endpoint_url, recipe.data.retry_deadline_s))
+        teacher_cfg, teacher = warm_start_model(self.config["init_checkpoint"], storage.Store.of(recipe.data))
         student = init_student(teacher, s.student_layers or every_other_layer(teacher_cfg.n_layer))
         self.model_cfg = student.cfg
         seed_worker_rng(recipe.train.seed, rank)  # dropout
