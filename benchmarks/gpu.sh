@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU comparisons of issue 25, as one short run (under 8 minutes on one H100 or H200).
+# The GPU comparisons of issue 25, as one short run (its first version, with a batch-64 run where
+# the CUDA-graph and batch-256 runs now stand, took 5.7 minutes on an H200; each part has a limit).
 #
 #   bash benchmarks/gpu.sh [MINILM_DIR]
 #
