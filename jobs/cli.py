@@ -301,10 +301,17 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from jobs.demo import main as demo_main
+    from jobs.demo import DemoSettings, main as demo_main
 
+    settings = DemoSettings(steps=args.steps, finetune_epochs=args.finetune_epochs, finetune_steps=args.finetune_steps,
+                            train_rows=args.train_rows, new_rows=args.new_rows, test_rows=args.test_rows, probes=args.probes,
+                            port=args.port)
     _quiet_env(args.verbose)
-    return demo_main(steps=args.steps, port=args.port, verbose=args.verbose)
+    _exit_on_sigterm()
+    try:
+        return demo_main(settings, verbose=args.verbose)
+    except KeyboardInterrupt:  # the demo's temporary folder is gone and its Ray stopped by now
+        return _interrupted("demo")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -634,8 +641,18 @@ def _add_jobs_logs(p: argparse.ArgumentParser) -> None:
 
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--port", type=int, default=8000)
+    from jobs.demo import DemoSettings
+
+    d = DemoSettings()
+    p.add_argument("--steps", type=int, default=d.steps, help="pretraining steps of the tiny BERT (default %(default)s)")
+    p.add_argument("--finetune-epochs", type=int, default=d.finetune_epochs, help="MiniLM's epochs on lexname (default %(default)s)")
+    p.add_argument("--finetune-steps", type=int, default=None, help="a cap on MiniLM's fine-tuning steps")
+    p.add_argument("--train-rows", type=int, default=d.train_rows, help="lexname training records fine-tuned on (default %(default)s)")
+    p.add_argument("--new-rows", type=int, default=d.new_rows,
+                   help="the training records after those, landing as the scheduled round's new shard (default %(default)s)")
+    p.add_argument("--test-rows", type=int, default=d.test_rows, help="lexname test records scored (default %(default)s)")
+    p.add_argument("--probes", type=int, default=d.probes, help="texts the round measures the embedding space's drift on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port)
 
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
@@ -703,7 +720,7 @@ COMMANDS = {
     ("jobs", "status"): ("a job's status, polled from the cluster", _add_jobs_id, cmd_jobs),
     ("jobs", "logs"): ("a job's log; --follow until it ends", _add_jobs_logs, cmd_jobs),
     ("jobs", "stop"): ("stop a job and wait until it has stopped", _add_jobs_id, cmd_jobs),
-    ("demo",): ("tokenizer -> pretraining -> serving on the bundled corpus", _add_demo, cmd_demo),
+    ("demo",): ("the whole path on bundled data: pretraining, fine-tuning, registry, serving, a scheduled round", _add_demo, cmd_demo),
     ("report",): ("write an HTML report of a run: curves, throughput, MFU, data, checkpoints", _add_report, cmd_report),
     ("export",): ("write a model as a Hugging Face or sentence-transformers folder", _add_export, cmd_export),
     ("schedule",): ("start the scheduled retraining of a schedule.yaml (detached actor), or --once: one round now", _add_schedule_run, cmd_schedule),
