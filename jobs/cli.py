@@ -649,7 +649,7 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--finetune-steps", type=int, default=None, help="a cap on MiniLM's fine-tuning steps")
     p.add_argument("--train-rows", type=int, default=d.train_rows, help="lexname training records fine-tuned on (default %(default)s)")
     p.add_argument("--new-rows", type=int, default=d.new_rows,
-                   help="the training records after those, landing as the scheduled round's new shard (default %(default)s)")
+                   help="other training records (of classes among those), landing as the scheduled round's new shard (default %(default)s)")
     p.add_argument("--test-rows", type=int, default=d.test_rows, help="lexname test records scored (default %(default)s)")
     p.add_argument("--probes", type=int, default=d.probes, help="texts the round measures the embedding space's drift on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port)
