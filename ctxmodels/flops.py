@@ -208,6 +208,20 @@ def _elmo(c: StepFlops, cfg: Any, B: int, T: int, N: int, memory_len: int | None
     c.add(2 * mm(N, cfg.vocab_size, D))  # forward and backward softmax
 
 
+def _awd_lstm(c: StepFlops, cfg: Any, B: int, T: int, N: int, memory_len: int | None) -> None:
+    """ctxmodels/awd_lstm.py: an LSTM stack D -> H -> ... -> D, a softmax tied to the embedding.
+
+    Variable-length BPTT detaches the state at each window's start, whose recurrent product then
+    has a constant operand; the windows are drawn per batch, so the count takes ``ceil(T / bptt)``
+    of them (exact with ``bptt`` 0 or >= T: one window)."""
+    windows = min(T, math.ceil(T / cfg.bptt)) if cfg.bptt else 1
+    for d_in, d_out in cfg.widths():
+        c.add(mm(B * T, 4 * d_out, d_in))  # input to gates
+        c.add(mm(B * (T - windows), 4 * d_out, d_out))  # recurrent h_{t-1} to gates
+        c.add(windows * mm(B, 4 * d_out, d_out), grads=1)  # a window's first step: its h_0 is a constant
+    c.add(mm(N, cfg.vocab_size, cfg.d_model))  # softmax tied to the embedding
+
+
 # family -> (counter, default n_predicted(B, T)); the registry's names
 FAMILY_FLOPS: dict[str, tuple[Callable[..., None], Callable[[int, int], int]]] = {
     "bert": (_bert, lambda B, T: round(MLM_FRACTION * B * T)),
@@ -218,6 +232,7 @@ FAMILY_FLOPS: dict[str, tuple[Callable[..., None], Callable[[int, int], int]]] =
     "transformer-xl": (_transformer_xl, lambda B, T: B * (T - 1)),
     "xlnet": (_xlnet, lambda B, T: B * math.ceil(T / PLM_PARTIAL_K)),
     "elmo": (_elmo, lambda B, T: B * (T - 1)),
+    "awd-lstm": (_awd_lstm, lambda B, T: B * (T - 1)),
 }
 
 

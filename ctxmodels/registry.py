@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ctxmodels import albert, bert, elmo, gpt, transformer_xl, xlnet
+from ctxmodels import albert, awd_lstm, bert, elmo, gpt, transformer_xl, xlnet
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ FAMILIES: dict[str, FamilySpec] = {
         presets=dict(transformer_xl.PRESETS),
     ),
     "xlnet": FamilySpec(config_cls=xlnet.XLNetConfig, pretraining_cls=xlnet.XLNetForPreTraining, presets=dict(xlnet.PRESETS)),
+    # AWD-LSTM (Merity et al. 2017), the language model ULMFiT (Howard & Ruder 2018) fine-tunes.
+    "awd-lstm": FamilySpec(config_cls=awd_lstm.AwdLstmConfig, pretraining_cls=awd_lstm.AwdLstmForPreTraining, presets=dict(awd_lstm.PRESETS)),
 }
 
 

@@ -25,6 +25,10 @@ Papers and where each family reads a sequence's vector:
   scalar mix ``gamma * sum_j softmax(s)_j h_j`` of its layers, dropout after it, concatenated with
   the context-independent token layer ``x`` (the paper concatenates ELMo with the task model's
   own token input; the char-CNN layer is that input here), feeds a 2-layer BiLSTM task model.
+- AWD-LSTM as ULMFiT fine-tunes it (Howard & Ruder 2018, sec. 3.3): concat pooling of the last
+  LSTM's outputs H over the real tokens, ``[h_T; maxpool(H); meanpool(H)]``, then two blocks of
+  batch normalisation and dropout around a linear layer: BN, dropout, Linear(3D, 50), ReLU (the
+  ``pool`` module), BN, dropout, ``classifier`` Linear(50, L). Token tasks read H per token.
 
 Feature-based use of any family (``freeze: true``, ``features: ...``), as the BERT paper's NER
 table (sec. 5.3): the backbone's layers are combined (``ctxmodels.features.combine_layers``) and
@@ -64,8 +68,11 @@ IGNORE_INDEX = -100
 # (XLNet: last token, dense + tanh), "last" (the last real token as it is).
 READS: dict[str, str] = {
     "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first",
-    "xlnet": "summary", "gpt": "last", "transformer-xl": "last", "elmo": "features",
+    "xlnet": "summary", "gpt": "last", "transformer-xl": "last", "elmo": "features", "awd-lstm": "concat-pool",
 }
+# ULMFiT's classifier (sec. 4): a hidden layer of 50; its first block's dropout is the task's (or the
+# family's, 0.4), the second's this one (fastai's ULMFiT classifier: dropouts 0.4 and 0.1).
+CONCAT_POOL_HIDDEN, CONCAT_POOL_DROPOUT = 50, 0.1
 
 
 @dataclass
@@ -192,6 +199,12 @@ class TaskModel(nn.Module):
             self.register_buffer("char_table", torch.zeros(cfg.vocab_size, cfg.max_chars, dtype=torch.long))
 
         self.summary = _init_linear(nn.Linear(d, d), std, generator) if self.reads == "summary" else None
+        self.pool = None
+        if self.reads == "concat-pool" and task.kind in ("classification", "regression", "multiple-choice"):
+            self.pool = nn.Sequential(nn.BatchNorm1d(3 * d), Dropout(p), _init_linear(nn.Linear(3 * d, CONCAT_POOL_HIDDEN), std, generator),
+                                      nn.ReLU(), nn.BatchNorm1d(CONCAT_POOL_HIDDEN))
+            self.drop = Dropout(CONCAT_POOL_DROPOUT)  # the second block's, before ``classifier``
+            d = CONCAT_POOL_HIDDEN
         n_out = {"classification": task.num_labels, "regression": 1, "multiple-choice": 1,
                  "token-classification": task.num_labels, "question-answering": 2}[task.kind]
         if task.kind == "question-answering":
@@ -263,6 +276,10 @@ class TaskModel(nn.Module):
         h = self.token_vectors(input_ids, attention_mask, token_type_ids)
         if self.reads == "features":
             return masked_mean(h, attention_mask)
+        if self.pool is not None:  # ULMFiT's concat pooling, then its first block
+            real = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device) if attention_mask is None else attention_mask.bool()
+            top = h.masked_fill(~real[..., None], float("-inf")).amax(dim=1)  # (B, D)
+            return self.pool(torch.cat([last_real(h, attention_mask), top, masked_mean(h, attention_mask)], dim=-1))  # (B, 50)
         last = last_real(h, attention_mask)
         return torch.tanh(self.summary(last)) if self.reads == "summary" else last
 

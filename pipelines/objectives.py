@@ -142,9 +142,10 @@ OBJECTIVES: dict[str, Objective] = {
     ),
     # GPT: next token, independent rows.
     "clm": Objective(rows="packed", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM, families={"gpt": {}}),
-    # Transformer-XL: next token, with memory across stream-ordered batches.
+    # Transformer-XL, AWD-LSTM: next token, with memory (LSTM state) across stream-ordered batches.
     "clm-stream": Objective(
-        rows="stream", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM, families={"transformer-xl": {}},
+        rows="stream", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM,
+        families={"transformer-xl": {}, "awd-lstm": {}},
     ),
     # XLNet: permutation LM (packed rows if not data.plm_stream).
     "plm": Objective(

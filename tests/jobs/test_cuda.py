@@ -24,7 +24,7 @@ from ctxmodels.compiling import compile_blocks, compile_regions
 from ctxmodels.registry import FAMILIES, build_model
 from tests.ctxmodels.test_compiling import BLOCK_FAMILIES, SDPA_FAMILIES, _assert_same, _loss_and_grads, _padded
 from tests.ctxmodels.test_flops import family_batch
-from tests.jobs.test_parallel import assert_bf16_training_learns
+from tests.jobs.test_parallel import LEARNS_WITH, assert_bf16_training_learns
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,7 +42,7 @@ def exact_fp32():
 
 
 def _tiny(family: str):
-    cfg, model = build_model(family, "tiny", {"vocab_size": 128}, seed=0)
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128, **LEARNS_WITH.get(family, {})}, seed=0)
     batch, _ = family_batch(family, cfg)
     if "reset_memory" in batch:  # every call starts a new segment: no memory carried between calls
         batch["reset_memory"] = torch.ones_like(batch["reset_memory"])
