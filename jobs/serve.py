@@ -95,7 +95,7 @@ logger = logging.getLogger("ray.serve")
 DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
 TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
 # Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
-CAUSAL_FAMILIES = ("gpt", "transformer-xl")
+CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 VERSION_HEADER, TOKENIZER_HEADER = "X-Model-Version", "X-Tokenizer-Hash"
 REGISTRY_HEADER = "X-Registry-Version"  # "NAME/N" when the model was given as models:/NAME@alias or models:/NAME/N
 # Ray Serve's request path tuned for throughput: the settings RAY_SERVE_THROUGHPUT_OPTIMIZED=1 turns on in
