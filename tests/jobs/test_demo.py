@@ -2,7 +2,7 @@
 line (pretraining, the fine-tuned accuracy beside the baselines, the registry, a /v1/classify and a
 /v1/embeddings answer with their registry version header, the scheduled round's gate decision), no
 Ray or library log lines, and afterwards no process it started and nothing in its temporary folder;
-the same after Ctrl-C in the middle of fine-tuning.
+the same after Ctrl-C in the middle of fine-tuning and after SIGTERM in the middle of pretraining.
 """
 
 from __future__ import annotations
@@ -144,16 +144,21 @@ def test_the_demo_runs_every_step_and_leaves_nothing_behind(tmp_path):
     demo.assert_nothing_left()
 
 
-def test_ctrl_c_during_fine_tuning_exits_130_and_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("sig, status, after, wait_s, inside", [
+    (signal.SIGINT, 130, "2. held-out masked-token accuracy", 8, "3. "),  # Ctrl-C while fine-tuning: its worker starting or training
+    (signal.SIGTERM, 143, "ctx demo: ", 20, "1. "),  # `kill`, a pod's shutdown, while the tokenizer or pretraining runs
+], ids=["ctrl-c-fine-tuning", "sigterm-pretraining"])
+def test_a_signal_mid_run_exits_at_once_and_leaves_nothing_behind(tmp_path, sig, status, after, wait_s, inside):
     demo = Demo(tmp_path)
-    demo.wait_for_line("2. held-out masked-token accuracy", 240)
-    time.sleep(8)  # into step 3: the Ray Train worker starting or training
-    assert demo.proc.poll() is None and not any(x.startswith("3. ") for x in demo.lines), demo.output
-    demo.proc.send_signal(signal.SIGINT)
+    demo.wait_for_line(after, 240)
+    time.sleep(wait_s)
+    assert demo.proc.poll() is None and not any(x.startswith(inside) for x in demo.lines), demo.output  # that step still runs
+    demo.proc.send_signal(sig)
     sent = time.monotonic()
     rc = demo.finish(60)
     took = time.monotonic() - sent
-    assert rc == 130, demo.output
-    assert took < 10, f"exited {took:.1f} s after SIGINT"
-    assert demo.err[-1] == "ctx demo: interrupted", demo.output
+    assert rc == status, demo.output
+    assert took < 10, f"exited {took:.1f} s after {sig.name}"
+    if sig == signal.SIGINT:
+        assert demo.err[-1] == "ctx demo: interrupted", demo.output
     demo.assert_nothing_left()
