@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - virtualenv, install, then tokenizer -> pretraining -> serving on the sample corpus
+#   make demo   - virtualenv, install, then pretraining, fine-tuning, registry, serving and a scheduled round on bundled data
 #   make test   - virtualenv, install, then the test suite (what .ci/run calls; make test-all adds the extended runs)
 PY ?= python3
 VENV := .venv

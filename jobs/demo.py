@@ -55,7 +55,7 @@ GLOSSES = ["a small furry animal with long ears that lives in a burrow", "to mov
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """How big each step is. The defaults are `make demo`'s (about 6 minutes on 2 cores); the test
+    """How big each step is. The defaults are `make demo`'s (5.2 minutes on a shared 2-core machine); the test
     runs every step with a few steps and rows."""
 
     steps: int = 300  # pretraining steps of the tiny BERT
