@@ -54,11 +54,11 @@ from jobs.serve_config import InputError, LimitError, Limits
 # --------------------------------------------------------------------------------------- what serves what
 
 MLM_FAMILIES = ("bert", "roberta", "spanbert", "albert")  # pretrained with a masked-LM head
-LM_FAMILIES = ("gpt", "transformer-xl", "xlnet")  # pretrained to predict the next token (XLNet: any order)
+LM_FAMILIES = ("gpt", "transformer-xl", "xlnet", "awd-lstm")  # pretrained to predict the next token (XLNet: any order)
 # Families whose generation reads each new token once (decode_step: GPT's key-value cache, Transformer-XL's
-# memory). XLNet reads the prompt bidirectionally (only the placeholder is hidden), so every new token
+# memory, AWD-LSTM's LSTM state). XLNet reads the prompt bidirectionally (only the placeholder is hidden), so every new token
 # changes the states of all earlier ones: nothing computed for a step can be reused by the next.
-CACHED_FAMILIES = ("gpt", "transformer-xl")
+CACHED_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 MLM_HEAD = {"bert": "mlm", "roberta": "mlm", "spanbert": "mlm", "albert": "mlm_head"}  # the head's module name
 EMBEDDING_ROUTES = ("/v1/embeddings", "/v1/token-embeddings")
 TASK_ROUTES: dict[str, tuple[str, ...]] = {
@@ -475,7 +475,7 @@ def next_token_logits(family: str, model, input_ids, placeholder_id: int):
     """Scores (V,) of the token after ``input_ids`` (1, T), read as each family was pretrained, from one
     pass over the whole sequence (generation's uncached path; ``decode_step`` is the cached one).
 
-    GPT and Transformer-XL: the last position's output (one segment, no memory). XLNet (Yang et al.
+    GPT, Transformer-XL and AWD-LSTM: the last position's output (one segment, no memory). XLNet (Yang et al.
     2019, sec. 2.3; Hugging Face ``XLNetLMHeadModel`` generation): a placeholder at position T that no
     position may attend to (perm_mask) and whose query stream (target_mapping) predicts it from the
     content of 0..T-1."""
@@ -485,6 +485,8 @@ def next_token_logits(family: str, model, input_ids, placeholder_id: int):
         return model.logits(input_ids)[0, -1]
     if family == "transformer-xl":
         return model.logits(model.backbone.hidden_states(input_ids)[-1][:, -1:])[0, -1]
+    if family == "awd-lstm":  # the last position's output from zero state
+        return model.logits(model.backbone.hidden_states(input_ids)[-1][:, -1])[0]
     if family == "xlnet":
         T = input_ids.shape[1]
         ids = torch.cat([input_ids, input_ids.new_full((1, 1), placeholder_id)], dim=1)  # (1, T + 1)

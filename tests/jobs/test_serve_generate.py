@@ -1,7 +1,7 @@
 """/v1/generate's decoding loop (jobs.serve_tasks.generate_ids) with and without a cache, in process.
 
-GPT (post-LN), GPT-2 (pre-LN) and Transformer-XL (post- and pre-LN) read each new token once with
-``decode_step`` (key-value cache, recurrence memory); ``use_cache=False`` runs the whole sequence for
+GPT (post-LN), GPT-2 (pre-LN), Transformer-XL (post- and pre-LN) and AWD-LSTM read each new token once
+with ``decode_step`` (key-value cache, recurrence memory, LSTM state); ``use_cache=False`` runs the whole sequence for
 every token as before. Tiny random-weight models, several prompts of different lengths: greedy and
 seeded sampling give the same token ids and the same finish reason both ways, up to the model's last
 position and when the stop token comes; every cached step's scores are the full pass's within 1e-5.
@@ -14,6 +14,8 @@ import dataclasses
 import pytest
 import torch
 
+from ctxmodels.awd_lstm import PRESETS as AWD_PRESETS
+from ctxmodels.awd_lstm import AwdLstmForPreTraining
 from ctxmodels.gpt import PRESETS as GPT_PRESETS
 from ctxmodels.gpt import GPTForPreTraining
 from ctxmodels.transformer_xl import PRESETS as TXL_PRESETS
@@ -38,7 +40,19 @@ def _models(init_std: float) -> dict[str, tuple[str, torch.nn.Module]]:
         "gpt2": ("gpt", GPTForPreTraining(gpt2, gen).eval()),
         "transformer-xl": ("transformer-xl", TransfoXLForPreTraining(txl, gen).eval()),
         "transformer-xl-pre-ln": ("transformer-xl", TransfoXLForPreTraining(dataclasses.replace(txl, layer_norm="pre"), gen).eval()),
+        "awd-lstm": ("awd-lstm", _awd_lstm(gen, wide=init_std > 0.02)),
     }
+
+
+def _awd_lstm(gen: torch.Generator, wide: bool) -> torch.nn.Module:
+    """``wide``: its embedding (the tied softmax) and LSTM weights drawn from U(-1, 1), far wider than
+    its init, for the same reason as below."""
+    model = AwdLstmForPreTraining(dataclasses.replace(AWD_PRESETS["tiny"], vocab_size=1000), gen).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.backbone.parameters() if wide else ():
+            p.uniform_(-1.0, 1.0, generator=g)
+    return model
 
 
 # Weights drawn 15 times wider than the presets' init (0.02): at that init every model repeats one token,
