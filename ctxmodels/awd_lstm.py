@@ -320,7 +320,7 @@ class AwdLstmForPreTraining(nn.Module):
 # ----------------------------------------------------------------------------- presets
 
 PRESETS: dict[str, AwdLstmConfig] = {
-    "tiny": AwdLstmConfig(vocab_size=1000, d_model=32, lstm_dim=64, n_layer=3, bptt=16),
+    "tiny": AwdLstmConfig(vocab_size=1000, d_model=64, lstm_dim=128, n_layer=3, bptt=32),
     # ULMFiT's language model (Howard & Ruder 2018, sec. 4): embedding 400, 3 layers, 1150 hidden,
     # BPTT 70, its dropouts; BERT's 30522 WordPiece vocabulary for the softmax (recipes set
     # vocab_size from the tokenizer; the paper used WikiText-103's 267k words, capped to 60k).
