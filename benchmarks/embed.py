@@ -30,7 +30,7 @@ is (rows - small) / (wall(rows) - wall(small)), and start-up is wall(rows) - row
 run costs beyond its rows.
 
 The limit: as ``benchmarks/serving.py`` measures it (``limit_encoders``, ``measure_limit``): the same
-texts sorted by length, batches of 32 (every 8th of them, so a pass holds the mix of lengths),
+texts sorted by length, batches of 32 (the middle batch of each eighth, so a pass holds the mix of lengths),
 tokenised, run through the backbone, mean-pooled and normalised in this process with ``--threads``
 torch threads, whole passes for at least ``--limit-seconds``; the faster of ours (``ctxmodels``) and
 transformers' ``BertModel`` is the machine's limit. No Ray, no start-up: the limit is steady state.
