@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/baselines.py
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/serving_floor.py
+	$(BIN)/python benchmarks/bulk_floor.py
 	$(BIN)/python benchmarks/embed.py
 	$(BIN)/python benchmarks/generate.py
 
