@@ -43,7 +43,9 @@ OBJECTIVE_METRIC = {
     "albert": "sop_loss",
     "transformer-xl": "lm_loss",
     "xlnet": "plm_loss",
+    "awd-lstm": "lm_loss",
 }
+RECIPES = {"awd-lstm": "ulmfit-tiny"}  # configs/<family>-tiny.yaml otherwise
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "bert" else [pytest.mark.extended]) for f in OBJECTIVE_METRIC])
@@ -51,7 +53,8 @@ def test_tiny_recipe_pretrains_and_loss_falls(ray_session, tmp_path, family):
     overrides = SHORT + [f"output_dir={tmp_path}"]
     if family in ("transformer-xl", "xlnet"):
         overrides.append("model.max_seq_len=64")
-    result = pretrain(load_recipe(REPO / "configs" / f"{family}-tiny.yaml", overrides), progress=False, log=lambda *_: None)
+    recipe = REPO / "configs" / f"{RECIPES.get(family, family + '-tiny')}.yaml"
+    result = pretrain(load_recipe(recipe, overrides), progress=False, log=lambda *_: None)
     assert result.checkpoint_uri is not None
     assert [m["step"] for m in result.history] == [5, 10, 15, 20, 25, 30]
     losses = [m["loss"] for m in result.history]
