@@ -39,14 +39,11 @@ def _quiet_env(verbose: bool) -> None:
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM (`ctx jobs stop`, a pod's shutdown) raises SystemExit, so `finally` blocks run and
-    the run lock is released; by default it would kill the process with the lock still held.
-    ray.init later installs its own handler that does the same."""
-    import signal
-    import threading
+    """SIGTERM raises SystemExit(143): `finally` blocks run and the run lock is released
+    (``jobs.loop.exit_on_sigterm``, which ``init_ray`` calls again after ``ray.init``)."""
+    from jobs.loop import exit_on_sigterm
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
 
 
 def _interrupted(command: str) -> int:

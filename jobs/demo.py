@@ -33,10 +33,8 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,17 +164,13 @@ def _start_ray(work: Path, verbose: bool) -> None:
     (1 CPU) are both placed on 2 cores."""
     import ray
 
-    from jobs.loop import quiet_ray_data
+    from jobs.loop import exit_on_sigterm, quiet_ray_data
 
     quiet = {} if verbose else {"log_to_driver": False, "logging_level": "ERROR"}
     # --- Ray seam: the session every later step finds initialised (jobs.loop.init_ray returns at once) ---
     ray.init(address="local", include_dashboard=False, num_cpus=max(3, os.cpu_count() or 1),
              object_store_memory=1 << 30, _temp_dir=str(_ray_folder(work)), **quiet)
-    # SIGTERM: ray.init left the C++ failure handler in place, which logs, lets Python's handler run
-    # and then aborts the process (exit 134) on its way out; Python's alone: SystemExit through the
-    # finally blocks, exit status 143.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()  # ray.init put its own SIGTERM handler in place: Python's again, so finally blocks run and the status is 143
     if not verbose:
         quiet_ray_data()
 

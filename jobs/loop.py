@@ -847,8 +847,22 @@ def init_ray(verbose: bool = False, num_cpus: int | None = None) -> None:
         ray.init(**quiet)
     else:
         ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **quiet)
+    exit_on_sigterm()  # ray.init put its own SIGTERM handler in place
     if not verbose:
         quiet_ray_data()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`ctx jobs stop`, a pod's shutdown, `kill`) raises SystemExit(143), so `finally` blocks
+    run (the run lock released, temporary folders removed) and the status is the shell's for SIGTERM.
+    By default SIGTERM kills the process with the lock still held; after ``ray.init`` Ray's C++ failure
+    handler has it, which lets Python's handler run and then ends the process with a status of its own
+    (15, or an abort's 134), so it is set again after ``ray.init``. Only the main thread can set it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def quiet_ray_data() -> None:

@@ -165,6 +165,49 @@ def test_a_signal_during_the_wait_ends_the_command_at_once_with_the_lock_release
         assert "ctx pretrain: interrupted" in cmd.stderr
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every process below ``pid`` (Ray's raylet and GCS, their workers)."""
+    parent, cmd = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+    below, frontier = {}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, up in parent.items():
+            if up == p and child not in below:
+                below[child] = cmd.get(child, "")
+                frontier.append(child)
+    return below
+
+
+@pytest.mark.slow
+def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tmp_path):
+    """SIGTERM once Ray Train runs (after ray.init, whose own SIGTERM handler ended the process with 15
+    or 134 after Python's): status 143, the finally blocks ran (no LOCK.json), no process of its Ray
+    left. (TMPDIR stays as it is: Ray's sockets under a pytest folder would pass the 107-byte limit.)"""
+    cmd = Command(["pretrain", "--config", "configs/bert-tiny.yaml", "--no-progress", "--set", "train.max_steps=100000",
+                   "--set", f"output_dir={tmp_path / 'runs'}"])
+    end = time.monotonic() + 180
+    while not any("RayTrainWorker" in c for c in descendants(cmd.proc.pid).values()):
+        assert cmd.proc.poll() is None and time.monotonic() < end, f"no Ray Train worker started:\n{cmd.stderr}"
+        time.sleep(0.5)
+    time.sleep(2)  # training
+    started = descendants(cmd.proc.pid)
+    cmd.proc.send_signal(signal.SIGTERM)
+    assert cmd.finish(30) == 143, cmd.stderr
+    assert "Traceback" not in cmd.stderr
+    assert not (tmp_path / "runs" / "bert-tiny" / "LOCK.json").exists()
+    end = time.monotonic() + 15
+    while (alive := [p for p in started if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()]) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
+
+
 def test_pretrain_in_process_says_so_within_2_s_and_gives_up_at_the_deadline(closed_port, tmp_path, monkeypatch):
     """The same wait timed inside the process: from calling ``pretrain`` to the first line, and to
     the StorageError."""
