@@ -72,13 +72,14 @@ def committed(run: Path) -> tuple[list[dict], list[int]]:
     return out, starts
 
 
-def reference_digests(rec, run: Path, epoch: int) -> dict[int, str]:
-    """sample id -> digest of the tokens and mask the pure NumPy pipeline gives it in ``epoch``."""
+def reference_digests(rec, run: Path, epoch: int, tokenizer: Path | None = None) -> dict[int, str]:
+    """sample id -> digest of the tokens and mask the pure NumPy pipeline gives it in ``epoch``, with
+    ``tokenizer`` (default: the run's own, trained by it; a distillation's is its checkpoints')."""
     from pipelines import storage
 
     shards = storage.list_files(rec.data.input)
     spec = stream_spec(rec, shards)
-    tok = load_tokenizer(run / "tokenizer")
+    tok = load_tokenizer(tokenizer or run / "tokenizer")
     out = {}
     for b in local_batches(spec, tok, batch_size=1, epoch=epoch):  # 1: no tail left unbatched
         tensors = {k: torch.as_tensor(v) for k, v in b.items()}
@@ -86,7 +87,7 @@ def reference_digests(rec, run: Path, epoch: int) -> dict[int, str]:
     return out
 
 
-def assert_epoch_exactly_once(rec, run: Path, epoch: int = 0) -> int:
+def assert_epoch_exactly_once(rec, run: Path, epoch: int = 0, tokenizer: Path | None = None) -> int:
     lines, _ = committed(run)
     seen = Counter()
     digests = {}
@@ -95,7 +96,7 @@ def assert_epoch_exactly_once(rec, run: Path, epoch: int = 0) -> int:
             if e == epoch:
                 seen[sid] += 1
                 digests[sid] = d
-    ref = reference_digests(rec, run, epoch)
+    ref = reference_digests(rec, run, epoch, tokenizer)
     repeated = {s: n for s, n in seen.items() if n > 1}
     assert not repeated, f"{len(repeated)} samples of epoch {epoch} trained on more than once"
     missing = ref.keys() - seen.keys()

@@ -2,12 +2,17 @@
 on tiny settings), through the one worker loop: the checkpoint is a plain 3-layer BERT (that its
 blocks start from the teacher's layers 0, 2 and 4 is tests/ctxmodels/test_distill.py's), the
 hidden-state loss falls, a rerun resumes the
-student (weights through the Distiller's student-only state dict, optimizer, data position), and
-recipes that cannot work fail before Ray starts, naming the key."""
+student (weights through the Distiller's student-only state dict, optimizer, data position), a
+worker killed mid-epoch resumes with every sample of the epoch trained on once, and recipes that
+cannot work fail before Ray starts, naming the key."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ from ctxmodels.checkpoint import load_checkpoint
 from jobs.config import RecipeError, load_recipe
 from jobs.metrics import read_metrics
 from jobs.train import pretrain
+from tests.jobs.exactly_once import assert_epoch_exactly_once, committed, state, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "distill" / "minilm-l3.yaml"
@@ -65,3 +71,42 @@ def test_minilm_distils_into_three_layers_and_resumes(ray_session, tmp_path):
     trained = student.model.state_dict()
     assert resumed.keys() == trained.keys()
     assert any(not torch.equal(resumed[k], trained[k]) for k in trained)  # two more steps trained the student
+
+
+@pytest.mark.slow
+def test_a_killed_distillation_worker_resumes_and_trains_on_each_sample_once(ray_session, tmp_path):
+    """The exactly-once check of pretraining (tests/jobs/exactly_once.py) on a distillation: the worker
+    is SIGKILLed after step 25 (checkpoint at 20), Ray Train restarts it, it resumes the student from
+    the checkpoint, and over the first epoch every sample's committed step holds it once, with the
+    tokens and mask the NumPy pipeline gives it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    rec = load_recipe(RECIPE, _tiny(tmp_path, f"data.input={corpus}", "data.eval_input=null", "data.max_epochs=2",
+                                    "train.max_steps=80", "train.checkpoint_every=10", "train.log_every=5",
+                                    "train.eval_every=1000", "train.sample_log=true"))
+    run = tmp_path / "minilm-l3"
+    killed: dict = {}
+
+    def killer() -> None:
+        while "pid" not in killed:
+            for f in sorted((run / "sample_log").glob("*.jsonl")) if (run / "sample_log").exists() else []:
+                lines = f.read_text().splitlines()
+                steps = [json.loads(x).get("step", 0) for x in lines[1:]]
+                if steps and max(steps) >= 25:
+                    killed["pid"] = json.loads(lines[0])["pid"]
+                    os.kill(killed["pid"], signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    result = pretrain(rec, progress=False, log=lambda *_: None)
+    killed.setdefault("pid", None)
+    assert killed["pid"] is not None, "the run ended before the worker could be killed"
+    _, starts = committed(run)
+    assert starts[0] == 0 and len(starts) == 2 and 20 <= starts[1] < 30, starts  # resumed from its checkpoint
+    assert result.metrics["step"] == 80 and state(run)["samples_seen"] == 80 * 8
+    assert load_checkpoint(result.checkpoint_uri).config.n_layer == 3  # the student, not the teacher
+    # the epoch was longer than the kill point; the tokenizer is the teacher's, kept in each checkpoint
+    assert assert_epoch_exactly_once(rec, run, epoch=0, tokenizer=Path(result.checkpoint_uri) / "tokenizer") > 8 * 40
