@@ -73,6 +73,28 @@ def n_combined(strategy: str) -> int:
     return 4 if strategy == "concat-last-four" else 1
 
 
+def combined_width(strategy: str, widths: list[int]) -> int:
+    """The width of ``combine_layers``' vectors for states of these widths (L + 1 of them, index 0 the
+    embeddings). A ValueError where the strategy adds or mixes states of different widths: AWD-LSTM's
+    middle layers are wider than its embeddings and last layer."""
+    n_combined(strategy)
+    last = len(widths) - 1
+    top = list(range(1, len(widths)))[-4:] or [last]  # combine_layers' top four blocks
+    picked = {
+        "first": [0], "last": [last], "second-to-last": [last - 1 if last > 0 else last],
+        "concat-last-four": [top[0]] * (4 - len(top)) + top,
+    }.get(strategy)
+    if picked is not None:
+        return sum(widths[i] for i in picked)
+    added = top if strategy == "sum-last-four" else list(range(len(widths)))  # sum-all, scalar-mix: every state
+    if len({widths[i] for i in added}) > 1:
+        raise ValueError(
+            f"{strategy!r} adds layers of different widths ({[widths[i] for i in added]}); "
+            f"use 'first', 'last', 'second-to-last' or 'concat-last-four', or pick layers"
+        )
+    return widths[added[0]]
+
+
 def combine_layers(states: list[Tensor], strategy: str, mix: torch.nn.Module | None = None) -> Tensor:
     """(B, T, D * n_combined(strategy)) from ``states`` (L + 1 tensors (B, T, D)).
 

@@ -274,6 +274,7 @@ class EmbeddingModel(TaskServing):
         hidden = self._forward_check()
         self.n_hidden = len(hidden)  # n_layer + 1: index 0 is the embedding output
         self.dim = int(hidden[-1].shape[-1])
+        self.widths = [int(h.shape[-1]) for h in hidden]  # per layer: AWD-LSTM's middle layers are wider
 
     def _forward_check(self) -> list:
         import torch
@@ -381,20 +382,21 @@ class EmbeddingModel(TaskServing):
         return int(where[0])
 
     def _strategy(self, features: str) -> int:
-        """How many layer widths ``features``' vectors have; a 400 for a strategy this model cannot use."""
-        from ctxmodels.features import FEATURE_STRATEGIES, n_combined
+        """The width of ``features``' vectors; a 400 for a strategy this model cannot use (an unknown
+        one, layers of different widths added, a mix it has no weights for)."""
+        from ctxmodels.features import FEATURE_STRATEGIES, combined_width
 
         try:
-            n = n_combined(features)
+            width = combined_width(features, self.widths)
         except ValueError as e:
-            raise InputError(f"features: {e}") from None
+            raise InputError(f"features: {e} (model {self.name!r})") from None
         if features == "scalar-mix" and self.mix is None:
             usable = ", ".join(s for s in FEATURE_STRATEGIES if s != "scalar-mix")
             raise InputError(
                 f"features 'scalar-mix': model {self.name!r} has no learned mix weights (only a checkpoint fine-tuned "
                 f"with task.features: scalar-mix has them); use one of {usable}"
             )
-        return n
+        return width
 
     def _passes(self, rows: list[np.ndarray]):
         """Forward passes over ``rows`` grouped under max_batch_size and max_batch_tokens; yields (the
@@ -528,7 +530,7 @@ class EmbeddingModel(TaskServing):
     def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str) -> tuple[list[np.ndarray], list[tuple[np.ndarray, int | None, str]]]:
         """(token ids per text, the (ids, position, strategy) items ``_pool`` takes); an InputError for
         what /v1/embeddings refuses."""
-        dim = self.dim * self._strategy(features)
+        dim = self._strategy(features)
         if dimensions is not None and not 1 <= dimensions <= dim:
             raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {dim}-dimensional vectors (features {features!r}); ask for 1..{dim}")
         ids = self._encode_ids(texts, truncate)
@@ -568,10 +570,10 @@ class EmbeddingModel(TaskServing):
         fine-tuning aligns plain text) and its vector the mean of its sub-tokens' vectors; a word left
         without tokens (cut by truncation, or only characters the tokenizer drops) is left out."""
         if features is not None:
-            layer_ids, width, what = None, self.dim * self._strategy(features), f"features {features!r}"
+            layer_ids, width, what = None, self._strategy(features), f"features {features!r}"
         else:
             layer_ids = self._layers(layers)
-            width, what = len(layer_ids) * self.dim, f"{len(layer_ids)} layers x {self.dim}"
+            width, what = sum(self.widths[i] for i in layer_ids), f"layers {layer_ids} of widths {[self.widths[i] for i in layer_ids]}"
         ids, offsets, tokens = await asyncio.to_thread(self._encode, texts, truncate)
         words = await asyncio.to_thread(self._words, texts, ids) if granularity == "word" else None
         n_vectors = sum(len(spans) for _, spans in words) if words is not None else sum(len(row) for row in ids)

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from ctxmodels.checkpoint import load_checkpoint, save_checkpoint
-from ctxmodels.features import FEATURE_STRATEGIES, combine_layers, n_combined
+from ctxmodels.features import FEATURE_STRATEGIES, combine_layers, combined_width, n_combined
 from ctxmodels.hf import load_hf_folder
 from ctxmodels.registry import FAMILIES, make_config
 from ctxmodels.tasks import TASK_KINDS, TaskConfig, build_task_model, load_backbone
@@ -119,6 +119,20 @@ def test_feature_strategies_on_hand_built_states():
     assert [n_combined(s) for s in FEATURE_STRATEGIES].count(4) == 1
     with pytest.raises(ValueError, match="unknown feature strategy"):
         combine_layers(states, "middle")
+
+
+@pytest.mark.parametrize("widths", [[3] * 7, [3, 5, 5, 3], [3, 5]], ids=["equal", "awd-lstm", "one-block"])
+def test_combined_width_is_the_width_combine_layers_gives_or_says_why_not(widths):
+    states = [torch.full((1, 2, w), float(i)) for i, w in enumerate(widths)]
+    for name in FEATURE_STRATEGIES:
+        try:
+            width = combined_width(name, widths)
+        except ValueError as e:
+            assert len(set(widths)) > 1 and "adds layers of different widths" in str(e), (name, e)
+            with pytest.raises(RuntimeError):  # what the refusal saves the caller from
+                combine_layers(states, name)
+            continue
+        assert combine_layers(states, name).shape[-1] == width, name
 
 
 @pytest.mark.parametrize("features", ["sum-last-four", "concat-last-four"])

@@ -55,6 +55,17 @@ def test_pretrained_awd_lstm_serves_embeddings_token_embeddings_and_generation(t
     choice = generated["body"]["choices"][0]
     assert choice["finish_reason"] in ("length", "stop") and len(choice["token_ids"]) <= 4
 
+    # Strategies that add layers of different widths are refused (a 400 naming them), not a failed
+    # forward pass; concatenating works at the layers' own widths, which the size cap counts.
+    with pytest.raises(InputError, match=r"'sum-all' adds layers of different widths \(\[64, 128, 128, 64\]\)"):
+        replica.embed_now(TEXTS, features="sum-all")
+    concat = np.stack(replica.embed_now(TEXTS, features="concat-last-four")["embeddings"])
+    assert concat.shape == (2, 3 * cfg.lstm_dim + cfg.d_model)  # three blocks padded to four: the first twice
+    n_tokens = tokens["rows"][0]["n_tokens"] + tokens["rows"][1]["n_tokens"]
+    replica.limits = replica.limits.model_copy(update={"max_token_embedding_values": n_tokens * widths - 1})
+    refused = asyncio.run(replica.token_embeddings(TEXTS, [0, 1, 2, 3]))["refused"]
+    assert refused[0] == 413 and f"x {widths} values each" in refused[1], refused
+
 
 def test_ulmfit_classifier_serves_classify(tmp_path, minilm_dir):
     from ctxmodels.checkpoint import load_checkpoint, save_checkpoint
