@@ -609,8 +609,6 @@ def main() -> None:
         for side, m in by_side.items():
             print(f"{key + ' ' + side + ':':<22} {m['texts_s']:8,.1f} texts/s {m['tokens_s']:9,.0f} tokens/s   p50 {m['p50_ms']:6.0f} ms   "
                   f"p99 {m['p99_ms']:6.0f} ms   errors {int(m['errors'])} (medians over {len(results[key][side])} rounds)")
-    na = "n/a (Infinity not measured)"
-
     def ratio(label: str, key: str, over: str | None) -> None:
         ours = med.get(key, {}).get("ours")
         if ours is None:
@@ -619,7 +617,7 @@ def main() -> None:
             print(f"{label}: {ours['texts_s'] / limit:.2f}")
             return
         other = med[key].get(over)
-        print(f"{label}: {ours['texts_s'] / other['texts_s']:.2f}" if other else f"{label}: {na}")
+        print(f"{label}: {ours['texts_s'] / other['texts_s']:.2f}" if other else f"{label}: n/a ({over} not measured)")
 
     ratio("serving_vs_infinity", "single", "infinity")
     ratio("serving_vs_limit", "single", None)

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -111,3 +115,31 @@ def state(run: Path) -> dict:
     from pipelines import storage
 
     return json.loads(Path(storage.latest_complete_checkpoint(str(run)), "trainer_state.json").read_text())
+
+
+class WorkerKiller:
+    """SIGKILLs the highest-rank Ray Train worker of ``run`` once its sample log shows ``after_step``
+    done (a thread, started at once; ``pid`` is the killed worker's, None until then)."""
+
+    def __init__(self, run: Path, after_step: int):
+        self.run, self.after_step, self.pid = run, after_step, None
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            logs = sorted((self.run / "sample_log").glob("*-rank*.jsonl"), key=lambda f: f.name[-7:]) if (self.run / "sample_log").exists() else []
+            for f in logs[::-1]:
+                lines = f.read_text().splitlines()
+                steps = [json.loads(x).get("step", 0) for x in lines[1:]]
+                if steps and max(steps) >= self.after_step:
+                    self.pid = json.loads(lines[0])["pid"]
+                    os.kill(self.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    def killed(self) -> int:
+        """The killed worker's pid; fails the test when the run ended first."""
+        self._stop.set()
+        assert self.pid is not None, "the run ended before the worker could be killed"
+        return self.pid

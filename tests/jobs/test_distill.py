@@ -9,10 +9,6 @@ cannot work fail before Ray starts, naming the key."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +18,7 @@ from ctxmodels.checkpoint import load_checkpoint
 from jobs.config import RecipeError, load_recipe
 from jobs.metrics import read_metrics
 from jobs.train import pretrain
-from tests.jobs.exactly_once import assert_epoch_exactly_once, committed, state, write_corpus
+from tests.jobs.exactly_once import WorkerKiller, assert_epoch_exactly_once, committed, state, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "distill" / "minilm-l3.yaml"
@@ -86,24 +82,9 @@ def test_a_killed_distillation_worker_resumes_and_trains_on_each_sample_once(ray
                                     "train.max_steps=80", "train.checkpoint_every=10", "train.log_every=5",
                                     "train.eval_every=1000", "train.sample_log=true"))
     run = tmp_path / "minilm-l3"
-    killed: dict = {}
-
-    def killer() -> None:
-        while "pid" not in killed:
-            for f in sorted((run / "sample_log").glob("*.jsonl")) if (run / "sample_log").exists() else []:
-                lines = f.read_text().splitlines()
-                steps = [json.loads(x).get("step", 0) for x in lines[1:]]
-                if steps and max(steps) >= 25:
-                    killed["pid"] = json.loads(lines[0])["pid"]
-                    os.kill(killed["pid"], signal.SIGKILL)
-                    return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    killer = WorkerKiller(run, after_step=25)
     result = pretrain(rec, progress=False, log=lambda *_: None)
-    killed.setdefault("pid", None)
-    assert killed["pid"] is not None, "the run ended before the worker could be killed"
+    killer.killed()
     _, starts = committed(run)
     assert starts[0] == 0 and len(starts) == 2 and 20 <= starts[1] < 30, starts  # resumed from its checkpoint
     assert result.metrics["step"] == 80 and state(run)["samples_seen"] == 80 * 8

@@ -9,15 +9,11 @@ pure NumPy pipeline gives it: none lost, none repeated, whatever failed or chang
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 
 import pytest
 
 from jobs.train import pretrain
-from tests.jobs.exactly_once import assert_epoch_exactly_once, committed, recipe, state, write_corpus
+from tests.jobs.exactly_once import WorkerKiller, assert_epoch_exactly_once, committed, recipe, state, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +26,9 @@ def corpus(tmp_path_factory):
 def test_worker_killed_mid_epoch_finishes_and_consumes_each_sample_once(ray_session, corpus, tmp_path):
     rec = recipe(corpus, tmp_path, "train.max_steps=80", "scaling.num_workers=[1, 2]")  # elastic: Ray places what fits
     run = tmp_path / "once"
-    killed: dict = {}
-
-    def killer() -> None:
-        """SIGKILL a worker process (the highest rank) once it has finished step 25 (after the
-        checkpoint at 20). The elastic range may have started 1 or 2 workers."""
-        while "pid" not in killed:
-            files = sorted((run / "sample_log").glob("*-rank*.jsonl"), key=lambda f: f.name[-7:]) if (run / "sample_log").exists() else []
-            for f in files[::-1]:
-                lines = f.read_text().splitlines()
-                steps = [json.loads(x).get("step", 0) for x in lines[1:]]
-                if steps and max(steps) >= 25:
-                    killed["pid"] = json.loads(lines[0])["pid"]
-                    os.kill(killed["pid"], signal.SIGKILL)
-                    return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    killer = WorkerKiller(run, after_step=25)  # the highest rank, after the checkpoint at 20; 1 or 2 workers may run
     result = pretrain(rec, progress=False, log=lambda *_: None)
-    killed.setdefault("pid", None)
-    assert killed["pid"] is not None, "the run ended before the worker could be killed"
+    killer.killed()
     _, starts = committed(run)
     assert starts[0] == 0 and len(starts) == 2 and 20 <= starts[1] < 30, starts  # resumed from its checkpoint
     assert result.metrics["step"] == 80 and state(run)["samples_seen"] == 80 * 8 and result.metrics["workers"] in (1, 2)

@@ -10,10 +10,6 @@ records with max_len 32 so that a run takes seconds of training on 2 cores.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +17,7 @@ import pytest
 
 from jobs.config import RecipeError
 from jobs.finetune_config import FinetuneRecipe, load_finetune_recipe
+from tests.jobs.exactly_once import WorkerKiller
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs" / "finetune").glob("*.yaml"))
@@ -230,27 +227,10 @@ def test_killed_mid_epoch_resumes_and_trains_every_row_once(ray_session, tiny_in
     from jobs.finetune import finetune
 
     run = tmp_path / "ft"
-    killed: dict = {}
-
-    def killer() -> None:
-        """SIGKILL the highest-rank worker once it has finished step 14 (after the checkpoint at 10)."""
-        while "pid" not in killed:
-            logs = sorted((run / "sample_log").glob("*-rank*.jsonl"), key=lambda f: f.name[-7:]) if (run / "sample_log").exists() else []
-            for f in logs[::-1]:
-                lines = f.read_text().splitlines()
-                steps = [json.loads(x).get("step", 0) for x in lines[1:]]
-                if steps and max(steps) >= 14:
-                    killed["pid"] = json.loads(lines[0])["pid"]
-                    os.kill(killed["pid"], signal.SIGKILL)
-                    return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    killer = WorkerKiller(run, after_step=14)  # the highest rank, after the checkpoint at 10
     rec = recipe(tiny_init, wic, tmp_path, "train.epochs=1", "train.eval_every=10", "train.sample_log=true", "scaling.num_workers=[1, 2]")
     result = finetune(rec, progress=False, log=lambda *_: None)
-    killed.setdefault("pid", None)
-    assert killed["pid"] is not None, "the run ended before the worker could be killed"
+    killer.killed()
     lines, starts = committed(run)
     assert starts[0] == 0 and len(starts) == 2 and starts[1] == 10, starts  # resumed from the checkpoint at step 10
     assert result.metrics["step"] == 240 // 8
