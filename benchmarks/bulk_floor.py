@@ -166,10 +166,7 @@ def main() -> None:
     model_dir = serving.minilm_dir()
     texts = serving.load_texts(serving.N_TEXTS, serving.SEED)
     encoders, tokenizer = serving.limit_encoders(model_dir)
-    n_tokens = [len(ids) for ids in tokenizer(texts)["input_ids"]]
-    by_length = sorted(range(len(texts)), key=lambda i: n_tokens[i])
-    batches = [[texts[i] for i in by_length[s : s + serving.BATCH]] for s in range(0, len(texts), serving.BATCH)]
-    batch_tokens = [sum(n_tokens[i] for i in by_length[s : s + serving.BATCH]) for s in range(0, len(texts), serving.BATCH)]
+    n_tokens, batches, batch_tokens = serving.sorted_batches(texts, tokenizer)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores; "
           f"{args.seconds:g} s a step, {args.rounds} rounds, {serving.CORES} torch threads")
 

@@ -128,11 +128,7 @@ def main() -> None:
     model_dir = serving.minilm_dir()
     texts = serving.load_texts(args.rows, serving.SEED)
     encoders, tokenizer = serving.limit_encoders(model_dir)
-    n_tokens = [len(ids) for ids in tokenizer(texts)["input_ids"]]
-    by_length = sorted(range(len(texts)), key=lambda i: n_tokens[i])
-    B = serving.BATCH
-    batches = [[texts[i] for i in by_length[s : s + B]] for s in range(0, len(texts), B)]
-    batch_tokens = [sum(n_tokens[i] for i in by_length[s : s + B]) for s in range(0, len(texts), B)]
+    n_tokens, batches, batch_tokens = serving.sorted_batches(texts, tokenizer)
     check_ids = [int(i) for i in np.linspace(0, args.rows - 1, N_CHECK)]
     small_check = [int(i) for i in np.linspace(0, args.small_rows - 1, N_CHECK)] if args.small_rows else []
     with torch.inference_mode():
@@ -186,7 +182,7 @@ def main() -> None:
     limit_of = {n: statistics.median(v) for n, v in limits.items()}
     best = max(limit_of, key=limit_of.get)
     for n, t in limit_of.items():
-        print(f"{'limit:' if n == best else '':<10} {t:8,.1f} texts/s   in-process {n}, length-sorted batches of {B}, {args.threads} threads")
+        print(f"{'limit:' if n == best else '':<10} {t:8,.1f} texts/s   in-process {n}, length-sorted batches of {serving.BATCH}, {args.threads} threads")
     if small_walls:
         small = statistics.median(small_walls)
         steady = (args.rows - args.small_rows) / (wall - small)

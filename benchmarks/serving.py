@@ -479,6 +479,16 @@ def limit_encoders(model_dir: Path):
     return {"ctxmodels": encode_ours, "transformers": encode_theirs}, tokenizer
 
 
+def sorted_batches(texts: list[str], tokenizer, size: int = BATCH) -> tuple[list[int], list[list[str]], list[int]]:
+    """(tokens per text, the texts sorted by length in batches of ``size``, each batch's tokens): what
+    the limit runs (``measure_limit``)."""
+    n_tokens = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    by_length = sorted(range(len(texts)), key=lambda i: n_tokens[i])
+    batches = [[texts[i] for i in by_length[s : s + size]] for s in range(0, len(texts), size)]
+    batch_tokens = [sum(n_tokens[i] for i in by_length[s : s + size]) for s in range(0, len(texts), size)]
+    return n_tokens, batches, batch_tokens
+
+
 def measure_limit(encode, batches: list[list[str]], batch_tokens: list[int], seconds: float) -> tuple[float, float]:
     """(texts/s, tokens/s) of whole passes over LIMIT_BATCHES length-sorted batches, the middle one of
     each equal stretch (the lengths' mix in a pass a loaded machine finishes in seconds: the first of
@@ -532,10 +542,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     texts = load_texts(N_TEXTS, SEED)
     encoders, tokenizer = limit_encoders(model_dir)
-    n_tokens = [len(ids) for ids in tokenizer(texts)["input_ids"]]
-    by_length = sorted(range(len(texts)), key=lambda i: n_tokens[i])
-    batches = [[texts[i] for i in by_length[s : s + BATCH]] for s in range(0, len(texts), BATCH)]
-    batch_tokens = [sum(n_tokens[i] for i in by_length[s : s + BATCH]) for s in range(0, len(texts), BATCH)]
+    n_tokens, batches, batch_tokens = sorted_batches(texts, tokenizer)
     with torch.inference_mode():
         reference = torch.nn.functional.normalize(encoders["transformers"](texts[:N_CHECK]), dim=-1).double().numpy()
         ours_in_process = torch.nn.functional.normalize(encoders["ctxmodels"](texts[:N_CHECK]), dim=-1).double().numpy()
