@@ -10,9 +10,10 @@
 # 8192^3 products); tests/jobs/test_cuda.py; BERT-base seq-128 bf16 pretraining against
 # transformers' BertForMaskedLM (sdpa) at batch 32 (the issue's figure): compiled blocks, eager,
 # and compiled blocks as CUDA graphs (reduce-overhead), then at batch 256, with the share of each
-# step the GPU is busy (torch.profiler); a fine-tuning step (MiniLM, padded batches, bf16); MiniLM sentence
+# step the GPU is busy (torch.profiler) and its kernel time by kind; at batch 256 again with the
+# residual stream in bf16 (--residual bf16), and that without dropout; a fine-tuning step (MiniLM, padded batches, bf16); MiniLM sentence
 # embeddings against sentence-transformers. Each part has its own time limit, so one that hangs
-# does not take the others with it. Logs go to $OUT/ when OUT is set.
+# does not take the others with it. Logs go to $OUT/ when OUT is set. PARTS="a b" runs those parts only.
 set -u
 cd "$(dirname "$0")/.."
 MINILM=${1:-.gpu/minilm}
@@ -21,9 +22,12 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
+PARTS=${PARTS:-}  # names of the parts to run, space-separated (default: all)
+
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $LOGS/NAME.log, go on either way
   local name=$1 limit=$2
   shift 2
+  if [ -n "$PARTS" ] && [[ " $PARTS " != *" $name "* ]]; then return; fi
   echo "=== $name ($(date +%T), limit ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | grep -v "Loading weights" | tee "$LOGS/$name.log"
   echo "=== $name: exit ${PIPESTATUS[0]}"
@@ -49,7 +53,9 @@ part test_cuda 120 $PY -m pytest tests/jobs/test_cuda.py -q -p no:cacheprovider
 part pretrain_b32_eager 75 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile none
 part pretrain_b32_graphs 90 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile-mode reduce-overhead --profile
 part pretrain_b256_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile
+part pretrain_b256_bf16res 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile --residual bf16
+part pretrain_b256_bf16res_nodrop 100 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --residual bf16 --dropout 0
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
 echo "=== summary"
-grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"
+grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|^kernels\|host syncs\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"

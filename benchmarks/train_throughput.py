@@ -75,6 +75,7 @@ from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
 from ctxmodels.compiling import compile_blocks  # noqa: E402
 from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
+from ctxmodels.ops import LayerNorm  # noqa: E402
 from jobs.loop import model_inputs, to_device  # noqa: E402
 from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
@@ -247,9 +248,33 @@ def products_floor(cfg: BertConfig, rows: int, n_pred: int, dtype: torch.dtype, 
     return total + cfg.n_layer * time_of(attention)
 
 
-def gpu_busy(step, batches, device: torch.device, steps: int = 3) -> tuple[float, float]:
-    """(GPU kernel seconds per step, wall seconds per step) over ``steps`` steps under
-    torch.profiler: where the first is much smaller, the GPU waits on the host (launches, syncs)."""
+# kernel name -> what it is, first match wins (cuBLAS/CUTLASS products, flash attention, inductor's
+# fused Triton kernels, eager element-wise and reduction kernels, the fused optimizer, copies)
+KERNEL_KINDS = [
+    ("attention", ("flash", "fmha", "attention", "efficient_attention")),
+    ("products", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "ampere_", "hopper")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("inductor fused", ("triton",)),
+    ("copies, fills", ("memcpy", "memset", "copy", "fill")),
+    ("loss, softmax", ("softmax", "cross_entropy", "nll", "log_softmax")),
+    ("reductions, norms", ("reduce", "norm", "welford")),
+    ("embedding, gathers", ("embedding", "index", "gather", "scatter", "nonzero", "sort", "radix", "cub::")),
+    ("element-wise", ("elementwise", "vectorized", "unrolled", "dropout", "fused_dropout")),
+]
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in lower for n in needles):
+            return kind
+    return "other"
+
+
+def gpu_busy(step, batches, device: torch.device, steps: int = 3) -> tuple[float, float, list[tuple[str, float, int]]]:
+    """(GPU kernel seconds per step, wall seconds per step, kernels) over ``steps`` steps under
+    torch.profiler: where the first is much smaller, the GPU waits on the host (launches, syncs).
+    ``kernels``: (name, seconds per step, launches per step) of each distinct kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
@@ -267,7 +292,46 @@ def gpu_busy(step, batches, device: torch.device, steps: int = 3) -> tuple[float
         if b > end:
             busy += b - max(a, end)
             end = b
-    return busy / 1e6 / steps, wall / steps
+    per_name: dict[str, list[float]] = {}
+    for e in kernels:
+        per_name.setdefault(e.name, []).append((e.time_range.end - e.time_range.start) / 1e6)
+    table = [(name, sum(ts) / steps, round(len(ts) / steps)) for name, ts in per_name.items()]
+    return busy / 1e6 / steps, wall / steps, sorted(table, key=lambda row: -row[1])
+
+
+def print_kernels(name: str, table: list[tuple[str, float, int]], top: int = 12) -> None:
+    """Kernel time per step by kind, then the ``top`` kernels: where a GPU-bound step goes."""
+    kinds: dict[str, list[float]] = {}
+    for kernel, seconds, launches in table:
+        k = kinds.setdefault(kernel_kind(kernel), [0.0, 0])
+        k[0] += seconds
+        k[1] += launches
+    total = sum(seconds for _, seconds, _ in table)
+    print(f"kernels {name}: {total * 1e3:.1f} ms/step in {sum(n for _, _, n in table)} launches; by kind: "
+          + "; ".join(f"{kind} {t * 1e3:.1f} ms ({n})" for kind, (t, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])))
+    for kernel, seconds, launches in table[:top]:
+        print(f"  {seconds * 1e3:7.2f} ms {launches:4d}x  [{kernel_kind(kernel)}] {kernel[:110]}")
+
+
+def host_syncs(step, batch) -> list[str]:
+    """Where one step makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``): the
+    Python lines of the synchronizing calls, with their counts. Each one drains the GPU's queue."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}"
+            lines[where] = lines.get(where, 0) + 1
+    return [f"{where} x{n}" for where, n in lines.items()]
 
 
 def main() -> None:
@@ -288,6 +352,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: after timing, profile 3 steps of each side; print the GPU's kernel time per step "
                              "against the step's wall time (gpu_busy)")
+    parser.add_argument("--residual", choices=("fp32", "bf16"), default="fp32",
+                        help="ours under bf16 autocast: the LayerNorm outputs (the residual stream between blocks) "
+                             "in float32 (default, as plain autocast) or bf16 (ops.LayerNorm.low_precision_output)")
     parser.add_argument("--compile", choices=("auto", "blocks", "none"), default="auto",
                         help="ours: each Transformer block under torch.compile (ctxmodels.compiling, as train.compile), "
                              "or eager; auto (default): blocks on CUDA, eager on the CPU. transformers runs eager")
@@ -298,6 +365,8 @@ def main() -> None:
         raise SystemExit(f"--precision bf16 needs CUDA or a CPU with AVX512-BF16 or AMX (training runs fp32 on {device} here)")
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     rows = args.batch
+    if args.residual == "bf16":
+        LayerNorm.low_precision_output = True  # ours only: transformers has its own nn.LayerNorm
 
     torch.manual_seed(SEED)
     ours = BertForPreTraining(model_config(args.dropout, args.preset)).train()
@@ -306,7 +375,7 @@ def main() -> None:
     n_pred = [int((b["labels"] != -100).sum()) for b in batches]
     where = f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
     print(f"{where}, BERT-{args.preset}, threads {torch.get_num_threads()}, batch {rows} x {SEQ_LEN}, dropout {args.dropout}, "
-          f"AdamW {args.adamw}, precision {args.precision}, masked positions per batch {n_pred}")
+          f"AdamW {args.adamw}, precision {args.precision} (residual {args.residual}), masked positions per batch {n_pred}")
 
     check = {k: v[:CHECK_ROWS] for k, v in batches[0].items()}  # on the CPU: a few rows say it
     loss_ours, loss_hf, grad_diff = check_same_objective(ours, hf, check)
@@ -396,11 +465,14 @@ def main() -> None:
     if args.profile and device.type == "cuda":
         for name in sides:
             try:
-                busy, wall = gpu_busy(sides[name], inputs[name], device)
+                busy, wall, table = gpu_busy(sides[name], inputs[name], device)
+                syncs = host_syncs(sides[name], inputs[name][0])
             except Exception as e:  # the profiler is a diagnostic: the figures above stand without it
                 print(f"gpu_busy {name}: profiler failed: {type(e).__name__}: {e}")
                 continue
             print(f"gpu_busy {name}: {busy / wall:.2f} (kernels {busy * 1e3:.1f} ms of a {wall * 1e3:.1f} ms step)")
+            print_kernels(name, table)
+            print(f"host syncs {name}: {len(syncs) and ', '.join(syncs) or 'none'}")
     print(f"speedup_vs_transformers: {tps['ours'] / tps['transformers']:.2f}")
     print(f"mfu: {achieved / peak:.2f}")
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, Embedding, drawable, dropout, keep_mask, masked_lm_loss
+from ctxmodels.ops import Dropout, Embedding, LayerNorm, drawable, dropout, keep_mask, masked_lm_loss
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -145,7 +145,7 @@ class BertEmbeddings(nn.Module):
         self.word = Embedding(cfg.vocab_size, cfg.d_model)  # ops.Embedding: CPU gradient buffer reused
         self.position = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
-        self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
 
     def position_ids(self, input_ids: Tensor) -> Tensor:
@@ -327,9 +327,9 @@ class BertBlock(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.attn = SelfAttention(cfg)
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln1 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.ffn = FeedForward(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln2 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
@@ -719,7 +719,7 @@ class MLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(cfg.d_model, cfg.d_model)
         self.act = activation_fn(cfg.activation)
-        self.ln = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
     def transform(self, h: Tensor) -> Tensor:
@@ -744,9 +744,9 @@ class SBOHead(nn.Module):
         super().__init__()
         self.position = nn.Embedding(SBO_MAX_SPAN, cfg.d_model)
         self.fc1 = nn.Linear(3 * cfg.d_model, cfg.d_model)
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln1 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.fc2 = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.ln2 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.act = activation_fn(cfg.activation)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 

@@ -97,6 +97,38 @@ class Dropout(nn.Dropout):
 
 
 # ----------------------------------------------------------------------------------------------
+# LayerNorm: its output in the autocast dtype, when asked
+# ----------------------------------------------------------------------------------------------
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same constructor and state dict, still an instance of it). Under autocast
+    it normalises in float32, as autocast's LayerNorm does; when ``low_precision_output`` is set it
+    then returns the autocast dtype (bf16) instead of float32.
+
+    In a post-LN Transformer (BERT) the LayerNorm output is the residual stream: under plain
+    autocast it is float32, so every block boundary writes (B, T, D) float32, casts it to bf16 for
+    the next products and keeps both for the backward. With a bf16 output the stream stays bf16
+    between blocks (the statistics are still float32), as in Megatron-LM's bf16 training (its
+    ``fp32_residual_connection`` off, the default): half the memory traffic of the element-wise
+    work around the products, which is what bounds a large-batch GPU step once they are fast.
+    ``low_precision_output`` is a class switch (``ops.LayerNorm.low_precision_output = True``);
+    outside autocast it changes nothing.
+    """
+
+    low_precision_output = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (type(self).low_precision_output and torch.is_autocast_enabled(x.device.type)):
+            return super().forward(x)
+        low = torch.get_autocast_dtype(x.device.type)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)  # float32 statistics
+        return y.to(low)
+
+
+# ----------------------------------------------------------------------------------------------
 # Embedding: the weight's dense gradient in a buffer kept across steps
 # ----------------------------------------------------------------------------------------------
 

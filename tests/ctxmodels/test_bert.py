@@ -679,3 +679,59 @@ def test_full_rows_build_no_packing(monkeypatch):
     model(**batch).loss.backward()
     with pytest.raises(AssertionError, match="Packing built"):  # and the spy does see a padded batch
         model(**padded)
+
+
+# ---------------------------------------------------------------------------------------------
+# ops.LayerNorm: the residual stream in bf16 under autocast (issue 25)
+
+
+@pytest.fixture
+def low_precision_layernorm():
+    ops.LayerNorm.low_precision_output = True
+    yield
+    ops.LayerNorm.low_precision_output = False
+
+
+def test_layernorm_low_precision_output_normalises_in_fp32_and_returns_the_autocast_dtype(low_precision_layernorm):
+    torch.manual_seed(0)
+    ln = ops.LayerNorm(48, eps=1e-12)
+    torch.nn.init.normal_(ln.weight), torch.nn.init.normal_(ln.bias)
+    x = torch.randn(4, 7, 48) * 3 + 1
+    want = F.layer_norm(x, (48,), ln.weight, ln.bias, 1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for given in (x, x.bfloat16()):  # the embeddings' fp32 sum, then a bf16 residual stream
+            y = ln(given)
+            assert y.dtype == torch.bfloat16
+            assert torch.equal(y, F.layer_norm(given.float(), (48,), ln.weight, ln.bias, 1e-12).bfloat16())
+    assert torch.equal(ln(x), want)  # outside autocast: nn.LayerNorm itself
+    ops.LayerNorm.low_precision_output = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ln(x).dtype == torch.float32  # the switch off: autocast's own (float32) LayerNorm
+
+
+def test_bert_under_autocast_keeps_a_bf16_residual_stream_and_learns(low_precision_layernorm):
+    model = tiny()
+    batch = make_batch(model.cfg)
+    seen = []
+    hooks = [block.register_forward_hook(lambda m, i, out: seen.append(out.dtype)) for block in model.backbone.layers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(**batch).loss
+    for h in hooks:
+        h.remove()
+    assert seen == [torch.bfloat16] * len(model.backbone.layers)
+    ops.LayerNorm.low_precision_output = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(**batch).loss
+    ops.LayerNorm.low_precision_output = True
+    assert low.item() == pytest.approx(plain.item(), rel=2e-2)  # bf16 rounding of the stream, no more
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -222,3 +222,27 @@ def test_compiled_blocks_train_like_eager_over_steps(mode):
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{mode} {name}: {m}")
+
+
+def test_bf16_residual_stream_on_cuda_compiles_like_eager_and_learns():
+    """``ops.LayerNorm.low_precision_output`` (the residual stream in bf16 between blocks): BERT's
+    compiled blocks give eager's loss within bf16 rounding, and training on one batch learns."""
+    import torch._dynamo
+
+    ops.LayerNorm.low_precision_output = True
+    try:
+        _, model, batch = _tiny("bert")
+        model.to(CUDA).eval()
+        b = _on(batch, CUDA)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            eager = model(**b).loss.item()
+        compile_blocks(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            compiled = model(**b).loss.item()
+        for m in compile_regions(model):
+            m._compiled_call_impl = None
+        assert compiled == pytest.approx(eager, rel=1e-2)
+        assert_bf16_training_learns("bert", model, b, CUDA)
+    finally:
+        ops.LayerNorm.low_precision_output = False
+        torch._dynamo.reset()
