@@ -314,23 +314,33 @@ def print_kernels(name: str, table: list[tuple[str, float, int]], top: int = 12)
 
 
 def host_syncs(step, batch) -> list[str]:
-    """Where one step makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``): the
-    Python lines of the synchronizing calls, with their counts. Each one drains the GPU's queue."""
+    """Where one step makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``): for
+    each synchronizing call, the innermost line of this repository's code on the stack and the
+    library line that synchronized, with their counts. Each one drains the GPU's queue."""
+    import traceback
     import warnings
 
+    repo = str(Path(__file__).resolve().parents[1])
+    lines: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack() if f.filename.startswith(repo) and not f.filename.endswith("train_throughput.py")]
+        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "?"
+        lib = "/".join(Path(filename).parts[-2:])
+        key = f"{where} ({lib}:{lineno})"
+        lines[key] = lines.get(key, 0) + 1
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    lines: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where = f"{Path(w.filename).name}:{w.lineno}"
-            lines[where] = lines.get(where, 0) + 1
     return [f"{where} x{n}" for where, n in lines.items()]
 
 
@@ -402,8 +412,8 @@ def main() -> None:
         print(f"ours: {compile_blocks(ours, **options)} blocks under torch.compile {options or ''} "
               "(compiled during the warm-up steps)")
     # Ours gets its batches as ctx pretrain moves them (jobs.loop.to_device: pinned, asynchronous,
-    # an all-ones mask found on the host and left out); transformers gets the mask, as users pass it.
-    batches_ours = [model_inputs(to_device(b, device)) for b in batches]
+    # an all-ones mask found on the host and left out, the masked positions found on the host); transformers gets the mask, as users pass it.
+    batches_ours = [model_inputs(to_device(b, device, label_positions=True)) for b in batches]
     batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
     autocast = contextlib.nullcontext
     if args.precision == "bf16":

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, Embedding
+from ctxmodels.ops import Dropout, Embedding, predicted_positions
 from ctxmodels.outputs import PretrainOutput
 
 IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
@@ -281,16 +281,17 @@ class AlbertForPreTraining(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         labels: Tensor | None = None,
+        label_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """MLM scores (N, V) at the positions where ``labels != -100`` (every position if labels is
-        None), in row-major order; SOP scores (B, 2), or None when ``sop=False``."""
+        None), in row-major order; SOP scores (B, 2), or None when ``sop=False``. ``label_positions``:
+        those positions as flat indices, found on the host (``ops.predicted_positions``)."""
         last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]  # (B, T, C)
-        if labels is None:
-            predicted = torch.ones_like(input_ids, dtype=torch.bool)  # (B, T)
-        else:
-            predicted = labels != IGNORE_INDEX  # (B, T)
-        # Scoring only the ~15% masked positions saves most of the (B, T, V) logits' memory.
-        mlm = self.mlm_head(last[predicted], self.backbone.word_emb.weight)  # (N, V)
+        flat = last.reshape(-1, last.shape[-1])  # (B * T, C)
+        if labels is not None:
+            # Scoring only the ~15% masked positions saves most of the (B, T, V) logits' memory.
+            flat = flat.index_select(0, predicted_positions(labels, label_positions, IGNORE_INDEX))  # (N, C)
+        mlm = self.mlm_head(flat, self.backbone.word_emb.weight)  # (N, V)
         sop = None
         if self.sop_head is not None:
             sop = self.sop_head(self.sop_dropout(self.backbone.pool(last)))  # (B, 2)
@@ -303,9 +304,12 @@ class AlbertForPreTraining(nn.Module):
         token_type_ids: Tensor | None = None,
         labels: Tensor | None = None,
         next_sentence_label: Tensor | None = None,
+        label_positions: Tensor | None = None,
     ) -> PretrainOutput:
         """``labels`` (B, T): target ids at masked positions, -100 elsewhere. ``next_sentence_label``
-        (B,) is the project's column for SOP too: 0 = in order, 1 = swapped."""
+        (B,) is the project's column for SOP too: 0 = in order, 1 = swapped. ``label_positions``
+        (N,): where ``labels != -100`` as flat indices found on the host (``jobs.loop.to_device``
+        on a GPU); found here when None."""
         if labels is None:
             raise ValueError("AlbertForPreTraining needs `labels` (MLM targets, -100 where not predicted)")
         if self.config.sop and next_sentence_label is None:
@@ -313,9 +317,10 @@ class AlbertForPreTraining(nn.Module):
                 "AlbertForPreTraining with sop=True needs `next_sentence_label` (0 = in order, 1 = swapped); "
                 "build batches with the SOP transform or set AlbertConfig.sop=False"
             )
-        mlm_logits, sop_logits = self.logits(input_ids, attention_mask, token_type_ids, labels)
-        targets = labels[labels != IGNORE_INDEX]  # (N,)
-        n_pred = torch.tensor(targets.numel(), device=targets.device)
+        positions = predicted_positions(labels, label_positions, IGNORE_INDEX)  # (N,) into B * T
+        mlm_logits, sop_logits = self.logits(input_ids, attention_mask, token_type_ids, labels, positions)
+        targets = labels.reshape(-1).index_select(0, positions)  # (N,)
+        n_pred = torch.full((), targets.numel(), dtype=torch.long, device=targets.device)  # a fill, not a copy from the host
         denom = max(targets.numel(), 1)  # a batch with nothing masked gives loss 0, not NaN
         mlm_loss = F.cross_entropy(mlm_logits, targets, reduction="sum") / denom
         metrics = {

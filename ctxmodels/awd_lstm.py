@@ -142,8 +142,12 @@ class WeightDropLSTM(nn.Module):
             weights = [v.view_as(w) for v, w in zip(flat.split([w.numel() for w in weights]), weights)]
         h0, c0 = state[0].unsqueeze(0), state[1].unsqueeze(0)  # (1, B, d_out): one layer, one direction
         # torch.lstm is nn.LSTM's own fused kernel: (input, hx, weights, has_biases, num_layers,
-        # dropout, train, bidirectional, batch_first).
-        out, h, c = torch.lstm(x, (h0, c0), weights, True, 1, 0.0, self.training, False, True)
+        # dropout, train, bidirectional, batch_first). Its dropout is 0, so ``train`` changes no
+        # output: it makes cuDNN keep what its backward reads, wanted whenever gradients are (an
+        # eval-mode backward: gradient saliency, the CUDA-equals-CPU test), else "cudnn RNN
+        # backward can only be called in training mode".
+        train = self.training or torch.is_grad_enabled()
+        out, h, c = torch.lstm(x, (h0, c0), weights, True, 1, 0.0, train, False, True)
         return out, (h[0], c[0])  # (B, T, d_out)
 
 

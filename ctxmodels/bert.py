@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, Embedding, LayerNorm, drawable, dropout, keep_mask, masked_lm_loss
+from ctxmodels.ops import Dropout, Embedding, LayerNorm, drawable, dropout, keep_mask, masked_lm_loss, predicted_positions
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -806,12 +806,18 @@ class BertForPreTraining(nn.Module):
         self, last: Tensor, selected: Tensor, sbo_left: Tensor, sbo_right: Tensor, sbo_pos: Tensor
     ) -> Tensor:
         """The SBO head before its decoder: (N, D), rows as in ``sbo_logits``."""
+        return self._sbo_at(last, selected.reshape(-1).nonzero().squeeze(1), sbo_left, sbo_right, sbo_pos)
+
+    def _sbo_at(self, last: Tensor, positions: Tensor, sbo_left: Tensor, sbo_right: Tensor, sbo_pos: Tensor) -> Tensor:
+        """``sbo_hidden`` at the flat (B * T) ``positions`` (``ops.predicted_positions``)."""
         if self.sbo is None:
             raise ValueError("this model has no SBO head (config.sbo is False)")
-        rows = selected.nonzero(as_tuple=True)[0]  # (N,) row of each target
-        left = last[rows, sbo_left[selected].clamp(min=0)]  # (N, D)
-        right = last[rows, sbo_right[selected].clamp(min=0)]  # (N, D)
-        return self.sbo.transform(left, right, sbo_pos[selected])
+        T = last.shape[1]
+        rows = torch.div(positions, T, rounding_mode="floor")  # (N,) sequence of each target
+        flat = last.reshape(-1, last.shape[-1])  # (B * T, D)
+        left = flat.index_select(0, rows * T + sbo_left.reshape(-1).index_select(0, positions).clamp(min=0))  # (N, D)
+        right = flat.index_select(0, rows * T + sbo_right.reshape(-1).index_select(0, positions).clamp(min=0))  # (N, D)
+        return self.sbo.transform(left, right, sbo_pos.reshape(-1).index_select(0, positions))
 
     def forward(
         self,
@@ -823,10 +829,13 @@ class BertForPreTraining(nn.Module):
         sbo_left: Tensor | None = None,
         sbo_right: Tensor | None = None,
         sbo_pos: Tensor | None = None,
+        label_positions: Tensor | None = None,
     ) -> PretrainOutput:
         """``sbo_left``/``sbo_right``/``sbo_pos`` (B, T), read where ``labels != -100``: positions of
         the tokens just before / after the token's span and its 0-based position in the span
-        (``pipelines.spans.span_mask``). Given together, and only to a model with ``cfg.sbo``."""
+        (``pipelines.spans.span_mask``). Given together, and only to a model with ``cfg.sbo``.
+        ``label_positions`` (N,): where ``labels != -100``, as flat indices found on the host
+        (``ops.predicted_positions``; ``jobs.loop.to_device`` on a GPU); found here when None."""
         if labels is None and next_sentence_label is None:
             raise ValueError(
                 "BertForPreTraining.forward needs labels (MLM) and/or next_sentence_label (NSP); "
@@ -853,21 +862,21 @@ class BertForPreTraining(nn.Module):
             # cross_entropy(F.linear(h, word, bias), target) without materialising the (N, V)
             # logits; with N = 0 it is a zero loss whose graph stays connected (DDP needs every
             # parameter used).
-            selected = labels.ne(IGNORE_INDEX)  # (B, T)
-            h = self.mlm.transform(last[selected])  # (N, D)
-            target = labels[selected]  # (N,)
-            n_pred = target.numel()
+            positions = predicted_positions(labels, label_positions, IGNORE_INDEX)  # (N,) into B * T
+            h = self.mlm.transform(last.reshape(-1, last.shape[-1]).index_select(0, positions))  # (N, D)
+            target = labels.reshape(-1).index_select(0, positions)  # (N,)
+            n_pred = positions.numel()
             mlm_loss, n_correct = masked_lm_loss(h, word, self.mlm.bias, target)
             mlm_acc = n_correct.float() / max(n_pred, 1)
             losses.append(mlm_loss)
             metrics.update(
                 mlm_loss=mlm_loss.detach(),
                 mlm_acc=mlm_acc.detach(),
-                n_pred=torch.tensor(n_pred, device=last.device),
+                n_pred=torch.full((), n_pred, dtype=torch.long, device=last.device),  # a fill, not a copy from the host
             )
 
         if self.sbo is not None and sbo_left is not None:
-            y = self.sbo_hidden(last, selected, sbo_left, sbo_right, sbo_pos)  # (N, D), same N as MLM
+            y = self._sbo_at(last, positions, sbo_left, sbo_right, sbo_pos)  # (N, D), same N as MLM
             sbo_loss, sbo_correct = masked_lm_loss(y, word, self.sbo.bias, target)
             sbo_acc = sbo_correct.float() / max(n_pred, 1)
             losses.append(sbo_loss)

@@ -222,6 +222,25 @@ class Embedding(nn.Embedding):
 
 
 # ----------------------------------------------------------------------------------------------
+# Predicted positions: the rows a masked-LM head reads
+# ----------------------------------------------------------------------------------------------
+
+
+def predicted_positions(labels: Tensor, given: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+    """(N,) flat indices into ``labels``' B * T positions where a target exists (``!= -100``), in
+    row-major order: the rows ``h[labels != -100]`` gathers, as indices.
+
+    ``given``: the same indices found on the host (``jobs.loop.to_device``), returned as they are.
+    On a GPU, finding them there (a boolean gather, its backward likewise) makes the host wait for
+    every kernel queued before it, twice a step; with indices, ``index_select`` and its backward
+    need no wait, and N is known on the host.
+    """
+    if given is not None:
+        return given
+    return labels.reshape(-1).ne(ignore_index).nonzero().squeeze(1)
+
+
+# ----------------------------------------------------------------------------------------------
 # Masked-LM loss: decoder product + cross-entropy, fused
 # ----------------------------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from pipelines.position import POSITION_FILE, DataPosition, load_position
 BOOKKEEPING = ("sample_id", "epoch")
 # The key ``to_device`` sets in a batch whose attention mask is all ones: ``model_inputs`` drops the mask.
 NO_PADDING = "_no_padding"
+LABEL_POSITIONS = "_label_positions"  # where labels != -100, found by to_device on the host; the forward's label_positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,10 +111,13 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch without its bookkeeping columns: what ``model(**inputs)`` takes. A batch that
     ``to_device`` found unpadded goes without its all-ones ``attention_mask``."""
     drop = ("attention_mask",) if batch.get(NO_PADDING) else ()
-    return {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_") and k not in drop}
+    out = {k: v for k, v in batch.items() if k not in BOOKKEEPING and not k.startswith("_") and k not in drop}
+    if LABEL_POSITIONS in batch:  # to_device found them because the model takes them
+        out["label_positions"] = batch[LABEL_POSITIONS]
+    return out
 
 
-def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+def to_device(batch: dict[str, Any], device, label_positions: bool = False) -> dict[str, Any]:
     """A host batch of tensors on ``device``, for the training step.
 
     On CUDA the tensors travel through pinned (page-locked) memory and are copied without the
@@ -123,14 +127,24 @@ def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
     then leaves the mask out, the families attend with no mask at all (SDPA's flash kernel;
     ``is_causal`` for GPT) and nothing reads the mask on the device, where each check would make
     the host wait for the GPU. The mask itself stays in the batch (sample digests and token counts
-    read it). On the CPU the batch is returned as it is: the families check their masks there.
+    read it). ``label_positions`` (for a model whose forward takes them: BERT's and ALBERT's
+    masked-LM heads): the flat indices where ``labels != -100`` are found here too
+    (``LABEL_POSITIONS``, passed on by ``model_inputs``), so the head gathers its rows with no
+    wait either (``ctxmodels.ops.predicted_positions``). On the CPU the batch is returned as it
+    is: the families check their masks there.
     """
     import torch
 
     if torch.device(device).type != "cuda":
         return batch
+    host = dict(batch)
+    labels = batch.get("labels")
+    if label_positions and isinstance(labels, torch.Tensor) and labels.device.type == "cpu":
+        from ctxmodels.ops import predicted_positions
+
+        host[LABEL_POSITIONS] = predicted_positions(labels)
     out: dict[str, Any] = {}
-    for k, v in batch.items():
+    for k, v in host.items():
         if isinstance(v, torch.Tensor) and v.device.type == "cpu":
             v = v.pin_memory().to(device, non_blocking=True)
         out[k] = v

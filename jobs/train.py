@@ -8,6 +8,7 @@ the same recipe (same ``output_dir`` and ``name``) resumes from the run's latest
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import tempfile
 import time
@@ -302,8 +303,9 @@ def stream_batches(rows, per_worker: int):
         yield batch
 
 
-def train_batches(config: dict[str, Any], micro: int, device):
-    """Ray seam: this worker's share of the training stream, as (micro, ...) tensor batches."""
+def train_batches(config: dict[str, Any], micro: int, device, label_positions: bool = False):
+    """Ray seam: this worker's share of the training stream, as (micro, ...) tensor batches;
+    ``label_positions``: the model's forward takes them (``jobs.loop.to_device``)."""
     import ray.train
 
     shard = ray.train.get_dataset_shard("train")
@@ -311,7 +313,7 @@ def train_batches(config: dict[str, Any], micro: int, device):
         return stream_batches(shard.iter_torch_batches(batch_size=1, device=device), micro)
     # Host batches, moved by to_device: pinned, asynchronous copies, and packed rows' all-ones
     # masks found on the host, so attention runs with no mask (flash kernels) on a GPU.
-    return (to_device(b, device) for b in shard.iter_torch_batches(batch_size=micro, drop_last=True))
+    return (to_device(b, device, label_positions) for b in shard.iter_torch_batches(batch_size=micro, drop_last=True))
 
 
 def eval_batches(recipe: Recipe, shards: list[str], tok_dir: Path, rows: int, device) -> list[dict[str, Any]]:
@@ -374,6 +376,7 @@ class PretrainJob(WorkerJob):
         self.units, self.extra = config["shard_keys"], {"recipe": config["recipe"]}
         self.eval_batches: list[dict[str, Any]] = []
         self.flops_per_sample = self.peak = 0.0
+        self.label_positions = False  # whether the model's forward takes label_positions (build_model says)
 
     def build_model(self, rank: int):
         from ctxmodels.registry import build_model
@@ -387,6 +390,7 @@ class PretrainJob(WorkerJob):
                 overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
             self.model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=recipe.train.seed)
         seed_worker_rng(recipe.train.seed, rank)  # dropout
+        self.label_positions = "label_positions" in inspect.signature(model.forward).parameters
         return model
 
     def started(self, device, precision: str) -> None:
@@ -396,7 +400,7 @@ class PretrainJob(WorkerJob):
                                                            device, precision, torch)
 
     def batches(self, config: dict[str, Any], micro: int, device):
-        return train_batches(config, micro, device)
+        return train_batches(config, micro, device, self.label_positions)
 
     def frozen_message(self, frozen: list[str]) -> str:
         return f"not trained by objective {self.recipe.data.objective!r} (frozen): {', '.join(frozen)}"

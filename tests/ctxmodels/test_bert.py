@@ -735,3 +735,32 @@ def test_bert_under_autocast_keeps_a_bf16_residual_stream_and_learns(low_precisi
         losses.append(loss.item())
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# label_positions: the masked-LM rows as indices found on the host (issue 25)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert", "albert"])
+def test_label_positions_found_on_the_host_give_the_same_loss_and_gradients(family):
+    from ctxmodels.registry import build_model
+    from tests.ctxmodels.test_flops import family_batch
+
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128}, seed=0)
+    model.eval()
+    batch, n_pred = family_batch(family, cfg)
+    positions = ops.predicted_positions(batch["labels"])
+    assert positions.tolist() == (batch["labels"].reshape(-1) != -100).nonzero().squeeze(1).tolist()
+    outputs = []
+    for given in (None, positions):
+        out = model(**batch, label_positions=given)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        outputs.append((out, grads))
+    (found, grads_found), (given, grads_given) = outputs
+    assert torch.equal(found.loss, given.loss)
+    assert {k: v.item() for k, v in found.metrics.items()} == {k: v.item() for k, v in given.metrics.items()}
+    assert given.metrics["n_pred"].item() == n_pred
+    assert grads_found.keys() == grads_given.keys()
+    assert all(torch.equal(grads_found[n], grads_given[n]) for n in grads_found)

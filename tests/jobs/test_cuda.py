@@ -246,3 +246,33 @@ def test_bf16_residual_stream_on_cuda_compiles_like_eager_and_learns():
     finally:
         ops.LayerNorm.low_precision_output = False
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["bert", "spanbert", "albert"])
+def test_a_masked_lm_step_with_host_positions_never_waits_for_the_gpu(family):
+    """``to_device(..., label_positions=True)`` finds the masked positions on the host; a training
+    step (forward, backward, fused AdamW) then makes no synchronizing call at all
+    (``torch.cuda.set_sync_debug_mode("error")``), and its loss equals the one found on the GPU."""
+    from jobs.loop import LABEL_POSITIONS, model_inputs, to_device
+
+    cfg, model, batch = _tiny(family)
+    model.to(CUDA).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    moved = to_device(batch, CUDA, label_positions=True)
+    assert torch.equal(moved[LABEL_POSITIONS].cpu(), ops.predicted_positions(batch["labels"]))
+    inputs = model_inputs(moved)
+    assert "label_positions" in inputs and "attention_mask" not in inputs
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    model.eval()
+    with torch.no_grad():
+        here = model(**_on(batch, CUDA)).loss
+        there = model(**inputs).loss
+    torch.testing.assert_close(here, there)
