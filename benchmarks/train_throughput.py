@@ -75,7 +75,7 @@ from ctxmodels.bert import PRESETS, BertConfig, BertForPreTraining  # noqa: E402
 from ctxmodels.compiling import compile_blocks  # noqa: E402
 from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
-from ctxmodels.ops import LayerNorm  # noqa: E402
+from ctxmodels.ops import low_precision_layernorms  # noqa: E402
 from jobs.loop import model_inputs, to_device  # noqa: E402
 from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
@@ -326,8 +326,10 @@ def host_syncs(step, batch) -> list[str]:
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        ours = [f for f in traceback.extract_stack() if f.filename.startswith(repo) and not f.filename.endswith("train_throughput.py")]
-        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "?"
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if f.filename.startswith(repo) and not f.filename.endswith("train_throughput.py")]
+        frames = ours[-1:] or [f for f in stack if "warnings" not in f.filename][-3:]  # else the innermost lines
+        where = " < ".join(f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}" for f in reversed(frames))
         lib = "/".join(Path(filename).parts[-2:])
         key = f"{where} ({lib}:{lineno})"
         lines[key] = lines.get(key, 0) + 1
@@ -364,7 +366,7 @@ def main() -> None:
                              "against the step's wall time (gpu_busy)")
     parser.add_argument("--residual", choices=("fp32", "bf16"), default="fp32",
                         help="ours under bf16 autocast: the LayerNorm outputs (the residual stream between blocks) "
-                             "in float32 (default, as plain autocast) or bf16 (ops.LayerNorm.low_precision_output)")
+                             "in float32 (default, as plain autocast) or bf16 (ops.low_precision_layernorms, as train.residual: bf16 does)")
     parser.add_argument("--compile", choices=("auto", "blocks", "none"), default="auto",
                         help="ours: each Transformer block under torch.compile (ctxmodels.compiling, as train.compile), "
                              "or eager; auto (default): blocks on CUDA, eager on the CPU. transformers runs eager")
@@ -375,12 +377,12 @@ def main() -> None:
         raise SystemExit(f"--precision bf16 needs CUDA or a CPU with AVX512-BF16 or AMX (training runs fp32 on {device} here)")
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     rows = args.batch
-    if args.residual == "bf16":
-        LayerNorm.low_precision_output = True  # ours only: transformers has its own nn.LayerNorm
 
     torch.manual_seed(SEED)
     ours = BertForPreTraining(model_config(args.dropout, args.preset)).train()
     hf = hf_twin(ours).train()
+    if args.residual == "bf16":
+        low_precision_layernorms(ours)  # as train.residual: bf16 does
     batches = make_batches(N_BATCHES, SEED, rows)
     n_pred = [int((b["labels"] != -100).sum()) for b in batches]
     where = f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")

@@ -112,20 +112,29 @@ class LayerNorm(nn.LayerNorm):
     between blocks (the statistics are still float32), as in Megatron-LM's bf16 training (its
     ``fp32_residual_connection`` off, the default): half the memory traffic of the element-wise
     work around the products, which is what bounds a large-batch GPU step once they are fast.
-    ``low_precision_output`` is a class switch (``ops.LayerNorm.low_precision_output = True``);
-    outside autocast it changes nothing.
+    ``low_precision_output`` is set per module (``low_precision_layernorms(model)``, which
+    ``train.residual: bf16`` runs); outside autocast it changes nothing.
     """
 
-    low_precision_output = False
+    low_precision_output = False  # the default of every instance
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (type(self).low_precision_output and torch.is_autocast_enabled(x.device.type)):
+        if not (self.low_precision_output and torch.is_autocast_enabled(x.device.type)):
             return super().forward(x)
         low = torch.get_autocast_dtype(x.device.type)
         weight = None if self.weight is None else self.weight.float()
         bias = None if self.bias is None else self.bias.float()
         y = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)  # float32 statistics
         return y.to(low)
+
+
+def low_precision_layernorms(model: nn.Module, on: bool = True) -> int:
+    """Set ``low_precision_output`` on every ``LayerNorm`` of ``model`` (see there); returns how
+    many (0 for a family built on ``nn.LayerNorm`` alone, which then keeps float32 outputs)."""
+    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+    for m in norms:
+        m.low_precision_output = on
+    return len(norms)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -182,9 +182,20 @@ class TrainSection(StepChecks):
     eval_every: int = Field(100, ge=1)  # steps between evaluations on data.eval_input (and at the end)
     seed: int = 0  # model initialisation
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU or a native-bf16 CPU, fp32 weights and optimizer
+    # bf16 (with precision bf16): LayerNorm outputs, the residual stream between blocks, in bf16
+    # (statistics in fp32, as Megatron-LM's default); fp32: plain autocast's (transformers' Trainer)
+    residual: Literal["fp32", "bf16"] = "fp32"
     # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
     compile: bool | Literal["graphs"] = False
     sample_log: bool = False  # write every consumed sample id (and a digest of its tokens) to <run>/sample_log/
+
+    @model_validator(mode="after")
+    def _check_residual(self) -> "TrainSection":
+        if self.residual == "bf16" and self.precision != "bf16":
+            raise ValueError("train.residual: bf16 needs train.precision: bf16 (the residual stream is only "
+                             "lowered under bf16 autocast)")
+        return self
+
 
 class ScalingSection(_Section):
     # An int, or [min, max] for elastic training: Ray Train starts with as many workers as the

@@ -146,7 +146,8 @@ def to_device(batch: dict[str, Any], device, label_positions: bool = False) -> d
     out: dict[str, Any] = {}
     for k, v in host.items():
         if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-            v = v.pin_memory().to(device, non_blocking=True)
+            # (an expanded view cannot be pinned: one copy of it first)
+            v = v.contiguous().pin_memory().to(device, non_blocking=True)
         out[k] = v
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and bool(mask.all()):
@@ -1134,6 +1135,9 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
     if rank == 0 and t.precision != precision:
         print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
               "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
+    lowered = parallel.lower_residual(model, t.residual, precision)
+    if rank == 0 and lowered is not None:
+        print(lowered)
     job.started(device, precision)
     stream = job.batches(config, micro, device)
     first = next(stream, None)

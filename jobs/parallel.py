@@ -241,6 +241,22 @@ def autocast(plan: ParallelPlan, device: torch.device, allow_cpu: bool | None = 
     return nullcontext()
 
 
+def lower_residual(model: nn.Module, residual: str, precision: str) -> str | None:
+    """``train.residual: bf16``: every ``ctxmodels.ops.LayerNorm`` of ``model`` returns bf16 under
+    autocast (``low_precision_layernorms``) when the step runs in bf16 (``step_precision``);
+    returns a warning where that changes nothing (the step runs fp32 here, or the family's
+    LayerNorms are torch's own), else None."""
+    if residual != "bf16":
+        return None
+    if precision != "bf16":
+        return "warning: train.residual is 'bf16', but the step runs in fp32 here: the residual stream stays float32"
+    from ctxmodels.ops import low_precision_layernorms
+
+    if not low_precision_layernorms(model):
+        return f"warning: train.residual is 'bf16', but {type(model).__name__}'s LayerNorms are torch's own: their outputs stay float32"
+    return None
+
+
 @contextmanager
 def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     model.set_requires_gradient_sync(False)

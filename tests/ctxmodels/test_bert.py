@@ -685,16 +685,10 @@ def test_full_rows_build_no_packing(monkeypatch):
 # ops.LayerNorm: the residual stream in bf16 under autocast (issue 25)
 
 
-@pytest.fixture
-def low_precision_layernorm():
-    ops.LayerNorm.low_precision_output = True
-    yield
-    ops.LayerNorm.low_precision_output = False
-
-
-def test_layernorm_low_precision_output_normalises_in_fp32_and_returns_the_autocast_dtype(low_precision_layernorm):
+def test_layernorm_low_precision_output_normalises_in_fp32_and_returns_the_autocast_dtype():
     torch.manual_seed(0)
     ln = ops.LayerNorm(48, eps=1e-12)
+    assert ops.low_precision_layernorms(ln) == 1 and ln.low_precision_output
     torch.nn.init.normal_(ln.weight), torch.nn.init.normal_(ln.bias)
     x = torch.randn(4, 7, 48) * 3 + 1
     want = F.layer_norm(x, (48,), ln.weight, ln.bias, 1e-12)
@@ -704,13 +698,14 @@ def test_layernorm_low_precision_output_normalises_in_fp32_and_returns_the_autoc
             assert y.dtype == torch.bfloat16
             assert torch.equal(y, F.layer_norm(given.float(), (48,), ln.weight, ln.bias, 1e-12).bfloat16())
     assert torch.equal(ln(x), want)  # outside autocast: nn.LayerNorm itself
-    ops.LayerNorm.low_precision_output = False
+    ops.low_precision_layernorms(ln, on=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert ln(x).dtype == torch.float32  # the switch off: autocast's own (float32) LayerNorm
 
 
-def test_bert_under_autocast_keeps_a_bf16_residual_stream_and_learns(low_precision_layernorm):
+def test_bert_under_autocast_keeps_a_bf16_residual_stream_and_learns():
     model = tiny()
+    assert ops.low_precision_layernorms(model) == 2 * model.cfg.n_layer + 2  # blocks, embeddings, MLM head
     batch = make_batch(model.cfg)
     seen = []
     hooks = [block.register_forward_hook(lambda m, i, out: seen.append(out.dtype)) for block in model.backbone.layers]
@@ -719,10 +714,10 @@ def test_bert_under_autocast_keeps_a_bf16_residual_stream_and_learns(low_precisi
     for h in hooks:
         h.remove()
     assert seen == [torch.bfloat16] * len(model.backbone.layers)
-    ops.LayerNorm.low_precision_output = False
+    ops.low_precision_layernorms(model, on=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = model(**batch).loss
-    ops.LayerNorm.low_precision_output = True
+    ops.low_precision_layernorms(model)
     assert low.item() == pytest.approx(plain.item(), rel=2e-2)  # bf16 rounding of the stream, no more
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []

@@ -48,6 +48,8 @@ def test_overrides_reach_every_section_with_types():
         ("data.objective=guess", "data.objective"),
         ("train.max_bad_steps=0", "train.max_bad_steps"),
         ("train.debug_nan_steps=[0, 3]", "train.debug_nan_steps"),
+        ("train.residual=bf16", "train.residual: bf16 needs train.precision: bf16"),
+        ("train.residual=fp16", "train.residual"),
         ("nonsense=1", "nonsense"),
     ],
 )

@@ -225,13 +225,13 @@ def test_compiled_blocks_train_like_eager_over_steps(mode):
 
 
 def test_bf16_residual_stream_on_cuda_compiles_like_eager_and_learns():
-    """``ops.LayerNorm.low_precision_output`` (the residual stream in bf16 between blocks): BERT's
+    """``ops.low_precision_layernorms`` (``train.residual: bf16``, the stream in bf16 between blocks): BERT's
     compiled blocks give eager's loss within bf16 rounding, and training on one batch learns."""
     import torch._dynamo
 
-    ops.LayerNorm.low_precision_output = True
     try:
         _, model, batch = _tiny("bert")
+        assert ops.low_precision_layernorms(model)
         model.to(CUDA).eval()
         b = _on(batch, CUDA)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -244,7 +244,6 @@ def test_bf16_residual_stream_on_cuda_compiles_like_eager_and_learns():
         assert compiled == pytest.approx(eager, rel=1e-2)
         assert_bf16_training_learns("bert", model, b, CUDA)
     finally:
-        ops.LayerNorm.low_precision_output = False
         torch._dynamo.reset()
 
 

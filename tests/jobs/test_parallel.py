@@ -509,3 +509,17 @@ def assert_bf16_training_learns(family: str, model, batch: dict, device: torch.d
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, f"{family}: bf16 loss did not fall on a repeated batch: {first:.3f} -> {last:.3f}"
     assert all(p.dtype == torch.float32 for p in model.parameters()), "autocast must keep fp32 master weights"
+
+
+def test_train_residual_bf16_lowers_bert_layernorms_only_where_the_step_runs_bf16():
+    from ctxmodels import ops
+    from ctxmodels.registry import build_model
+    from jobs.parallel import lower_residual
+
+    _, bert = build_model("bert", "tiny", {"vocab_size": 128}, seed=0)
+    norms = [m for m in bert.modules() if isinstance(m, ops.LayerNorm)]
+    assert norms and lower_residual(bert, "fp32", "bf16") is None and not any(m.low_precision_output for m in norms)
+    assert "runs in fp32" in lower_residual(bert, "bf16", "fp32") and not any(m.low_precision_output for m in norms)
+    assert lower_residual(bert, "bf16", "bf16") is None and all(m.low_precision_output for m in norms)
+    _, gpt = build_model("gpt", "tiny", {"vocab_size": 128}, seed=0)  # torch's nn.LayerNorm: nothing to lower
+    assert "outputs stay float32" in lower_residual(gpt, "bf16", "bf16")
