@@ -17,7 +17,6 @@ Directories are local; the jobs layer copies them to and from object storage
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ctxmodels import hf, registry
+from ctxmodels.files import file_sha256  # noqa: F401 (re-exported: the manifest's hashes)
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -69,15 +69,6 @@ def _write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[st
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, tmp, metadata=metadata)
     _publish(tmp, path)
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def split_tied(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:

@@ -135,7 +135,8 @@ FAMILY_OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = family_objectives()
 
 
 class StepChecks(_Section):
-    """The training-loop keys pretraining's and fine-tuning's train sections share (jobs/loop.py Stepper)."""
+    """The training-loop keys pretraining's and fine-tuning's train sections share (jobs/loop.py Stepper,
+    jobs/parallel.py's precision and compilation)."""
 
     # A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.
     max_bad_steps: int = Field(10, ge=1)
@@ -164,6 +165,21 @@ class StepChecks(_Section):
             raise ValueError(f"debug_nan_steps: step attempts count from 1, got {list(v)}")
         return v
 
+    # How the step computes (jobs/parallel.py), the same keys for every job on the loop.
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU or a native-bf16 CPU, fp32 weights and optimizer
+    # bf16 (with precision bf16): LayerNorm outputs, the residual stream between blocks, in bf16
+    # (statistics in fp32, as Megatron-LM's default); fp32: plain autocast's (transformers' Trainer)
+    residual: Literal["fp32", "bf16"] = "fp32"
+    # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
+    compile: bool | Literal["graphs"] = False
+
+    @model_validator(mode="after")
+    def _check_residual(self) -> "StepChecks":
+        if self.residual == "bf16" and self.precision != "bf16":
+            raise ValueError("train.residual: bf16 needs train.precision: bf16 (the residual stream is only "
+                             "lowered under bf16 autocast)")
+        return self
+
 
 class TrainSection(StepChecks):
     batch_size: int = Field(32, ge=1)  # global, per optimizer step: fixed whatever the worker count
@@ -181,20 +197,7 @@ class TrainSection(StepChecks):
     checkpoint_every: int = Field(100, ge=1)
     eval_every: int = Field(100, ge=1)  # steps between evaluations on data.eval_input (and at the end)
     seed: int = 0  # model initialisation
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU or a native-bf16 CPU, fp32 weights and optimizer
-    # bf16 (with precision bf16): LayerNorm outputs, the residual stream between blocks, in bf16
-    # (statistics in fp32, as Megatron-LM's default); fp32: plain autocast's (transformers' Trainer)
-    residual: Literal["fp32", "bf16"] = "fp32"
-    # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
-    compile: bool | Literal["graphs"] = False
     sample_log: bool = False  # write every consumed sample id (and a digest of its tokens) to <run>/sample_log/
-
-    @model_validator(mode="after")
-    def _check_residual(self) -> "TrainSection":
-        if self.residual == "bf16" and self.precision != "bf16":
-            raise ValueError("train.residual: bf16 needs train.precision: bf16 (the residual stream is only "
-                             "lowered under bf16 autocast)")
-        return self
 
 
 class ScalingSection(_Section):

@@ -5,7 +5,7 @@
     Parquet (id, text) --read_parquet--> blocks of --actor-batch-size rows --map_batches(Embedder,
     a fixed pool of --actors)--> (id, embedding, model_version, tokenizer_hash) --write_parquet--> a NEW folder
 
-Each actor loads the model once, through the serving code (``jobs.serve.EmbeddingModel.embed_now``),
+Each actor loads the model once, through the serving code (``jobs.replica.EmbeddingReplica.embed_now``),
 so a stored vector equals what /v1/embeddings answers for that text with the same ``pooling`` and
 ``normalize`` (and ``"truncate": true``: a stored text longer than the model reads is cut, not
 refused). The output is written beside the old embeddings, never over them: a folder that already
@@ -64,14 +64,14 @@ class Embedder:
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None):
         import torch
 
-        from jobs.serve import EmbeddingModel
+        from jobs.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
         from jobs.serve_config import Limits, ModelConfig
 
         if threads is not None:
             torch.set_num_threads(threads)
         settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens)
         # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
-        self.model = EmbeddingModel.func_or_class("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
+        self.model = EmbeddingReplica("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
         self.pooling, self.normalize = pooling, normalize
 
@@ -156,7 +156,8 @@ def reembed(
 
     from jobs.loop import init_ray
     from jobs.registry import resolve
-    from jobs.serve import checkpoint_version, resolve_checkpoint
+    from jobs.identity import checkpoint_version  # not jobs.serve: the driver needs neither torch nor Ray Serve
+    from jobs.runs import resolve_checkpoint
 
     if pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")

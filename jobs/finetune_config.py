@@ -135,9 +135,6 @@ class FtTrainSection(StepChecks):
     checkpoint_every: int | None = Field(None, ge=1)  # steps between checkpoints besides every validation
     patience: int | None = Field(None, ge=1)  # stop after this many validations without a better task.metric
     seed: int = 0  # head initialisation, epoch order of the records
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on GPU or a native-bf16 CPU, fp32 weights and optimizer
-    # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs
-    compile: bool | Literal["graphs"] = False
     sample_log: bool = False  # every consumed sample id to <run>/sample_log/ (audits, exactly-once tests)
     # ULMFiT's gradual unfreezing: epoch e trains the top e + 1 layer depths (the head alone, then
     # the last block too, ...; jobs.loop.layer_depths); deeper ones stay as loaded until their epoch.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ctxmodels.checkpoint import file_sha256
+from ctxmodels.files import file_sha256  # torch-free: a driver hashes a checkpoint without importing torch
 
 
 def _folder_name(uri: str) -> str:

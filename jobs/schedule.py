@@ -186,12 +186,13 @@ def held_out_metrics(checkpoint: Path, recipe, shards: list[str]) -> dict[str, f
 
 def probe_vectors(checkpoint: Path, texts: list[str]) -> np.ndarray:
     """(n, D) mean-pooled last-layer vectors of ``texts``: what ``/v1/embeddings`` answers, computed
-    by the serving class itself in this process (``EmbeddingModel.embed_now``: the replica's code
+    by the serving class itself in this process (``EmbeddingReplica.embed_now``: the replica's code
     without Serve's request batching, as bulk re-embedding uses it)."""
-    from jobs.serve import EmbeddingModel, checkpoint_version
+    from jobs.identity import checkpoint_version
+    from jobs.replica import EmbeddingReplica
     from jobs.serve_config import Limits, ModelConfig
 
-    model = EmbeddingModel.func_or_class("probe", str(checkpoint), checkpoint_version(str(checkpoint)), ModelConfig(uri=str(checkpoint)), Limits())
+    model = EmbeddingReplica("probe", str(checkpoint), checkpoint_version(str(checkpoint)), ModelConfig(uri=str(checkpoint)), Limits())
     return np.stack(model.embed_now(texts, pooling="mean", truncate=True)["embeddings"])
 
 

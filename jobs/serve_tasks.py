@@ -28,7 +28,7 @@ fine-tuning run (its recipe in ``trainer_state.json``: max_len, doc_stride, max_
 recipe defaults of ``jobs.finetune_config``. Over-long inputs are a 400 unless the request says
 ``"truncate": true`` (then cut as training cuts them); QA contexts are never cut, they are windowed.
 
-``TaskServing`` is the replica half (a base class of ``jobs.serve.EmbeddingModel``); the request
+``TaskServing`` is the replica half (a base class of ``jobs.replica.EmbeddingReplica``); the request
 models and the pure decoding functions are the Gateway half. Rows of a task model (and masked-LM rows)
 are collected by one ``jobs.batching.Batcher``, so concurrent requests share forward passes; as for embeddings, a
 batch runs sorted by length in passes of at most ``max_batch_tokens`` padded tokens, each padded only to
@@ -606,7 +606,7 @@ def task_settings(family: str, task: Any, recipe: dict | None, model_max_len: in
 
 
 class TaskServing:
-    """Task routes of one model replica; a base class of ``jobs.serve.EmbeddingModel``, whose
+    """Task routes of one model replica; a base class of ``jobs.replica.EmbeddingReplica``, whose
     ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
     ``max_batch_tokens``, ``recent_passes``, ``_encode`` and ``_pad`` it uses."""
 

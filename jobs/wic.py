@@ -56,7 +56,7 @@ class WordVectors:
 
         from ctxmodels.checkpoint import load_checkpoint
         from jobs.runs import local_copy, resolve_checkpoint
-        from jobs.serve import char_ids_backbone
+        from jobs.replica import char_ids_backbone
         from pipelines.tokenizers import load_tokenizer
 
         store = as_store(store)

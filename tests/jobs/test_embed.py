@@ -21,7 +21,8 @@ import pytest
 
 from jobs.embed import Embedder, reembed
 from jobs.registry import Registry
-from jobs.serve import EmbeddingModel, checkpoint_version
+from jobs.identity import checkpoint_version
+from jobs.serve import EmbeddingModel
 from jobs.serve_config import Limits, ModelConfig
 from pipelines import storage
 from tests.conftest import MIXED_TEXTS

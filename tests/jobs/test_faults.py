@@ -259,7 +259,7 @@ def test_tokenizer_copies_and_warm_start_copies_leave_no_temporary_folder(tmp_pa
 
 
 def test_serving_refuses_a_checkpoint_whose_bytes_differ_from_the_manifest(tmp_path):
-    from jobs.serve import _load_noting_untrained_heads
+    from jobs.replica import _load_noting_untrained_heads
 
     folder = _trained_checkpoint(tmp_path / "checkpoint_a", step=1)
     _load_noting_untrained_heads(folder)  # intact: loads

@@ -212,7 +212,7 @@ def test_ctx_models_register_an_s3_checkpoint_by_hand(mlflow_server, s3_server, 
     import boto3
 
     from jobs.cli import main
-    from jobs.serve import tokenizer_hash
+    from jobs.identity import tokenizer_hash
 
     tok = tmp_path / "tokenizer"
     tok.mkdir()

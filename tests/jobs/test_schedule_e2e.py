@@ -126,7 +126,7 @@ def test_scheduled_round_promotes_and_rolls_then_a_gated_round_changes_nothing(r
     from ctxmodels.registry import build_model
     from jobs.registry import Registry
     from jobs.schedule import ScheduleState
-    from jobs.serve import checkpoint_version
+    from jobs.identity import checkpoint_version
     from pipelines import storage
     from pipelines.sources import sample_text
     from pipelines.tokenizers import train_tokenizer

@@ -14,7 +14,7 @@ import requests
 from ctxmodels.checkpoint import save_checkpoint
 from ctxmodels.registry import build_model
 from jobs.schedule import roll_serve, serve_config_with
-from jobs.serve import checkpoint_version
+from jobs.identity import checkpoint_version
 from pipelines.sources import sample_text
 from pipelines.tokenizers import train_tokenizer
 from tests.conftest import serving

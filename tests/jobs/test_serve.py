@@ -271,7 +271,8 @@ def test_malformed_requests_get_a_4xx_json_error_naming_the_problem(client, path
 
 
 def test_wrong_paths_fail_before_serve_starts(tmp_path):
-    from jobs.serve import resolve_checkpoint, run
+    from jobs.replica import resolve_checkpoint
+    from jobs.serve import run
     from pipelines.storage import StorageError
 
     with pytest.raises(StorageError, match="does not exist"):
@@ -291,7 +292,7 @@ def test_wrong_paths_fail_before_serve_starts(tmp_path):
 def test_elmo_backbone_reads_token_ids_through_the_char_table(minilm_dir):
     """ELMo's backbone takes characters; the serving wrapper looks them up from token ids."""
     from ctxmodels.elmo import PRESETS, ElmoModel
-    from jobs.serve import char_ids_backbone
+    from jobs.replica import char_ids_backbone
     from pipelines.char_ids import add_char_ids, build_char_table
     from pipelines.tokenizers import load_tokenizer
 

@@ -178,7 +178,9 @@ def test_serve_build_refuses_a_bad_config_naming_file_and_key(tmp_path, capsys):
 
 
 def test_app_builder_resolves_checkpoints_when_the_app_is_built(tmp_path, minilm_dir):
-    from jobs.serve import app_builder, checkpoint_version, resolve_checkpoint
+    from jobs.identity import checkpoint_version
+    from jobs.replica import resolve_checkpoint
+    from jobs.serve import app_builder
 
     run = tmp_path / "run"
     ckpt = _tiny_checkpoint(run / "checkpoint_000001", minilm_dir)
@@ -194,7 +196,8 @@ def test_app_builder_resolves_checkpoints_when_the_app_is_built(tmp_path, minilm
 
 
 def test_a_replica_refuses_a_checkpoint_changed_after_the_build(tmp_path, minilm_dir):
-    from jobs.serve import EmbeddingModel, checkpoint_version
+    from jobs.identity import checkpoint_version
+    from jobs.serve import EmbeddingModel
 
     ckpt = _tiny_checkpoint(tmp_path / "checkpoint_000001", minilm_dir)
     version = checkpoint_version(str(ckpt))
@@ -258,7 +261,7 @@ def test_the_example_config_validates():
 def test_token_budget_groups_sort_by_length_and_respect_both_bounds():
     import numpy as np
 
-    from jobs.serve import token_budget_groups
+    from jobs.passes import token_budget_groups
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -274,7 +277,7 @@ def test_token_budget_groups_sort_by_length_and_respect_both_bounds():
 
 
 def test_token_budget_groups_edge_cases():
-    from jobs.serve import token_budget_groups
+    from jobs.passes import token_budget_groups
 
     assert token_budget_groups([], 8, 100) == []
     assert token_budget_groups([300, 5], 8, 100) == [[1], [0]]  # over the budget alone: a pass of its own

