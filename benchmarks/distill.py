@@ -11,9 +11,13 @@ Run: ``python benchmarks/distill.py RUN`` (RUN: a ``ctx distill`` run folder or 
 - Speed: sentence vectors per second of teacher and student, in-process, the same texts sorted by
   length in batches of 32 (what a serving pass runs), ``--threads`` torch threads, the two taking
   turns for ``--rounds`` rounds; medians.
+- Served speed (``--serve``): each model behind ``ctx serve`` in a fresh server process of its own
+  (``benchmarks/serving.py``'s: a Ray of its own, HAProxy ingress, one replica of ``--threads``
+  CPUs), loaded by 8 clients sending 64 held-out sentences a request (an indexing job's batches) for
+  ``--serve-seconds``; the two servers take turns for ``--rounds`` rounds, medians of texts/s.
 
-The last lines are ``sentence_cos_student: X``, ``sentence_cos_untrained: X`` and
-``student_speedup: X``.
+The last lines are ``sentence_cos_student: X``, ``sentence_cos_untrained: X``,
+``student_speedup: X`` and with ``--serve`` ``served_student_speedup: X``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -64,6 +69,8 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--serve", action="store_true", help="also time both behind ctx serve (see above)")
+    parser.add_argument("--serve-seconds", type=float, default=15.0, help="timed load per server and round (default 15)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -100,6 +107,40 @@ def main() -> None:
     print(f"sentence_cos_student: {cos['student']:.4f}")
     print(f"sentence_cos_untrained: {cos['untrained']:.4f}")
     print(f"student_speedup: {rate['student'] / rate['teacher']:.2f}")
+    if args.serve:
+        served = served_rates({"teacher": teacher_path, "student": ckpt}, texts, tok, args)
+        print(f"served sentence vectors per second (ctx serve, 8 clients x 64 texts, {args.threads} CPUs): "
+              f"teacher {served['teacher']:,.0f}, student {served['student']:,.0f}")
+        print(f"served_student_speedup: {served['student'] / served['teacher']:.2f}")
+
+
+def served_rates(folders: dict[str, Path], texts: list[str], tok, args) -> dict[str, float]:
+    """Median texts/s of each model behind its own ``ctx serve`` process, the servers taking turns."""
+    import asyncio
+    import tempfile
+
+    import serving  # benchmarks/serving.py: the server process, its readiness check and the load
+
+    n_tokens = [len(ids) for ids in tok.ids_for_model(texts, 128)]
+    rates: dict[str, list[float]] = {name: [] for name in folders}
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-distill-"))
+    me = [sys.executable, str(REPO / "benchmarks" / "serving.py")]
+    for r in range(args.rounds):
+        for name in (list(folders) if r % 2 == 0 else list(folders)[::-1]):
+            side = serving.Side(name, "/v1/embeddings", {"normalize": True},
+                                me + ["--serve-ours", "{port}", "--threads", str(args.threads), "--model-dir", str(folders[name])])
+            running = serving.Running(side, log_dir, args.threads)
+            try:
+                running.wait_ready()
+                load = asyncio.run(serving.generate_load(running, texts, n_tokens, serving.BULK_CLIENTS, args.serve_seconds,
+                                                         per_request=serving.BULK_PER_REQUEST))
+            finally:
+                running.stop()
+            if load.errors:
+                raise SystemExit(f"{name}: failed requests {load.errors}:\n{running.tail()}")
+            rates[name].append(load.texts / load.seconds)
+            print(f"round {r + 1}/{args.rounds} served {name}: {rates[name][-1]:,.0f} texts/s", flush=True)
+    return {name: statistics.median(v) for name, v in rates.items()}
 
 
 if __name__ == "__main__":

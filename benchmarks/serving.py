@@ -526,10 +526,11 @@ def main() -> None:
     parser.add_argument("--serve-baseline", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--bulk-client", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--bulk-body", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # --serve-ours: another model (benchmarks/distill.py)
     args = parser.parse_args()
     if args.bulk_client:
         return bulk_client(args.bulk_client, json.loads(args.bulk_body), args.seconds)
-    model_dir = minilm_dir()
+    model_dir = args.model_dir or minilm_dir()
     if args.serve_ours:
         return serve_ours(args.serve_ours, model_dir, args.threads)
     if args.serve_baseline:

@@ -70,7 +70,8 @@ def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrite
     registry = Registry()
     registered = registry.register("embed-minilm", str(minilm_dir))
     registry.promote("embed-minilm", registered.version)
-    # Ray Data hands the actor 3 rows at a time (the last call 1 row), run in passes of at most 2
+    # Ray Data hands the actor 3 rows at a time (the last call 1 row), run in passes of at most 2; the input is
+    # small, so the driver reads it and hands Ray Data in-memory blocks (DRIVER_READ_BYTES)
     summary = reembed("models:/embed-minilm@production", str(src), str(out), actor_batch_size=3, batch_size=2)
     version = checkpoint_version(str(minilm_dir))
     assert summary["rows"] == len(IDS) and summary["dim"] == 384 and summary["model_version"] == version
@@ -95,7 +96,8 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
     with fs.open_output_stream(f"{s3_bucket}/index/texts/part-0.parquet") as f:
         pq.write_table(_input_table(), f)
     out = f"s3://{s3_bucket}/index/vectors/minilm-v1"
-    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out, normalize=True, actor_batch_size=4)
+    # streamed from the store by Ray Data's read tasks, as an input over DRIVER_READ_BYTES is
+    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out, normalize=True, actor_batch_size=4, driver_read_bytes=0)
     assert summary["output"] == out and summary["rows"] == len(IDS)
     expected = _serving_vectors(minilm_dir, normalize=True)
     _check_rows(_read(out), expected, checkpoint_version(str(minilm_dir)))
