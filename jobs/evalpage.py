@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobs.report import _STYLE, _num, _table
+from jobs.report import PAGE_STYLE, fmt_num, html_table
 
 
 def confusion_png(labels: list[str], matrix: list[list[int]]) -> bytes:
@@ -50,12 +50,12 @@ def confusion_png(labels: list[str], matrix: list[list[int]]) -> bytes:
 
 def render_eval_page(result: dict[str, Any], title: str) -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             f"<style>{_STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+             f"<style>{PAGE_STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
              f"<p class='muted'>written {html.escape(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>"]
     about = [(k, str(result[k])) for k in ("model", "data", "task", "examples") if k in result]
     if about:
-        parts += ["<h2>What</h2>", _table(about)]
-    parts += ["<h2>Metrics</h2>", _table([(k, _num(v)) for k, v in result.get("metrics", {}).items()])]
+        parts += ["<h2>What</h2>", html_table(about)]
+    parts += ["<h2>Metrics</h2>", html_table([(k, fmt_num(v)) for k, v in result.get("metrics", {}).items()])]
     cm = result.get("confusion_matrix")
     if cm:
         png = base64.b64encode(confusion_png(cm["labels"], cm["matrix"])).decode("ascii")
@@ -63,8 +63,8 @@ def render_eval_page(result: dict[str, Any], title: str) -> str:
     per_tag = result.get("per_tag")
     if per_tag:
         rows = "".join(
-            f"<tr><td>{html.escape(tag)}</td><td>{_num(s.get('precision'))}</td><td>{_num(s.get('recall'))}</td>"
-            f"<td>{_num(s.get('f1'))}</td><td>{_num(s.get('support'))}</td></tr>"
+            f"<tr><td>{html.escape(tag)}</td><td>{fmt_num(s.get('precision'))}</td><td>{fmt_num(s.get('recall'))}</td>"
+            f"<td>{fmt_num(s.get('f1'))}</td><td>{fmt_num(s.get('support'))}</td></tr>"
             for tag, s in sorted(per_tag.items())
         )
         parts += ["<h2>Per tag</h2>", f"<table><tr><th>tag</th><th>precision</th><th>recall</th><th>F1</th><th>support</th></tr>{rows}</table>"]

@@ -186,7 +186,7 @@ def _plots(rows: list[dict[str, Any]], out: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _num(value: Any, digits: int = 4) -> str:
+def fmt_num(value: Any, digits: int = 4) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "—" if value is None else str(value)
     if isinstance(value, int):
@@ -214,7 +214,7 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
-def _table(pairs: list[tuple[str, str]]) -> str:
+def html_table(pairs: list[tuple[str, str]]) -> str:
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in pairs)
     return f"<table>{rows}</table>"
 
@@ -238,32 +238,32 @@ def summarize(rows: list[dict[str, Any]], state: dict[str, Any] | None, config: 
     for key, label in (("epoch", "epoch"), ("tokens_seen", "tokens seen"), ("samples_seen", "samples seen")):
         value = last.get(key, (state or {}).get(key))
         if value is not None:
-            pairs.append((label, _num(value)))
+            pairs.append((label, fmt_num(value)))
     times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
     if len(times) > 1:
         pairs.append(("wall time logged", _duration(times[-1] - times[0])))
     if "loss" in last:
-        pairs.append(("final loss", _num(last["loss"])))
+        pairs.append(("final loss", fmt_num(last["loss"])))
     main = next((k for k in MAIN_LOSSES if k in last), None)
     if main:
-        pairs.append((f"final {main}", _num(last[main])))
+        pairs.append((f"final {main}", fmt_num(last[main])))
     if "ppl" in last:
-        pairs.append(("final perplexity", _num(last["ppl"])))
+        pairs.append(("final perplexity", fmt_num(last["ppl"])))
     for key in sorted(k for k in last if k.endswith("_acc") and not k.startswith("eval_")):
-        pairs.append((f"final {key}", _num(last[key])))
+        pairs.append((f"final {key}", fmt_num(last[key])))
     held = next((r for r in reversed(rows) if "eval_loss" in r), None)
     if held is not None:  # pretraining's held-out evaluation (data.eval_input)
-        pairs.append(("held-out loss", f"{_num(held['eval_loss'])} (step {held['step']:,}, {_num(held.get('eval_samples'))} samples)"))
+        pairs.append(("held-out loss", f"{fmt_num(held['eval_loss'])} (step {held['step']:,}, {fmt_num(held.get('eval_samples'))} samples)"))
         for key, label in (("eval_ppl", "held-out perplexity"), ("eval_acc", "held-out accuracy")):
             if key in held:
-                pairs.append((label, _num(held[key])))
+                pairs.append((label, fmt_num(held[key])))
     val = next((r for r in reversed(rows) if any(k.startswith("val_") for k in r)), None)
     if val is not None:  # fine-tuning's validation split
-        shown = ", ".join(f"{k[4:]} {_num(v)}" for k, v in sorted(val.items()) if k.startswith("val_") and isinstance(v, (int, float)))
+        shown = ", ".join(f"{k[4:]} {fmt_num(v)}" for k, v in sorted(val.items()) if k.startswith("val_") and isinstance(v, (int, float)))
         pairs.append(("last validation", f"{shown} (step {val['step']:,})"))
     best = (state or {}).get("best_score")
     if best is not None:
-        pairs.append(("best validation score", f"{_num(best)} at step {_num((state or {}).get('best_step'))}"))
+        pairs.append(("best validation score", f"{fmt_num(best)} at step {fmt_num((state or {}).get('best_step'))}"))
     _, tps = _series(rows, "tokens_per_s")
     if tps:
         pairs.append(("best throughput", f"{max(tps):,.0f} tokens/s (last {tps[-1]:,.0f})"))
@@ -287,7 +287,7 @@ def default_out_dir(run_uri: str) -> Path:
     return Path(storage.filesystem(run_uri)[1]) / "report"
 
 
-_STYLE = """
+PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; } th, td { text-align: left; padding: 0.2em 1em 0.2em 0; vertical-align: top; }
@@ -299,10 +299,10 @@ th { font-weight: 600; white-space: nowrap; } img { max-width: 100%; } pre { bac
 def render_html(summary: list[tuple[str, str]], images: dict[str, Path], data: list[dict[str, Any]],
                 data_error: str | None, checkpoints: list[dict[str, Any]], title: str) -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             f"<style>{_STYLE}</style></head><body>",
+             f"<style>{PAGE_STYLE}</style></head><body>",
              f"<h1>{html.escape(title)}</h1>",
              f"<p class='muted'>report written {html.escape(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
-             "<h2>Summary</h2>", _table(summary)]
+             "<h2>Summary</h2>", html_table(summary)]
     parts.append("<h2>Curves</h2>")
     if not images:
         parts.append("<p class='muted'>no metrics logged (no metrics/metrics.jsonl)</p>")
@@ -318,13 +318,13 @@ def render_html(summary: list[tuple[str, str]], images: dict[str, Path], data: l
             for k, v in _totals(item["report"]).items():
                 totals[k] = totals.get(k, 0) + v
         if totals:
-            parts.append(_table([(f"{k} (all epochs)", _num(v)) for k, v in totals.items()]))
+            parts.append(html_table([(f"{k} (all epochs)", fmt_num(v)) for k, v in totals.items()]))
         for item in data:
             parts.append(f"<h3>epoch {html.escape(str(item['epoch']))}</h3><pre>{html.escape(str(item['text']))}</pre>")
     parts.append("<h2>Checkpoints</h2>")
     if checkpoints:
         rows = "".join(
-            f"<tr><td>{html.escape(c['name'])}</td><td>{_num(c['step'])}</td>"
+            f"<tr><td>{html.escape(c['name'])}</td><td>{fmt_num(c['step'])}</td>"
             f"<td>{'complete' if c['complete'] else 'incomplete (no MANIFEST.json)'}</td><td>{html.escape(c['uri'])}</td></tr>"
             for c in checkpoints
         )
