@@ -70,6 +70,7 @@ def test_minilm_distils_into_three_layers_and_resumes(ray_session, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test-all: the same loop's killed pretraining and fine-tuning workers are in make test
 def test_a_killed_distillation_worker_resumes_and_trains_on_each_sample_once(ray_session, tmp_path):
     """The exactly-once check of pretraining (tests/jobs/exactly_once.py) on a distillation: the worker
     is SIGKILLed after step 25 (checkpoint at 20), Ray Train restarts it, it resumes the student from
