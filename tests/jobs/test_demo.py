@@ -111,6 +111,10 @@ class Demo:
         assert sessions == [], f"a Ray session folder under /tmp/ray: {sessions}"
 
 
+# make test-all: two minutes of the suite's budget; each step's behaviour has a cheaper test in make test
+# (test_tracking: pretrain, register, promote, fine-tune, serve; test_schedule_e2e: a round and its gate),
+# and the Ctrl-C case below keeps the demo's own start, signal handling and cleanup there.
+@pytest.mark.extended
 def test_the_demo_runs_every_step_and_leaves_nothing_behind(tmp_path):
     demo = Demo(tmp_path)
     rc = demo.finish(420)
