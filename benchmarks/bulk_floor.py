@@ -55,11 +55,11 @@ class FloorReplica:
     """A Serve replica holding ``ctx serve``'s model object, timed from inside (no HTTP)."""
 
     def __init__(self, model_dir: str, texts: list[str]):
-        from jobs.serve import EmbeddingModel
+        from jobs.replica import EmbeddingReplica
         from jobs.serve_config import Limits, ModelConfig
 
         settings = ModelConfig(uri=model_dir, max_batch_size=serving.BATCH, batch_wait_timeout_s=0.01)  # serving.py's
-        self.model = EmbeddingModel.func_or_class("minilm", model_dir, None, settings, Limits())
+        self.model = EmbeddingReplica("minilm", model_dir, None, settings, Limits())
         self.texts = texts
 
     @staticmethod

@@ -77,7 +77,7 @@ def combined_width(strategy: str, widths: list[int]) -> int:
     """The width of ``combine_layers``' vectors for states of these widths (L + 1 of them, index 0 the
     embeddings). A ValueError where the strategy adds or mixes states of different widths: AWD-LSTM's
     middle layers are wider than its embeddings and last layer."""
-    n_combined(strategy)
+    n_combined(strategy)  # a ValueError naming the strategies, for an unknown one
     last = len(widths) - 1
     top = list(range(1, len(widths)))[-4:] or [last]  # combine_layers' top four blocks
     picked = {

@@ -2,8 +2,9 @@
 
     ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v7/
 
-    Parquet (id, text) --read_parquet--> blocks of --actor-batch-size rows --map_batches(Embedder,
-    a fixed pool of --actors)--> (id, embedding, model_version, tokenizer_hash) --write_parquet--> a NEW folder
+    Parquet (id, text) --read (the driver, up to DRIVER_READ_BYTES; else read_parquet)--> blocks of
+    --actor-batch-size rows --map_batches(Embedder, a fixed pool of --actors)--> (id, embedding,
+    model_version, tokenizer_hash) --write_parquet--> a NEW folder
 
 Each actor loads the model once, through the serving code (``jobs.replica.EmbeddingReplica.embed_now``),
 so a stored vector equals what /v1/embeddings answers for that text with the same ``pooling`` and
@@ -15,7 +16,7 @@ embedding spaces unknowingly.
 
 Two batch sizes: Ray Data hands an actor ``actor_batch_size`` rows (1024) at a time, and ``embed_now``
 sorts them by length into forward passes of at most ``batch_size`` rows (32, the server's
-``max_batch_size``) and ``max_batch_tokens`` padded tokens (``jobs.serve.token_budget_groups``): the
+``max_batch_size``) and ``max_batch_tokens`` padded tokens (``jobs.passes.token_budget_groups``): the
 more rows one call sorts, the less padding its passes carry, while each pass stays small.
 """
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol
 
 import numpy as np
 
@@ -33,10 +33,16 @@ from pipelines.masking import MlmConfig, VocabInfo, mask_tokens
 from pipelines.permutation import PlmConfig, plm_targets
 from pipelines.spans import NgramConfig, SpanConfig, ngram_mask, span_mask
 
-if TYPE_CHECKING:
-    from pipelines.dataset import StreamSpec
-
 RowKind = Literal["packed", "nsp-pairs", "sop-pairs", "stream"]
+
+
+class MaskingSettings(Protocol):
+    """What ``Objective.predicted`` reads of a stream's settings (``pipelines.dataset.StreamSpec`` has them)."""
+
+    mlm: MlmConfig
+    span: SpanConfig
+    ngram: NgramConfig
+    plm: PlmConfig
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class Objective:
     rows: RowKind  # how stage 1 builds rows from a shard
     transform: Callable[[dict[str, np.ndarray], TransformContext], dict[str, np.ndarray]]  # stage 2
     families: dict[str, dict[str, Any]]  # family -> model fields the objective implies
-    predicted: Callable[[int, "StreamSpec"], int]  # positions of a row of seq_len that reach the output layer
+    predicted: Callable[[int, MaskingSettings], int]  # positions of a row of seq_len that reach the output layer
     main_loss: str | None = None  # the metric behind ``ppl``
     token_metrics: tuple[str, ...] = ()  # metric-name prefixes averaged per predicted token (``n_pred``)
     uses_chars: bool = False  # stage 2 needs the tokenizer's character table (ELMo)
@@ -107,11 +113,11 @@ class Objective:
         return name.startswith(self.token_metrics)
 
 
-def _masked(T: int, s: "StreamSpec") -> int:
+def _masked(T: int, s: MaskingSettings) -> int:
     return round(T * s.mlm.mlm_probability)
 
 
-def _next_token(T: int, s: "StreamSpec") -> int:
+def _next_token(T: int, s: MaskingSettings) -> int:
     return T - 1
 
 

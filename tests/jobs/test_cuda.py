@@ -9,7 +9,9 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
 - cached decoding (GPT's key-value cache, Transformer-XL's memory) on CUDA equals the CPU's full forward;
 - each block compiled (``ctxmodels.compiling``) equals eager CUDA; SDPA's flash and
   memory-efficient kernels equal its math path under bf16 autocast, for every family and mask
-  kind; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host.
+  kind; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host;
+- a BERT, SpanBERT and ALBERT step with the masked positions found on the host makes no
+  synchronizing call; the bf16 residual stream (``train.residual: bf16``) compiles like eager and learns.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
