@@ -59,6 +59,7 @@ from ctxmodels.albert import AlbertConfig
 from ctxmodels.bert import BertConfig
 from ctxmodels.gpt import GPTConfig
 from ctxmodels.registry import family_spec, new_model
+from ctxmodels.task_kinds import TASKS, task_of
 from ctxmodels.tasks import TaskConfig, TaskModel, build_task_model
 from ctxmodels.xlnet import XLNetConfig
 
@@ -284,15 +285,14 @@ def _bert_like_weights(cfg: BertConfig, head: Head, model_type: str) -> Weights:
         # RobertaForMaskedLM has no pooler; bare RobertaModel folders do, and fine-tuning reads it.
         return Weights("RobertaForMaskedLM", model_type, backbone, optional=ROBERTA_LM_HEAD, load_only=pooler,
                        tied=tied, skip=skip)
-    if head in ("classification", "regression") and model_type == "roberta":
+    task = TASKS[head]
+    if task.reads == "tokens":  # no pooler in these classes
+        heads = linear(task.head, task.head)
+    elif task.reads == "sequence" and model_type == "roberta":
         # RobertaClassificationHead: dense + tanh on <s>, then out_proj: our pooler and classifier.
         heads = linear("backbone.pooler", "classifier.dense") + linear("classifier", "classifier.out_proj")
-    elif head in ("classification", "regression", "multiple-choice"):
-        heads = pooler + linear("classifier", "classifier")
-    elif head == "token-classification":  # no pooler in these classes
-        heads = linear("classifier", "classifier")
     else:
-        heads = linear("qa_outputs", "qa_outputs")
+        heads = pooler + linear("classifier", "classifier")
     return Weights(tasks[head], model_type, backbone + heads, skip=skip)
 
 
@@ -425,12 +425,11 @@ def albert_weights(cfg: AlbertConfig, head: Head) -> Weights:
             return Weights("AlbertForPreTraining", "albert", backbone, optional=pooler + ALBERT_MLM + ALBERT_SOP,
                            tied=tied, skip=skip)
         return Weights("AlbertForMaskedLM", "albert", backbone, optional=ALBERT_MLM, load_only=pooler, tied=tied, skip=skip)
-    if head in ("classification", "regression", "multiple-choice"):
-        heads = pooler + linear("classifier", "classifier")
-    elif head == "token-classification":  # no pooler in these classes
-        heads = linear("classifier", "classifier")
+    task = TASKS[head]
+    if task.reads == "tokens":  # no pooler in these classes
+        heads = linear(task.head, task.head)
     else:
-        heads = linear("qa_outputs", "qa_outputs")
+        heads = pooler + linear("classifier", "classifier")
     return Weights(ALBERT_TASKS["albert"][head], "albert", backbone + heads, skip=skip)
 
 
@@ -550,12 +549,11 @@ def gpt_weights(cfg: GPTConfig, head: Head) -> Weights:
         hf_class = "OpenAIGPTLMHeadModel" if model_type == "openai-gpt" else "GPT2LMHeadModel"
         emb = backbone[0][1]
         return Weights(hf_class, "transformer", backbone, tied={"lm_head.weight": emb}, skip=skip)
-    if head in ("classification", "regression"):
+    task = TASKS[head]
+    if task.reads == "tokens":
+        heads = linear(task.head, task.head)
+    else:  # *ForSequenceClassification's score: no bias
         heads = linear("classifier", "score", bias=False)
-    elif head == "token-classification":
-        heads = linear("classifier", "classifier")
-    else:
-        heads = linear("qa_outputs", "qa_outputs")
     return Weights(GPT_TASKS[model_type][head], "transformer", backbone + heads, skip=skip)
 
 
@@ -644,12 +642,11 @@ def xlnet_weights(cfg: XLNetConfig, head: Head) -> Weights:
     if head == "pretraining":
         return Weights("XLNetLMHeadModel", "transformer", backbone, optional=[("lm_bias", "lm_loss.bias", "copy")],
                        tied={"lm_loss.weight": "transformer.word_embedding.weight"})
-    if head in ("classification", "regression", "multiple-choice"):
-        heads = linear("summary", "sequence_summary.summary") + linear("classifier", "logits_proj")
-    elif head == "token-classification":
-        heads = linear("classifier", "classifier")
+    task = TASKS[head]
+    if task.reads == "tokens":
+        heads = linear(task.head, task.head)
     else:
-        heads = linear("qa_outputs", "qa_outputs")
+        heads = linear("summary", "sequence_summary.summary") + linear("classifier", "logits_proj")
     return Weights(XLNET_TASKS["xlnet"][head], "transformer", backbone + heads)
 
 
@@ -857,17 +854,14 @@ def _labels_from_hf(hf_config: dict) -> list[str]:
 
 def _task_config_to_hf(task: TaskConfig) -> dict:
     """config.json fields transformers' head classes read: labels, problem type."""
-    if task.kind in ("classification", "token-classification"):
+    kind = task_of(task.kind)
+    if kind.labelled:
         names = task.labels if len(task.labels) == task.num_labels else [f"LABEL_{i}" for i in range(task.num_labels)]
-    elif task.kind == "question-answering":  # XLNetForQuestionAnsweringSimple sizes qa_outputs by num_labels
-        names = ["start", "end"]
-    else:  # regression, multiple choice: one output per input
-        names = ["LABEL_0"]
+    else:
+        names = list(kind.outputs)
     out: dict[str, Any] = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
-    if task.kind == "classification":
-        out["problem_type"] = "single_label_classification"
-    elif task.kind == "regression":
-        out["problem_type"] = "regression"
+    if kind.hf_problem_type:
+        out["problem_type"] = kind.hf_problem_type
     return out
 
 
@@ -929,13 +923,13 @@ def task_from_hf(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF w
     conv = CONVERTERS[family]
     kind = task_kind_of(hf_config, where)
     cfg = conv.config_from_hf(hf_config, where)
-    labels = _labels_from_hf(hf_config) if kind in ("classification", "token-classification") else []
+    labels = _labels_from_hf(hf_config) if task_of(kind).labelled else []
     task = TaskConfig(kind=kind, num_labels=len(labels) or 2, labels=labels,
                       input_style=INPUT_STYLES.get(family, "bert"))
     model = build_task_model(family, cfg, task, torch.Generator().manual_seed(0))
     fresh = load_weights(model, conv.weights(cfg, kind), tensors, cfg.n_head, where)
     # Token heads never read the pooler (BERT, ALBERT) or the sequence summary (XLNet).
-    unused = ("backbone.pooler.", "summary.") if kind in ("token-classification", "question-answering") else ()
+    unused = ("backbone.pooler.", "summary.") if task_of(kind).reads == "tokens" else ()
     fresh = [k for k in fresh if not k.startswith(unused)]
     if fresh:
         raise ValueError(f"{where}: the {kind} model needs {fresh[:5]}, which the weights do not give")
@@ -967,7 +961,7 @@ def to_hf(model: nn.Module, family: str, pad_token_id: int | None = None) -> tup
         hf_config.update(_task_config_to_hf(task))
     if pad_token_id is not None:
         hf_config["pad_token_id"] = int(pad_token_id)
-    elif family == "gpt" and head in ("classification", "regression"):
+    elif family == "gpt" and head != "pretraining" and TASKS[head].reads != "tokens":
         raise ValueError(
             f"{conv.tasks[model_type][head]} finds each row's last token by pad_token_id; give the tokenizer's "
             "padding id (ctx export reads it from the checkpoint's tokenizer)"

@@ -1,13 +1,88 @@
-"""The task kinds fine-tuning knows, named once for every layer.
+"""The task kinds fine-tuning knows: one ``Task`` per kind, in the literal dict ``TASKS``.
 
-No torch here (nothing is imported): ``pipelines`` (which never imports torch) encodes a kind's
-rows, ``ctxmodels.tasks`` builds its head and loss, ``jobs`` validates recipes and serves it, and
-each imports the one ``TaskKind`` from this module.
+A ``Task`` says, as plain values, what every layer needs to know of a kind: what its head reads
+and how many outputs it has, its loss, the batch columns that hold its targets, its metrics (the
+first picks the best checkpoint unless the recipe says otherwise), the routes a fine-tuned model of
+the kind serves, and what transformers' config calls its outputs. Nothing is imported here (no
+torch), so ``pipelines`` (which never imports torch), ``ctxmodels`` (which never imports Ray) and
+``jobs`` all read the same entry, and each imports the one ``TaskKind`` from this module.
+
+What a kind *does* is code, and that code lives in the layer it belongs to, in one literal dict per
+layer keyed by kind (fairseq keeps a task's data, head and metrics in one class; our layering puts
+NumPy encoding and torch heads in different packages):
+
+- ``pipelines.finetune.ENCODERS`` and ``RECORD_CHECKS``: records to model rows, and their checks;
+- ``pipelines.metrics.METRICS``: the metrics ``Task.metrics`` names;
+- ``ctxmodels.tasks.LOSSES`` (keyed by ``Task.loss``): the loss and the step's running metrics;
+- ``ctxmodels.hf.CONVERTERS[family].tasks``: the transformers head class per family and kind.
+
+Adding a kind is one ``Task`` here plus its line in ``TaskKind``, and an entry in each of those
+dicts where its behaviour is new; ``tests/jobs/test_task_kinds.py`` fails, naming the dict,
+until every layer knows it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
 TASK_KINDS: tuple[str, ...] = get_args(TaskKind)
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str
+    # What the head reads: "sequence" one vector per example (a symmetric pair adds both orders'
+    # vectors), "options" one vector per option and a softmax across them, "tokens" every token.
+    reads: Literal["sequence", "options", "tokens"]
+    # The head's outputs per vector, named as transformers' id2label names them; () means one per
+    # label of the training split (the kind is "labelled": its label names come from the data).
+    outputs: tuple[str, ...]
+    loss: Literal["cross-entropy", "mse", "token-cross-entropy", "span-cross-entropy"]
+    targets: tuple[str, ...]  # the batch columns holding the targets (model forward keywords)
+    metrics: tuple[str, ...]  # validation metrics (pipelines.metrics.METRICS); the first is the default best
+    routes: tuple[str, ...]  # what a fine-tuned model of this kind serves besides embeddings and /tokenize
+    head: Literal["classifier", "qa_outputs"] = "classifier"  # the output layer's module name (transformers')
+    both_orders: bool = False  # a pair may be read in both orders, vectors added (GPT similarity: task.symmetric)
+    hf_problem_type: str | None = None  # transformers' config.problem_type
+
+    @property
+    def labelled(self) -> bool:
+        """Its classes are label names found in the training split (saved with the model)."""
+        return not self.outputs
+
+
+TASKS: dict[str, Task] = {
+    "classification": Task(
+        "classification", reads="sequence", outputs=(), loss="cross-entropy", targets=("labels",),
+        metrics=("accuracy", "f1", "mcc"), routes=("/v1/classify", "/v1/rerank"), both_orders=True,
+        hf_problem_type="single_label_classification",
+    ),
+    "regression": Task(
+        "regression", reads="sequence", outputs=("LABEL_0",), loss="mse", targets=("labels",),
+        metrics=("pearson", "spearman"), routes=("/v1/classify", "/v1/rerank"), both_orders=True,
+        hf_problem_type="regression",
+    ),
+    "multiple-choice": Task(
+        "multiple-choice", reads="options", outputs=("LABEL_0",), loss="cross-entropy", targets=("labels",),
+        metrics=("accuracy",), routes=(),
+    ),
+    "token-classification": Task(
+        "token-classification", reads="tokens", outputs=(), loss="token-cross-entropy", targets=("labels",),
+        metrics=("f1", "precision", "recall", "token_accuracy"), routes=("/v1/tag",),
+    ),
+    "question-answering": Task(  # XLNetForQuestionAnsweringSimple sizes qa_outputs by num_labels: 2
+        "question-answering", reads="tokens", outputs=("start", "end"), loss="span-cross-entropy",
+        targets=("start_positions", "end_positions"), metrics=("f1", "exact_match"), routes=("/v1/answer",),
+        head="qa_outputs",
+    ),
+}
+
+
+def task_of(kind: str) -> Task:
+    """``TASKS[kind]``, or a ValueError that lists the kinds."""
+    try:
+        return TASKS[kind]
+    except KeyError:
+        raise ValueError(f"task kind {kind!r}: expected one of {list(TASK_KINDS)}") from None

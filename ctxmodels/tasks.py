@@ -60,7 +60,7 @@ from ctxmodels import registry
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
 from ctxmodels.ops import Dropout
-from ctxmodels.task_kinds import TASK_KINDS, TaskKind  # noqa: F401 (TASK_KINDS re-exported)
+from ctxmodels.task_kinds import TASK_KINDS, TASKS, Task, TaskKind, task_of  # noqa: F401 (TASK_KINDS re-exported)
 
 IGNORE_INDEX = -100
 
@@ -90,9 +90,7 @@ class TaskConfig:
     lstm_dim: int = 256  # per direction, task_model bilstm
 
     def __post_init__(self) -> None:
-        if self.kind not in TASK_KINDS:
-            raise ValueError(f"task kind {self.kind!r}: expected one of {list(TASK_KINDS)}")
-        if self.kind in ("classification", "token-classification") and self.num_labels < 1:
+        if task_of(self.kind).labelled and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels}: a {self.kind} task needs at least one label")
         self.labels = [str(x) for x in self.labels]
 
@@ -160,6 +158,47 @@ def masked_mean(h: Tensor, attention_mask: Tensor | None) -> Tensor:
     return (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
 
 
+# ------------------------------------------------------------------------------- losses
+# Each task's loss (``Task.loss`` names it) and the running metrics a training step logs: a loss
+# function takes the logits and the targets ``Task.targets`` names, in that order.
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Classes (B, L), or options (B, K): cross-entropy and accuracy."""
+    loss = F.cross_entropy(logits, labels)
+    return loss, {"acc": (logits.detach().argmax(-1) == labels).float().mean()}
+
+
+def mse(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """One value per example (B,): mean squared error."""
+    return F.mse_loss(logits, labels.to(logits.dtype)), {}
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Tags (B, T, L) or the labelled rows alone (M, L): cross-entropy over labelled positions
+    (``IGNORE_INDEX`` elsewhere) and their accuracy."""
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    pred = logits.detach().argmax(-1)
+    seen = labels != IGNORE_INDEX
+    return loss, {"token_acc": (pred[seen] == labels[seen]).float().mean() if seen.any() else logits.new_zeros(())}
+
+
+def span_cross_entropy(logits: Tensor, start_positions: Tensor, end_positions: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Span QA (B, T, 2): the mean of the start and end positions' cross-entropies (BERT sec. 4.2);
+    positions past the window are clamped to its last token, as Hugging Face does."""
+    T = logits.shape[1]
+    start, end = start_positions.clamp(0, T - 1), end_positions.clamp(0, T - 1)
+    return (F.cross_entropy(logits[..., 0], start) + F.cross_entropy(logits[..., 1], end)) / 2, {}
+
+
+LOSSES = {
+    "cross-entropy": cross_entropy,
+    "mse": mse,
+    "token-cross-entropy": token_cross_entropy,
+    "span-cross-entropy": span_cross_entropy,
+}
+
+
 class TaskModel(nn.Module):
     """``backbone`` (the family's, so pretrained weights load as they are) + the task head."""
 
@@ -169,6 +208,7 @@ class TaskModel(nn.Module):
         if family not in READS:
             raise ValueError(f"no task head for family {family!r}; known: {sorted(READS)}")
         self.family, self.cfg, self.task = family, cfg, task
+        kind = self.spec = task_of(task.kind)  # what the kind reads, outputs and is trained with
         cls = registry.family_spec(family).pretraining_cls
         pre = cls(cfg, generator) if "generator" in inspect.signature(cls).parameters else cls(cfg)
         self.backbone = pre.backbone
@@ -200,18 +240,14 @@ class TaskModel(nn.Module):
 
         self.summary = _init_linear(nn.Linear(d, d), std, generator) if self.reads == "summary" else None
         self.pool = None
-        if self.reads == "concat-pool" and task.kind in ("classification", "regression", "multiple-choice"):
+        if self.reads == "concat-pool" and kind.reads != "tokens":
             self.pool = nn.Sequential(nn.BatchNorm1d(3 * d), Dropout(p), _init_linear(nn.Linear(3 * d, CONCAT_POOL_HIDDEN), std, generator),
                                       nn.ReLU(), nn.BatchNorm1d(CONCAT_POOL_HIDDEN))
             self.drop = Dropout(CONCAT_POOL_DROPOUT)  # the second block's, before ``classifier``
             d = CONCAT_POOL_HIDDEN
-        n_out = {"classification": task.num_labels, "regression": 1, "multiple-choice": 1,
-                 "token-classification": task.num_labels, "question-answering": 2}[task.kind]
-        if task.kind == "question-answering":
-            self.qa_outputs = _init_linear(nn.Linear(d, 2), std, generator)
-        else:
-            bias = not (self.reads == "last" and task.kind in ("classification", "regression", "multiple-choice"))
-            self.classifier = _init_linear(nn.Linear(d, n_out, bias=bias), std, generator)
+        n_out = task.num_labels if kind.labelled else len(kind.outputs)
+        bias = not (self.reads == "last" and kind.reads != "tokens")  # GPT's sequence head has none (HF's score)
+        setattr(self, kind.head, _init_linear(nn.Linear(d, n_out, bias=bias), std, generator))
         if task.freeze:
             for q in self.backbone.parameters():
                 q.requires_grad_(False)
@@ -307,7 +343,7 @@ class TaskModel(nn.Module):
         """``labelled_positions_only`` (token classification with ``labels``): compute the head
         only where ``labels != -100``; ``logits`` is then (M, L), those positions in row-major
         order, and the loss and gradients are the same (see the module docstring)."""
-        kind = self.task.kind
+        kind = self.spec
         grouped = input_ids.dim() == 3  # (B, K, T): options, or both orders of a symmetric pair
         B = input_ids.shape[0]
         if grouped:
@@ -316,45 +352,29 @@ class TaskModel(nn.Module):
             attention_mask = attention_mask.reshape(-1, T) if attention_mask is not None else None
             token_type_ids = token_type_ids.reshape(-1, T) if token_type_ids is not None else None
 
-        metrics: dict[str, Tensor] = {}
-        if kind in ("classification", "regression", "multiple-choice"):
+        if kind.reads != "tokens":
             v = self.sequence_vector(input_ids, attention_mask, token_type_ids)  # (B or B*K, D)
-            if grouped and kind != "multiple-choice":
+            if grouped and kind.reads == "sequence":
                 v = v.view(B, -1, v.shape[-1]).sum(dim=1)  # symmetric: the two orders' vectors added
             logits = self.classifier(self.drop(v))
-            if kind == "multiple-choice":
+            if kind.reads == "options":
                 logits = logits.view(B, -1)  # (B, K)
-            elif kind == "regression":
-                logits = logits.squeeze(-1)  # (B,)
-        elif labelled_positions_only and kind == "token-classification" and labels is not None:
+            elif len(kind.outputs) == 1:
+                logits = logits.squeeze(-1)  # (B,): one value per example
+        elif labelled_positions_only and kind.labelled and labels is not None:
             where = labels != IGNORE_INDEX  # (B, T)
             h = self.labelled_vectors(input_ids, attention_mask, token_type_ids, where)  # (M, D)
             logits = self.classifier(self.drop(h))  # (M, L)
             labels = labels[where]  # (M,), the loss below reads them as it reads (B, T) labels
         else:
             h = self.drop(self.token_vectors(input_ids, attention_mask, token_type_ids))  # (B, T, D)
-            head = self.qa_outputs if kind == "question-answering" else self.classifier
-            logits = head(h)  # (B, T, L) or (B, T, 2)
+            logits = getattr(self, kind.head)(h)  # (B, T, L) or (B, T, 2)
 
-        loss = None
-        if kind == "question-answering":
-            if start_positions is not None and end_positions is not None:
-                T = logits.shape[1]
-                start = start_positions.clamp(0, T - 1)
-                end = end_positions.clamp(0, T - 1)
-                loss = (F.cross_entropy(logits[..., 0], start) + F.cross_entropy(logits[..., 1], end)) / 2
-        elif labels is not None:
-            if kind == "regression":
-                loss = F.mse_loss(logits, labels.to(logits.dtype))
-            elif kind == "token-classification":
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-                pred = logits.detach().argmax(-1)
-                seen = labels != IGNORE_INDEX
-                metrics["token_acc"] = (pred[seen] == labels[seen]).float().mean() if seen.any() else logits.new_zeros(())
-            else:
-                loss = F.cross_entropy(logits, labels)
-                metrics["acc"] = (logits.detach().argmax(-1) == labels).float().mean()
-        if loss is not None:
+        loss, metrics = None, {}
+        given = {"labels": labels, "start_positions": start_positions, "end_positions": end_positions}
+        targets = [given[name] for name in kind.targets]
+        if all(t is not None for t in targets):
+            loss, metrics = LOSSES[kind.loss](logits, *targets)
             metrics["task_loss"] = loss.detach()
             if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze:
                 lm = self._lm_loss(input_ids, attention_mask)

@@ -41,7 +41,6 @@ def evaluate(model_uri: str, data_uri: str | list[str], store=None) -> dict[str,
     from jobs.finetune import score_split
     from jobs.runs import resolve_checkpoint
     from jobs.train import init_ray
-    from pipelines.metrics import confusion_matrix, entity_report, tags_from_token_arrays
     from pipelines.storage import as_store
 
     store = as_store(store)
@@ -56,18 +55,44 @@ def evaluate(model_uri: str, data_uri: str | list[str], store=None) -> dict[str,
         "examples": int(details["records"]) - int(details["rejected"]), "rejected": int(details["rejected"]),
         "metrics": {k.removeprefix("val_"): v for k, v in scored.items()},
     }
-    rows, logits, labels = details["rows"], details["logits"], details["labels"]
-    if kind in ("classification", "multiple-choice"):
-        pred = logits.argmax(-1)
-        n = len(labels) if kind == "classification" else logits.shape[-1]
-        names = labels if kind == "classification" else [f"option {i}" for i in range(n)]
-        cm = confusion_matrix(pred, rows["labels"], labels=np.arange(n))
-        result["confusion_matrix"] = {"labels": names, "matrix": cm.tolist()}
-    elif kind == "token-classification":
-        word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
-        pred, ref = tags_from_token_arrays(logits, rows["labels"], labels, word_ids)
-        result["per_tag"] = entity_report(pred, ref)
+    report = DETAILS.get(kind)
+    if report is not None:
+        result.update(report(details["rows"], details["logits"], list(details["labels"]), recipe))
     return result
+
+
+def _confusion(pred: np.ndarray, gold: np.ndarray, names: list[str]) -> dict[str, Any]:
+    from pipelines.metrics import confusion_matrix
+
+    cm = confusion_matrix(pred, gold, labels=np.arange(len(names)))
+    return {"confusion_matrix": {"labels": names, "matrix": cm.tolist()}}
+
+
+def class_details(rows: dict, logits: np.ndarray, labels: list[str], recipe) -> dict[str, Any]:
+    """Classification: the confusion matrix over the label names."""
+    return _confusion(logits.argmax(-1), rows["labels"], labels)
+
+
+def choice_details(rows: dict, logits: np.ndarray, labels: list[str], recipe) -> dict[str, Any]:
+    """Multiple choice: the confusion matrix over option positions."""
+    return _confusion(logits.argmax(-1), rows["labels"], [f"option {i}" for i in range(logits.shape[-1])])
+
+
+def tag_details(rows: dict, logits: np.ndarray, labels: list[str], recipe) -> dict[str, Any]:
+    """Token classification: precision, recall and F1 per entity type."""
+    from pipelines.metrics import entity_report, tags_from_token_arrays
+
+    word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
+    pred, ref = tags_from_token_arrays(logits, rows["labels"], labels, word_ids)
+    return {"per_tag": entity_report(pred, ref)}
+
+
+# What ``ctx eval`` adds to a kind's metrics (regression and QA: the metrics say it all).
+DETAILS = {
+    "classification": class_details,
+    "multiple-choice": choice_details,
+    "token-classification": tag_details,
+}
 
 
 def write_result(result: dict[str, Any], output: str | None) -> str:

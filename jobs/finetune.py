@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxmodels.task_kinds import TASKS
 from jobs.finetune_config import LOWER_IS_BETTER, FinetuneRecipe
 from jobs.registry import resolve as resolve_model
 from jobs.tracking import record_run
@@ -79,14 +80,8 @@ def task_data_config(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...
     """``pipelines.finetune.TaskDataConfig`` of the recipe's task for ``family``."""
     from pipelines.finetune import TaskDataConfig
 
-    t = recipe.task
-    return TaskDataConfig(
-        kind=t.kind, max_len=t.max_len, input_style=input_style(family), labels=labels, symmetric=t.symmetric,
-        label_all_subtokens=t.label_all_subtokens, doc_stride=t.doc_stride, max_query_len=t.max_query_len,
-        version_2=t.version_2, text_field=t.text_field, pair_field=t.pair_field, label_field=t.label_field,
-        tokens_field=t.tokens_field, tags_field=t.tags_field, question_field=t.question_field,
-        context_field=t.context_field, answers_field=t.answers_field, options_field=t.options_field, id_field=t.id_field,
-    )
+    shared = {f.name for f in dataclasses.fields(TaskDataConfig)} & set(type(recipe.task).model_fields)
+    return TaskDataConfig(input_style=input_style(family), labels=labels, **{k: getattr(recipe.task, k) for k in sorted(shared)})
 
 
 def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...]) -> dict[str, Any]:
@@ -94,7 +89,7 @@ def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, .
     kind = recipe.task.kind
     return {
         "kind": kind,
-        "num_labels": len(labels) if kind in ("classification", "token-classification") else 1,
+        "num_labels": len(labels) if TASKS[kind].labelled else 1,
         "labels": list(labels),
         "dropout": recipe.model.dropout,
         "lm_weight": recipe.task.lm_weight,
@@ -163,7 +158,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     log(f"data: {train_table.num_rows:,} training records from {recipe.data.train}")
     cfg = task_data_config(recipe, family)
     labels: tuple[str, ...] = ()
-    if recipe.task.kind in ("classification", "token-classification"):
+    if TASKS[recipe.task.kind].labelled:
         labels = tuple(_checked(fs.label_set, "data.train", train_table, cfg).names)
         if continuing:  # the head's classes, in its order; the new data may hold only some of them
             unknown = sorted(set(labels) - set(init_task.labels))
@@ -371,8 +366,8 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
         out = m(**task_inputs(batch))
         if counted:
             logits = out.logits.float().cpu().numpy()
-            if kind in ("token-classification", "question-answering"):
-                logits = _pad_time(logits, max_len, -1e4 if kind == "question-answering" else 0.0)
+            if TASKS[kind].reads == "tokens":  # every batch's rows to max_len: -1e4 is never a span's start or end, and no tag is read there
+                logits = _pad_time(logits, max_len, -1e4)
             got.append((batch["_rows"].numpy(), float(out.loss) if out.loss is not None else float("nan"), len(batch["_rows"]), logits))
 
     evaluate_batches(model, batches, plan, device, rank, world, forward)

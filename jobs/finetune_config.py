@@ -26,21 +26,15 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from jobs.config import RecipeBase, RecipeError, StepChecks, _Section, load_recipe
-from ctxmodels.task_kinds import TaskKind
+from ctxmodels.task_kinds import TASKS, TaskKind
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 Features = Literal["last", "first", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
 SplitFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet", "squad"]
 
-# The metrics each task kind reports (pipelines.metrics.task_metrics), and the default one the
-# best checkpoint is kept by. "loss" (the validation loss; lower is better) is always allowed.
-TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "classification": ("accuracy", "f1", "mcc"),
-    "regression": ("pearson", "spearman"),
-    "multiple-choice": ("accuracy",),
-    "token-classification": ("f1", "precision", "recall", "token_accuracy"),
-    "question-answering": ("f1", "exact_match"),
-}
+# The metrics each task kind reports (ctxmodels.task_kinds.TASKS[kind].metrics, computed by
+# pipelines.metrics.METRICS); its first is the default one the best checkpoint is kept by. "loss"
+# (the validation loss; lower is better) is always allowed.
 LOWER_IS_BETTER = ("loss",)
 
 
@@ -90,14 +84,14 @@ class TaskSection(_Section):
 
     @property
     def best_metric(self) -> str:
-        return self.metric or TASK_METRICS[self.kind][0]
+        return self.metric or TASKS[self.kind].metrics[0]
 
     @model_validator(mode="after")
     def _check(self) -> "TaskSection":
-        allowed = TASK_METRICS[self.kind] + LOWER_IS_BETTER
+        allowed = TASKS[self.kind].metrics + LOWER_IS_BETTER
         if self.metric is not None and self.metric not in allowed:
             raise ValueError(f"metric: {self.metric!r} is not a metric of {self.kind}; use one of {list(allowed)}")
-        if self.symmetric and self.kind not in ("classification", "regression"):
+        if self.symmetric and not TASKS[self.kind].both_orders:
             raise ValueError(f"symmetric: only pair classification/regression runs both orders, not {self.kind}")
         if self.label_all_subtokens and self.kind != "token-classification":
             raise ValueError(f"label_all_subtokens: only for token-classification, not {self.kind}")

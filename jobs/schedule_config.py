@@ -53,10 +53,10 @@ def round_metrics(kind: str, recipe: dict[str, Any]) -> tuple[str, ...]:
     ``val_`` prefix (classification: loss, accuracy, f1, mcc), plus the drift of the backbones."""
     if kind == "pretrain":
         return PRETRAIN_METRICS
-    from jobs.finetune_config import TASK_METRICS
+    from ctxmodels.task_kinds import TASKS
 
     task = (recipe.get("task") or {}).get("kind", "classification")
-    return ("loss", *TASK_METRICS[task], *DRIFT_METRICS, "wic_accuracy")
+    return ("loss", *TASKS[task].metrics, *DRIFT_METRICS, "wic_accuracy")
 
 
 class ScheduleError(ValueError):

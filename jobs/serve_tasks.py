@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from ctxmodels.task_kinds import TASKS
 from jobs.batching import Batcher
 from jobs.serve_config import InputError, LimitError, Limits
 
@@ -61,13 +62,6 @@ LM_FAMILIES = ("gpt", "transformer-xl", "xlnet", "awd-lstm")  # pretrained to pr
 CACHED_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 MLM_HEAD = {"bert": "mlm", "roberta": "mlm", "spanbert": "mlm", "albert": "mlm_head"}  # the head's module name
 EMBEDDING_ROUTES = ("/v1/embeddings", "/v1/token-embeddings")
-TASK_ROUTES: dict[str, tuple[str, ...]] = {
-    "classification": ("/v1/classify", "/v1/rerank"),
-    "regression": ("/v1/classify", "/v1/rerank"),
-    "token-classification": ("/v1/tag",),
-    "question-answering": ("/v1/answer",),
-    "multiple-choice": (),
-}
 NEEDS: dict[str, str] = {
     "/v1/classify": "a fine-tuned classification or regression checkpoint (ctx finetune)",
     "/v1/tag": "a fine-tuned token-classification checkpoint",
@@ -82,7 +76,7 @@ def routes_of(family: str, task: Any, untrained_heads: set[str]) -> list[str]:
     """The routes a model serves: ``task`` is its ``TaskConfig`` (None: pretrained); ``untrained_heads``
     the modules a Hugging Face folder had no weights for (a bare BertModel has no MLM head)."""
     if task is not None:
-        extra = TASK_ROUTES[task.kind]
+        extra = TASKS[task.kind].routes
         if task.kind == "classification" and task.num_labels != 2:
             extra = tuple(r for r in extra if r != "/v1/rerank")
     elif family in MLM_FAMILIES and MLM_HEAD[family] not in untrained_heads:
@@ -677,7 +671,7 @@ class TaskServing:
             batch = {k: torch.from_numpy(np.stack([r[k][..., :width] for r in rows])).to(self.device) for k in rows[0]}  # (B, [K,] T)
             with torch.inference_mode():
                 logits = self.model(**batch).logits.float().cpu().numpy()
-            if self.task_config.kind in ("token-classification", "question-answering"):
+            if TASKS[self.task_config.kind].reads == "tokens":
                 full = rows[0]["input_ids"].shape[-1]
                 logits = np.pad(logits, ((0, 0), (0, full - logits.shape[1]), (0, 0)), constant_values=-1e4)  # (B, L, C)
             outputs, mask = list(logits), batch["attention_mask"]

@@ -61,7 +61,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 
-from ctxmodels.task_kinds import TaskKind
+from ctxmodels.task_kinds import TASK_KINDS, TASKS, TaskKind
 from pipelines.alignment import encode_texts, encode_words, first_subtokens
 from pipelines.rng import stable_hash64
 
@@ -200,8 +200,8 @@ class TaskDataConfig:
         def bad(key: str, why: str) -> ValueError:
             return ValueError(f"TaskDataConfig.{key}={getattr(self, key)!r}: {why}")
 
-        if self.kind not in get_args(TaskKind):
-            raise bad("kind", f"expected one of {get_args(TaskKind)}")
+        if self.kind not in TASKS:
+            raise bad("kind", f"expected one of {TASK_KINDS}")
         if self.input_style not in get_args(InputStyle):
             raise bad("input_style", f"expected one of {get_args(InputStyle)}")
         for key in ("max_len", "doc_stride", "max_query_len"):
@@ -438,19 +438,32 @@ def example_ids(records: dict, cfg: TaskDataConfig, errors: _Errors | None = Non
     return out
 
 
+def _check_classes(records: dict, cfg: TaskDataConfig, errors: _Errors) -> None:
+    pick_text_pairs(records, cfg, errors)
+    if cfg.with_labels:
+        pick_class_labels(records, cfg, errors)
+
+
+def _check_values(records: dict, cfg: TaskDataConfig, errors: _Errors) -> None:
+    pick_text_pairs(records, cfg, errors)
+    if cfg.with_labels:
+        pick_regression_targets(records, cfg, errors)
+
+
+# Each kind's record checks: the same reading its encoder does (``ENCODERS``), collecting every error.
+RECORD_CHECKS: dict[str, Callable[[dict, TaskDataConfig, _Errors], Any]] = {
+    "classification": _check_classes,
+    "regression": _check_values,
+    "multiple-choice": pick_multiple_choice,
+    "token-classification": pick_tagged_words,
+    "question-answering": pick_squad,
+}
+
+
 def check_records(records: dict, cfg: TaskDataConfig) -> list[RecordError]:
     """Every record error of the batch, by record (empty if all records can be encoded)."""
     errors = _Errors(collect=True)
-    if cfg.kind in ("classification", "regression"):
-        pick_text_pairs(records, cfg, errors)
-        if cfg.with_labels:
-            (pick_class_labels if cfg.kind == "classification" else pick_regression_targets)(records, cfg, errors)
-    elif cfg.kind == "multiple-choice":
-        pick_multiple_choice(records, cfg, errors)
-    elif cfg.kind == "token-classification":
-        pick_tagged_words(records, cfg, errors)
-    else:
-        pick_squad(records, cfg, errors)
+    RECORD_CHECKS[cfg.kind](records, cfg, errors)
     example_ids(records, cfg, errors)
     return sorted(errors.errors, key=lambda e: e.index)
 

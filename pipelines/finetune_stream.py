@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
+from ctxmodels.task_kinds import TASKS
 from pipelines import storage
 from pipelines.finetune import LabelSet, RecordError, TaskDataConfig, check_records, encode_task, read_squad_json
 from pipelines.position import DataPosition, load_position
@@ -178,16 +179,19 @@ def columns(records: list[dict[str, Any]]) -> dict[str, list]:
 def label_values(table: pa.Table, cfg: TaskDataConfig) -> list:
     """Every label (classification) or tag (token classification) of a split: what ``LabelSet``
     is built from. Records that do not parse or lack the field are left out (they are rejected later)."""
+    task = TASKS[cfg.kind]
+    if not task.labelled:
+        return []
     records, _ = parse_records(table.column("_json").to_pylist())
     out = []
     for r in records:
         if r is None:
             continue
-        if cfg.kind == "token-classification":
+        if task.reads == "tokens":  # a tag per word
             tags = r.get(cfg.tags_field)
             if isinstance(tags, list):
                 out.extend(t for t in tags if isinstance(t, (str, int)) and not isinstance(t, bool))
-        elif cfg.kind == "classification":
+        else:
             v = r.get(cfg.label_field)
             if isinstance(v, (str, int)) and not isinstance(v, bool) or (isinstance(v, float) and v.is_integer()):
                 out.append(v)
@@ -197,8 +201,8 @@ def label_values(table: pa.Table, cfg: TaskDataConfig) -> list:
 def label_set(table: pa.Table, cfg: TaskDataConfig) -> LabelSet:
     values = label_values(table, cfg)
     if not values:
-        field = cfg.tags_field if cfg.kind == "token-classification" else cfg.label_field
-        raise ValueError(f"the training split has no usable {field!r} values: check task.{'tags' if cfg.kind == 'token-classification' else 'label'}_field")
+        key = "tags_field" if TASKS[cfg.kind].reads == "tokens" else "label_field"
+        raise ValueError(f"the training split has no usable {getattr(cfg, key)!r} values: check task.{key}")
     return LabelSet.from_values(np.asarray(values, dtype=object))
 
 

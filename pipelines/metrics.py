@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -441,38 +441,57 @@ def _labels_of(predictions: Any) -> np.ndarray:
     return p.argmax(-1) if p.ndim == 2 else p
 
 
-def task_metrics(kind: str, predictions: Any, references: Any, **extra: Any) -> dict[str, float]:
-    """The metrics of a task kind, by name:
+def classification_metrics(predictions: Any, references: Any) -> dict[str, float]:
+    """``accuracy``, ``f1`` (macro), ``mcc``; predictions are ids or (N, K) logits."""
+    p = _labels_of(predictions)
+    return {"accuracy": accuracy(p, references), "f1": macro_f1(p, references), "mcc": matthews_corrcoef(p, references)}
 
-    * classification: ``accuracy``, ``f1`` (macro), ``mcc`` (predictions: ids or (N, K) logits);
-    * regression: ``pearson``, ``spearman`` (predictions (N,) or (N, 1));
-    * multiple-choice: ``accuracy`` (ids or (N, K) scores);
-    * token-classification: entity ``precision``, ``recall``, ``f1`` and ``token_accuracy``;
-      predictions/references are tag sequences, or the model's (N, T[, C]) arrays with the
-      encoder's labels and ``label_names=`` (and ``word_ids=`` with all-sub-token labels);
-      ``scheme=`` selects seqeval's strict mode;
-    * question-answering: ``exact_match``, ``f1`` (SQuAD, percent); ``version_2=True`` adds the
-      HasAns/NoAns split (on by default when some question has no gold answer).
-    """
-    if kind == "classification":
-        p = _labels_of(predictions)
-        return {"accuracy": accuracy(p, references), "f1": macro_f1(p, references), "mcc": matthews_corrcoef(p, references)}
-    if kind == "regression":
-        p = np.asarray(predictions, dtype=np.float64).reshape(-1)
-        return {"pearson": pearson(p, references), "spearman": spearman(p, references)}
-    if kind == "multiple-choice":
-        return {"accuracy": accuracy(_labels_of(predictions), references)}
-    if kind == "token-classification":
-        if isinstance(predictions, np.ndarray) or isinstance(references, np.ndarray):
-            if "label_names" not in extra:
-                raise ValueError("task_metrics(token-classification): model arrays need label_names= (the LabelSet names)")
-            predictions, references = tags_from_token_arrays(predictions, references, extra["label_names"], extra.get("word_ids"))
-        out = entity_scores(predictions, references, extra.get("scheme"))
-        out["token_accuracy"] = token_accuracy(predictions, references)
-        return out
-    if kind == "question-answering":
-        version_2 = extra.get("version_2")
-        if version_2 is None:
-            version_2 = any(not _answer_texts(r) for r in references)
-        return squad_scores(predictions, references, version_2=bool(version_2))
-    raise ValueError(f"task_metrics: unknown task kind {kind!r}")
+
+def regression_metrics(predictions: Any, references: Any) -> dict[str, float]:
+    """``pearson``, ``spearman``; predictions (N,) or (N, 1)."""
+    p = np.asarray(predictions, dtype=np.float64).reshape(-1)
+    return {"pearson": pearson(p, references), "spearman": spearman(p, references)}
+
+
+def choice_metrics(predictions: Any, references: Any) -> dict[str, float]:
+    """``accuracy``; predictions are ids or (N, K) scores."""
+    return {"accuracy": accuracy(_labels_of(predictions), references)}
+
+
+def tagging_metrics(predictions: Any, references: Any, label_names: Sequence[str] | None = None,
+                    word_ids: Any = None, scheme: str | None = None) -> dict[str, float]:
+    """Entity ``precision``, ``recall``, ``f1`` and ``token_accuracy``: predictions/references are tag
+    sequences, or the model's (N, T[, C]) arrays with the encoder's labels and ``label_names``
+    (and ``word_ids`` with all-sub-token labels); ``scheme`` selects seqeval's strict mode."""
+    if isinstance(predictions, np.ndarray) or isinstance(references, np.ndarray):
+        if label_names is None:
+            raise ValueError("task_metrics(token-classification): model arrays need label_names= (the LabelSet names)")
+        predictions, references = tags_from_token_arrays(predictions, references, label_names, word_ids)
+    out = entity_scores(predictions, references, scheme)
+    out["token_accuracy"] = token_accuracy(predictions, references)
+    return out
+
+
+def qa_metrics(predictions: Any, references: Any, version_2: bool | None = None) -> dict[str, float]:
+    """SQuAD's ``exact_match`` and ``f1`` (percent); ``version_2=True`` adds the HasAns/NoAns split
+    (on by default when some question has no gold answer)."""
+    if version_2 is None:
+        version_2 = any(not _answer_texts(r) for r in references)
+    return squad_scores(predictions, references, version_2=bool(version_2))
+
+
+# The metrics of each task kind (ctxmodels.task_kinds.TASKS[kind].metrics names what each returns).
+METRICS: dict[str, Callable[..., dict[str, float]]] = {
+    "classification": classification_metrics,
+    "regression": regression_metrics,
+    "multiple-choice": choice_metrics,
+    "token-classification": tagging_metrics,
+    "question-answering": qa_metrics,
+}
+
+
+def task_metrics(kind: str, predictions: Any, references: Any, **extra: Any) -> dict[str, float]:
+    """The metrics of a task kind, by name (``METRICS[kind]``; ``extra`` are its keyword arguments)."""
+    if kind not in METRICS:
+        raise ValueError(f"task_metrics: unknown task kind {kind!r}")
+    return METRICS[kind](predictions, references, **extra)
