@@ -441,7 +441,8 @@ def bulk_client(url: str, extra: dict, seconds: float) -> None:
     import httpx
 
     texts = load_texts(N_TEXTS, SEED)
-    deadline, k = time.monotonic() + seconds, 0
+    start = time.monotonic()
+    deadline, k = start + seconds, 0
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         while time.monotonic() < deadline:
             batch = [texts[(k * BULK_TEXTS + j) % len(texts)] for j in range(BULK_TEXTS)]
@@ -449,6 +450,8 @@ def bulk_client(url: str, extra: dict, seconds: float) -> None:
             if r.status_code != 200 or len(r.json()["data"]) != BULK_TEXTS:
                 raise SystemExit(f"bulk request answered {r.status_code}: {r.text[:300]}")
             k += 1
+    elapsed = time.monotonic() - start
+    print(f"  the bulk client: {k * BULK_TEXTS:,} texts in {elapsed:.1f} s, {k * BULK_TEXTS / elapsed:.1f} texts/s", flush=True)
 
 
 # --- the limit: the same model in this process, length-sorted batches of 32 ---

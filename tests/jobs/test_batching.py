@@ -278,7 +278,8 @@ def test_concurrent_bulk_requests_share_batches_sorted_across_them():
 
 def test_small_requests_beside_a_large_one_get_short_batches():
     """While one-item requests are about and a 1,000-item request is queued, batches keep to
-    interactive_batch_tokens; the large request alone gets whole max_batch_tokens batches."""
+    interactive_batch_tokens, and a small request's batch holds small requests' items alone; the
+    large request alone gets whole max_batch_tokens batches."""
     model = Lengths(per_token=1e-5)
     batcher = Batcher(model, max_batch_size=32, batch_wait_timeout_s=0.001, length=_length, max_batch_tokens=4096,
                       interactive_batch_tokens=64)
@@ -296,7 +297,9 @@ def test_small_requests_beside_a_large_one_get_short_batches():
     alone = asyncio.run(main())
     assert [len(b) for b in model.batches[:alone]] == [32] * 6 + [8]
     mixed = [b for b in model.batches[alone:] if any(r == 2 for r, _, _ in b)]
-    assert len(mixed) == 5 and all(len(b) * 10 <= 64 for b in mixed)
+    assert len(mixed) == 5 and all(b == [(2, k, 10)] for k, b in enumerate(mixed))  # each its own pass, not filled up with bulk items
+    first, last = (model.batches.index(b) for b in (mixed[0], mixed[-1]))
+    assert all(len(b) * 10 <= 64 for b in model.batches[first:last])  # the bulk request's passes between them are short too
 
 
 def test_a_failing_batch_fails_each_request_in_it_once_and_drops_their_other_items():
