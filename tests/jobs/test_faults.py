@@ -205,7 +205,7 @@ def test_resume_from_object_storage_removes_its_temporary_folder(tmp_path, s3_bu
 
     local = _trained_checkpoint(tmp_path / "src" / "checkpoint_a", step=5)
     run = f"s3://{s3_bucket}/runs/r"
-    storage.copy_dir(local, storage.join(run, "checkpoint_a"))
+    storage.Store().copy_dir(local, storage.join(run, "checkpoint_a"))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where TemporaryDirectory puts its folders
@@ -237,7 +237,7 @@ def test_tokenizer_copies_and_warm_start_copies_leave_no_temporary_folder(tmp_pa
     train_tokenizer("wordpiece", ["the river bank", "a loan from the bank"] * 50, 60).save(tok_dir)
     local = _trained_checkpoint(tmp_path / "src" / "checkpoint_a", step=5)
     remote = f"s3://{s3_bucket}/runs/warm/checkpoint_a"
-    storage.copy_dir(local, remote)
+    storage.Store().copy_dir(local, remote)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where TemporaryDirectory puts its folders
