@@ -11,7 +11,7 @@ Every file is written to a temporary name and renamed into place, and MANIFEST.j
 a directory without a manifest (or whose files do not match it) is an interrupted save or copy
 (``checkpoint_problem`` says which). Loading reads safetensors and JSON only: nothing is unpickled.
 Directories are local; the jobs layer copies them to and from object storage
-(``pipelines.storage.copy_dir`` copies the manifest last too).
+(``pipelines.storage.Store.copy_dir`` copies the manifest last too).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def checkpoint_problem(ckpt_dir: str | Path, verify_hashes: bool = False) -> str
 
     Complete: MANIFEST.json parses, lists the weights and the config, and every file it lists is
     present with its size (and sha256, with ``verify_hashes``). The same check for a folder in
-    object storage is ``pipelines.storage.checkpoint_problem``.
+    object storage is ``pipelines.storage.Store.checkpoint_problem``.
     """
     folder = Path(ckpt_dir)
     try:

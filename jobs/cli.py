@@ -84,7 +84,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
         shards = store.list_files(args.input)
-        texts = sample_text(shards, args.sample_chars, args.format, args.text_field, store.endpoint_url, store.deadline_s)
+        texts = sample_text(shards, args.sample_chars, args.format, args.text_field, store)
         tok = train_tokenizer(args.kind, texts, args.vocab_size, lowercase=not args.cased)
         with tempfile.TemporaryDirectory() as d:
             tok.save(d)
@@ -285,10 +285,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
     _quiet_env(args.verbose)
     try:
         summary = reembed(args.model, args.input, args.output, id_column=args.id_column, text_column=args.text_column,
-                          pooling=args.pooling, normalize=args.normalize, endpoint_url=args.endpoint_url,
+                          pooling=args.pooling, normalize=args.normalize, store=_store(args),
                           batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, actor_batch_size=args.actor_batch_size,
                           actors=args.actors, cpus_per_actor=args.cpus_per_actor, num_gpus=args.num_gpus,
-                          retry_deadline_s=args.retry_deadline, verbose=args.verbose, started=started)
+                          verbose=args.verbose, started=started)
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise SystemExit(f"ctx embed: {e}") from None

@@ -240,7 +240,7 @@ def _pretrain(s: DemoSettings, work: Path, verbose: bool, progress: bool, log) -
           f"{s.steps} steps on {recipe.scaling.num_workers} Ray Train workers in {time.perf_counter() - t0:.0f} s -> run {result.run_uri}"
           + (f", registry {result.registered.ref}" if result.registered else ""), flush=True)
 
-    eval_spec = stream_spec(recipe, storage.list_files(recipe.data.eval_input))
+    eval_spec = stream_spec(recipe, storage.Store.of(recipe.data).list_files(recipe.data.eval_input))
     batches = list(local_batches(eval_spec, tok, batch_size=32, epoch=10_000, max_batches=20))
     overrides = model_overrides_with_vocab(recipe, tok.vocab_size)
     overrides.setdefault("nsp", False)

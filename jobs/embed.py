@@ -129,14 +129,13 @@ def reembed(
     text_column: str = "text",
     pooling: Pooling = "mean",
     normalize: bool = False,
-    endpoint_url: str | None = None,
+    store: storage.Store = storage.Store(),
     batch_size: int = PASS_ROWS,
     max_batch_tokens: int = PASS_TOKENS,
     actor_batch_size: int = ACTOR_BATCH_ROWS,
     actors: int | None = None,
     cpus_per_actor: float = CPUS_PER_ACTOR,
     num_gpus: float = 0.0,
-    retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S,
     verbose: bool = False,
     started: float | None = None,
     driver_read_bytes: int = DRIVER_READ_BYTES,
@@ -146,8 +145,8 @@ def reembed(
     ``model``: a checkpoint, a training run folder (its best or newest complete checkpoint), a Hugging
     Face folder or ``pkg:PACKAGE/PATH``, local or ``s3://``, or a registry version ``models:/NAME@alias``
     / ``models:/NAME/N`` (looked up once, in $MLFLOW_TRACKING_URI's registry) (a model on S3 is read with
-    AWS_ENDPOINT_URL, as ``ctx serve`` reads it). ``endpoint_url`` is the S3 endpoint of ``input`` and
-    ``output``.
+    AWS_ENDPOINT_URL, as ``ctx serve`` reads it). ``store``: the endpoint and retry deadline of ``input``
+    and ``output`` (``ctx embed --endpoint-url --retry-deadline``); every wait on them is said and bounded.
 
     ``batch_size`` / ``max_batch_tokens``: rows and padded tokens per forward pass; ``actor_batch_size``:
     rows handed to an actor per call, sorted by length into those passes. ``actors``: a fixed pool of that
@@ -176,7 +175,6 @@ def reembed(
             raise ValueError(f"{name} ({value}) must be at least 1")
     if (actors is not None and actors < 1) or cpus_per_actor <= 0:
         raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
-    store = storage.Store(endpoint_url, retry_deadline_s, "--retry-deadline")  # every wait below: said, bounded
     existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)

@@ -130,7 +130,6 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     from pipelines.dataset import tokenizer_files
     from pipelines.datareport import format_report
 
-    ep, deadline = recipe.data.endpoint_url, recipe.data.retry_deadline_s
     store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
     run = run_folder(recipe.output_dir, recipe.name)
     # models:/NAME@alias -> that version's checkpoint; the version becomes the new one's parent
@@ -154,7 +153,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
                               + ("has no task head" if init_task is None else f"is fine-tuned for {init_task.kind}") + " (use model.head: fresh)")
 
     init_ray(verbose)
-    train_table = fs.read_split(recipe.data.train, recipe.data.format, ep, deadline)
+    train_table = fs.read_split(recipe.data.train, recipe.data.format, store)
     log(f"data: {train_table.num_rows:,} training records from {recipe.data.train}")
     cfg = task_data_config(recipe, family)
     labels: tuple[str, ...] = ()
@@ -171,15 +170,15 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         log(f"labels: {len(labels)} from the training split: {list(labels)[:12]}{' ...' if len(labels) > 12 else ''}")
     cfg = fs.with_labels(cfg, fs.LabelSet(labels) if labels else None)
     train_check = _checked(fs.check_split, "data.train", train_table, files, cfg)
-    report = fs.write_split_report(run, "train", train_check, ep, deadline)
+    report = fs.write_split_report(run, "train", train_check, store)
     if not len(train_check.usable):
         raise ValueError(f"data.train: none of the {train_table.num_rows} records is usable:\n{format_report(report)}")
 
     val = None
     if recipe.data.validation:
-        val_table = fs.read_split(recipe.data.validation, recipe.data.format, ep, deadline)
+        val_table = fs.read_split(recipe.data.validation, recipe.data.format, store)
         val_check = _checked(fs.check_split, "data.validation", val_table, files, cfg)
-        report = fs.write_split_report(run, "validation", val_check, ep, deadline)
+        report = fs.write_split_report(run, "validation", val_check, store)
         val = {"rows": fs.encode_split(val_table, val_check.usable, files, cfg), **fs.references(val_table, val_check.usable, cfg)}
         log(f"data: {len(val_check.usable):,} of {val_table.num_rows:,} validation records usable")
     for line in format_report(report).splitlines():
@@ -195,7 +194,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     if t.max_steps is not None:
         total_steps = min(total_steps, t.max_steps)
 
-    resumed = resume_state(run, ep, deadline)
+    resumed = resume_state(run, store)
     first_epoch = 0
     if resumed:
         state, position = resumed
@@ -209,7 +208,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             f"{position.committed(first_epoch)} of its rows already trained on)")
     dataset = fs.build_train_dataset(
         train_table, train_check.usable, files, cfg, seed=t.seed, first_epoch=first_epoch, epochs=t.epochs,
-        unit_records=recipe.data.unit_records, run_uri=run, endpoint_url=ep, retry_deadline_s=deadline,
+        unit_records=recipe.data.unit_records, run_uri=run, store=store,
     )
     scored = val is not None
     result = fit(
@@ -230,13 +229,12 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             "warmup_steps": round(t.warmup_ratio * total_steps),
             "validation": ray.put(val) if scored else None,
         },
-        name=recipe.name, output_dir=recipe.output_dir, endpoint_url=ep, scaling=recipe.scaling,
+        name=recipe.name, output_dir=recipe.output_dir, store=store, scaling=recipe.scaling,
         datasets={"train": dataset}, max_steps=total_steps, progress=progress, label="finetune",
         # Ray keeps the best checkpoints by score (and always the newest, for resume).
         checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="checkpoint_score", checkpoint_score_order="max")
         if scored else CheckpointConfig(num_to_keep=2),
         dataset_config=DataConfig(datasets_to_split=["train"], execution_options=ingest_options()),
-        retry_deadline_s=recipe.data.retry_deadline_s,
     )
     best = best_checkpoint(run, store) if scored else None
     log(f"checkpoint: newest {result.checkpoint_uri}" + (f", best {best} ({read_best(run, store)})" if best else ""))
@@ -294,7 +292,7 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
         files = tokenizer_files(loaded.tokenizer_dir)
     task = loaded.task
     cfg = task_data_config(recipe, loaded.family, tuple(task.labels))
-    table = fs.read_split(split, recipe.data.format, store.endpoint_url, store.deadline_s)
+    table = fs.read_split(split, recipe.data.format, store)
     check = fs.check_split(table, files, cfg)
     data = {"rows": fs.encode_split(table, check.usable, files, cfg), **fs.references(table, check.usable, cfg)}
     if details is not None:

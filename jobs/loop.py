@@ -155,14 +155,13 @@ def to_device(batch: dict[str, Any], device, label_positions: bool = False) -> d
     return out
 
 
-def resume_state(run: str, endpoint_url: str | None, deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S
-                 ) -> tuple[dict[str, Any], DataPosition] | None:
+def resume_state(run: str, store: storage.Store) -> tuple[dict[str, Any], DataPosition] | None:
     """trainer_state.json and the data position of the run's latest committed checkpoint, if any."""
-    latest = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
+    latest = store.latest_complete_checkpoint(run)
     if latest is None:
         return None
-    state = json.loads(storage.read_bytes(storage.join(latest, "trainer_state.json"), endpoint_url, deadline_s))
-    return state, load_position(latest, endpoint_url, deadline_s)
+    state = json.loads(store.read_bytes(storage.join(latest, "trainer_state.json")))
+    return state, load_position(latest, store)
 
 
 def row_digests(batch: dict[str, Any]) -> list[str]:
@@ -185,13 +184,12 @@ class SampleLog:
     Best-effort (telemetry): a failed write is a warning; an object-store file catches up at the
     next write, which sends every line again."""
 
-    def __init__(self, run: str, endpoint_url: str | None, rank: int, world: int, resumed_step: int, resumed_from: str | None,
-                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> None:
+    def __init__(self, run: str, store: storage.Store, rank: int, world: int, resumed_step: int, resumed_from: str | None) -> None:
         import uuid
 
         self.uri = storage.join(run, "sample_log", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}-rank{rank}.jsonl")
-        self.endpoint_url, self.deadline_s = endpoint_url, deadline_s
-        self.fs, self.path = storage.filesystem(self.uri, endpoint_url)
+        self.store = store
+        self.fs, self.path = storage.filesystem(self.uri, store.endpoint_url)
         self.remote = storage.is_remote(self.uri)
         self.lines: list[str] = []  # the lines an object-store file must hold
         self.write([json.dumps({"rank": rank, "world": world, "pid": os.getpid(), "resumed_step": resumed_step, "resumed_from": resumed_from})])
@@ -218,7 +216,7 @@ class SampleLog:
                 with open(self.path, "a") as f:
                     f.write("".join(line + "\n" for line in new))
 
-            storage.best_effort(append, f"write {self.uri}", self.deadline_s, self.endpoint_url)
+            self.store.best_effort(append, f"write {self.uri}")
             return
         self.lines.extend(new)
         data = "".join(line + "\n" for line in self.lines).encode()
@@ -227,16 +225,16 @@ class SampleLog:
             with self.fs.open_output_stream(self.path) as f:
                 f.write(data)
 
-        storage.best_effort(put, f"write {self.uri}", self.deadline_s, self.endpoint_url)
+        self.store.best_effort(put, f"write {self.uri}")
 
 
-def open_metrics_log(run: str, endpoint_url: str | None, deadline_s: float):
+def open_metrics_log(run: str, store: storage.Store):
     """Rank 0's ``MetricsLog``, or None (with a warning) when its folder cannot be set up: metrics
     are telemetry, a run trains without them."""
     from jobs.metrics import MetricsLog
 
     try:
-        return MetricsLog(run, endpoint_url, deadline_s=deadline_s)
+        return MetricsLog(run, store)
     except (OSError, storage.StorageError) as e:
         print(f"warning: metrics of {run} will not be written: {e}", file=sys.stderr)
         return None
@@ -652,35 +650,34 @@ class Resumed:
     position: DataPosition = field(default_factory=DataPosition)
 
 
-def resume(run: str, endpoint_url: str | None, model, rank: int = 0,
-           deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> Resumed:
+def resume(run: str, store: storage.Store, model, rank: int = 0) -> Resumed:
     """The run's latest complete checkpoint (the same one the data stage reads the position of),
     its weights loaded into ``model``. Ray's ``get_checkpoint()`` is not used: it could name a
-    checkpoint whose upload was cut off. Reads retry for up to ``deadline_s`` (data.retry_deadline_s).
+    checkpoint whose upload was cut off. Reads retry until ``store``'s deadline (data.retry_deadline_s).
 
     A remote checkpoint is downloaded into a temporary folder that is removed once its files are
     in memory, whatever happens (every worker does this at every restart). Rank 0 first deletes
     the run's incomplete checkpoint folders older than the newest complete one
-    (``storage.remove_incomplete_checkpoints``): leftovers of copies cut off by earlier failures.
+    (``Store.remove_incomplete_checkpoints``): leftovers of copies cut off by earlier failures.
     """
     from safetensors.torch import load_file
 
     from ctxmodels.checkpoint import load_checkpoint
 
     if rank == 0:
-        for uri, problem in storage.remove_incomplete_checkpoints(run, endpoint_url, deadline_s):
+        for uri, problem in store.remove_incomplete_checkpoints(run):
             print(f"removed incomplete checkpoint {uri} ({problem}): older than the newest complete one")
-    uri = storage.latest_complete_checkpoint(run, endpoint_url, deadline_s)
+    uri = store.latest_complete_checkpoint(run)
     if uri is None:
         return Resumed()
     with tempfile.TemporaryDirectory(prefix="ctx-resume-") as tmp:
         # a local run folder is read in place
-        local = storage.download_dir(uri, Path(tmp) / "checkpoint", endpoint_url, deadline_s)
+        local = store.download_dir(uri, Path(tmp) / "checkpoint")
         model.load_state_dict(load_checkpoint(local).model.state_dict())
         raw = json.loads((local / "trainer_state.json").read_text())
         # load_file copies the tensors into memory (no mapping of a file about to be deleted)
         opt = load_file(str(local / "optimizer.safetensors"))
-        position = load_position(str(local))
+        position = load_position(str(local), store)
     return Resumed(uri, TrainState.from_json(raw), raw, opt, position)
 
 
@@ -691,7 +688,7 @@ def resume(run: str, endpoint_url: str | None, model, rank: int = 0,
 def checkpoint_name() -> str:
     """A new checkpoint folder name, in Ray Train V2's form but in UTC (a change of the machine's
     time zone does not reorder names). Resume orders checkpoints by their step, not by name
-    (``storage.latest_complete_checkpoint``): the name is for people."""
+    (``Store.latest_complete_checkpoint``): the name is for people."""
     return "checkpoint_" + datetime.now(timezone.utc).strftime("%Y-%m-%d_%H-%M-%S.%f")
 
 
@@ -735,7 +732,7 @@ class Checkpointer:
     """
 
     run: str
-    endpoint_url: str | None
+    store: storage.Store  # the recipe's: data.endpoint_url, and data.retry_deadline_s for how long an upload retries
     shard_keys: list[int]  # every shard (work-unit key) of an epoch: an epoch closes when all are complete
     rank: int
     world: int
@@ -747,7 +744,6 @@ class Checkpointer:
     on_epoch_closed: Callable[[int], None] | None = None  # rank 0, once per closed epoch
     pending: DataPosition = field(default_factory=DataPosition)  # this worker's samples since the last commit
     committed_step: int = 0
-    retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S  # data.retry_deadline_s: how long an upload retries
 
     def record(self, batches: list[dict[str, Any]]) -> None:
         """The samples of a finished optimizer step."""
@@ -828,14 +824,14 @@ class Checkpointer:
 
     def upload(self, checkpoint, name: str):
         """Ray seam (``report``'s ``checkpoint_upload_fn``): copy the checkpoint folder to
-        ``<run>/<name>`` with ``storage.copy_dir``, MANIFEST last, each file retried through an
-        outage for up to ``retry_deadline_s``; past it the worker fails with a ``StorageError``
+        ``<run>/<name>`` with ``Store.copy_dir``, MANIFEST last, each file retried through an
+        outage until the store's deadline; past it the worker fails with a ``StorageError``
         naming the object and the endpoint."""
         from ray.train import Checkpoint
 
         dest = storage.join(self.run, name)
-        storage.copy_dir(checkpoint.path, dest, self.endpoint_url, self.retry_deadline_s)
-        fs, path = storage.filesystem(dest, self.endpoint_url)
+        self.store.copy_dir(checkpoint.path, dest)
+        fs, path = storage.filesystem(dest, self.store.endpoint_url)
         return Checkpoint(path=path, filesystem=fs)
 
 
@@ -934,16 +930,15 @@ class FitResult:
 
 
 def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, name: str, output_dir: str,
-        endpoint_url: str | None, scaling, datasets: dict[str, Any], max_steps: int, progress: bool = True,
-        label: str = "pretrain", checkpoint_config=None, dataset_config=None,
-        retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> FitResult:
+        store: storage.Store, scaling, datasets: dict[str, Any], max_steps: int, progress: bool = True,
+        label: str = "pretrain", checkpoint_config=None, dataset_config=None) -> FitResult:
     """Run ``loop`` on Ray Train workers with the progress board; raises what the run raised.
 
     ``scaling``: a recipe's scaling section (num_workers int or (min, max), use_gpu,
     cpus_per_worker, resources_per_worker, resize_interval_s, max_failures). Ray seam:
     ``TorchTrainer.fit`` in a thread while the driver renders rank 0's metrics (``jobs.progress``).
-    ``retry_deadline_s``: about how long the S3 client through which Ray Train's controller writes
-    the run's state retries each request.
+    ``store``: the run's; its deadline is about how long the S3 client through which Ray Train's
+    controller writes the run's state retries each request.
     """
     import ray
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
@@ -959,7 +954,7 @@ def fit(loop: Callable[[dict[str, Any]], None], loop_config: dict[str, Any], *, 
     # The controller writes the run's state (checkpoint_manager_snapshot.json) through this
     # filesystem and fails the whole run, whatever max_failures says, when a write fails: its S3
     # client retries for about the deadline (checkpoints go through Checkpointer.upload instead).
-    storage_fs, storage_path = (storage.filesystem(output_dir, endpoint_url, retry_deadline_s) if remote
+    storage_fs, storage_path = (storage.filesystem(output_dir, store.endpoint_url, store.deadline_s) if remote
                                 else (None, str(Path(run_folder(output_dir, name)).parent)))
     trainer = TorchTrainer(
         loop,
@@ -1116,7 +1111,7 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(recipe.scaling.cpus_per_worker)))
-    ep, deadline = recipe.data.endpoint_url, recipe.data.retry_deadline_s
+    store = storage.Store.of(recipe.data)  # every call of this worker: the recipe's endpoint and deadline
     micro, accum = recipe.micro_batch_size, recipe.accumulation(world)
     if micro * accum * world != t.batch_size:
         raise RuntimeError(f"{world} workers x {accum} micro-batches x {micro} rows != train.batch_size {t.batch_size}")
@@ -1125,7 +1120,7 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
     model = job.build_model(rank)
     # Resume from what the run committed last, whatever restarted us (a rerun, a worker failure,
     # a new worker count).
-    resumed = resume(run, ep, model, rank, deadline)
+    resumed = resume(run, store, model, rank)
     state = resumed.state
     job.resumed(resumed, rank)
 
@@ -1159,11 +1154,11 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
                       inputs=job.step_inputs, max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps,
                       trainable_depths=job.trainable_depths if unfreezing else None)
     meter = job.meter()
-    checkpointer = Checkpointer(run, ep, job.units, rank, world, resumed.position, strategy=recipe.scaling.strategy,
-                                committed_step=state.step, retry_deadline_s=deadline, **job.checkpointer_options())
+    checkpointer = Checkpointer(run, store, job.units, rank, world, resumed.position, strategy=recipe.scaling.strategy,
+                                committed_step=state.step, **job.checkpointer_options())
     has_held_out = job.held_out(micro, device)
-    sample_log = SampleLog(run, ep, rank, world, state.step, resumed.uri, deadline) if t.sample_log else None
-    metrics_log = open_metrics_log(run, ep, deadline) if rank == 0 else None
+    sample_log = SampleLog(run, store, rank, world, state.step, resumed.uri) if t.sample_log else None
+    metrics_log = open_metrics_log(run, store) if rank == 0 else None
     t_start, start_step, epoch = time.perf_counter(), state.step, 0
 
     def interval_metrics() -> dict[str, Any]:

@@ -13,7 +13,7 @@ restarted writer starts a new event file, so nothing is overwritten).
 A resumed run appends to the same file; ``read_metrics`` resolves the repeated steps.
 
 Metrics are telemetry: writing them is best-effort. A full disk, an unwritable folder or an object
-store still down after ``deadline_s`` (``data.retry_deadline_s``) is a warning on stderr, and
+store still down after the ``Store``'s deadline (``data.retry_deadline_s``) is a warning on stderr, and
 training goes on; the lines logged meanwhile are lost (each line is appended on its own, so
 writing resumes by itself once the disk has room again), and the next upload sends whole files.
 """
@@ -59,14 +59,12 @@ def _read_text(uri: str, store: storage.Store | str | None) -> str | None:
 class MetricsLog:
     """Appends metrics dicts to ``{run_uri}/metrics/``; see the module docstring."""
 
-    def __init__(self, run_uri: str, endpoint_url: str | None = None, flush_every_s: float = 30.0,
-                 deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S):
+    def __init__(self, run_uri: str, store: storage.Store = storage.Store(), flush_every_s: float = 30.0):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_uri = run_uri
-        self.endpoint_url = endpoint_url
+        self.store = store
         self.flush_every_s = flush_every_s
-        self.deadline_s = deadline_s
         self.remote = storage.is_remote(run_uri)
         self.uri = storage.join(run_uri, METRICS_DIR)
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -74,7 +72,7 @@ class MetricsLog:
             self._tmp = tempfile.TemporaryDirectory(prefix="ctx-metrics-")
             self.local_dir = Path(self._tmp.name)
             # A resumed run continues the file: start from what is already there.
-            previous = _read_text(metrics_uri(run_uri), storage.Store(endpoint_url, deadline_s))
+            previous = _read_text(metrics_uri(run_uri), store)
             (self.local_dir / JSONL).write_text(previous or "")
         else:
             self.local_dir = Path(storage.filesystem(self.uri)[1])
@@ -133,7 +131,7 @@ class MetricsLog:
         try:
             self._writer.flush()
             if self.remote:
-                storage.copy_dir(self.local_dir, self.uri, self.endpoint_url, self.deadline_s)
+                self.store.copy_dir(self.local_dir, self.uri)
         except (storage.StorageError, OSError) as e:  # OSError: access denied, a full disk ..., raised unwrapped
             if raise_errors:
                 raise
@@ -151,7 +149,7 @@ class MetricsLog:
         try:
             self._writer.close()
             if self.remote:
-                storage.copy_dir(self.local_dir, self.uri, self.endpoint_url, self.deadline_s)
+                self.store.copy_dir(self.local_dir, self.uri)
         except (storage.StorageError, OSError) as e:
             print(f"warning: metrics: the last write of {self.uri} failed: {e}", file=sys.stderr)
         finally:

@@ -58,7 +58,7 @@ def fetch_checkpoint(uri: str) -> tuple[Path, Path | None]:
         return Path(storage.filesystem(resolved)[1]), None
     tmp = Path(tempfile.mkdtemp(prefix="ctx-serve-"))
     try:
-        return storage.download_dir(resolved, tmp / "checkpoint"), tmp
+        return storage.Store().download_dir(resolved, tmp / "checkpoint"), tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

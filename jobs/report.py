@@ -97,8 +97,8 @@ def _data_reports(run_uri: str, store: Store) -> tuple[list[dict[str, Any]], str
 
     try:
         out = []
-        for epoch in datareport.list_epochs(run_uri, store.endpoint_url, store.deadline_s) or []:
-            report = datareport.epoch_report(run_uri, epoch, store.endpoint_url, store.deadline_s)
+        for epoch in datareport.list_epochs(run_uri, store) or []:
+            report = datareport.epoch_report(run_uri, epoch, store)
             out.append({"epoch": epoch, "report": report, "text": datareport.format_report(report)})
         return out, None
     except Exception as e:  # the rest of the report is still worth having

@@ -207,7 +207,7 @@ def probe_texts(cfg: ScheduleConfig) -> list[str]:
         lines = split_texts(cfg)
     else:
         lines = sample_text(cfg.store.list_files(ev.held_out), 2_000_000, cfg.recipe["data"]["format"],
-                            cfg.recipe["data"]["text_field"], cfg.endpoint_url, cfg.retry_deadline_s)
+                            cfg.recipe["data"]["text_field"], cfg.store)
     texts: list[str] = []
     for line in lines:
         line = line.strip()
@@ -226,7 +226,7 @@ def split_texts(cfg: ScheduleConfig) -> list[str]:
     from pipelines.finetune_stream import read_split
 
     task, fmt = cfg.recipe["task"], cfg.recipe["data"]["format"]
-    table = read_split(cfg.evaluate.held_out, fmt, cfg.endpoint_url, cfg.retry_deadline_s)
+    table = read_split(cfg.evaluate.held_out, fmt, cfg.store)
     fields = [f for f in (task.get("text_field"), "sentence1", "text", "sentence", "question") if f]
     out = []
     for raw in table.column("_json").to_pylist():
@@ -462,8 +462,7 @@ def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
         return {"status": "skipped", "reason": "jobs.embed (ctx embed) is not installed in this checkout"}
     try:
         out = bulk(version.source, r.input, output, id_column=r.id_column, text_column=r.text_column,
-                   pooling=r.pooling, normalize=r.normalize, endpoint_url=cfg.endpoint_url,
-                   retry_deadline_s=cfg.retry_deadline_s)
+                   pooling=r.pooling, normalize=r.normalize, store=cfg.store)
         return {"status": "done", "output": output, **{k: v for k, v in (out or {}).items() if isinstance(v, (int, float, str))}}
     except Exception as e:
         return {"status": "failed", "output": output, "reason": f"{type(e).__name__}: {e}"}

@@ -143,7 +143,7 @@ def decide(gates: dict[str, MetricGate], candidate: dict[str, float], production
 
 class Trigger(_Section):
     cron: str | None = None  # a cron expression (croniter), in UTC
-    watch: str | None = None  # a prefix whose new shards start a round (pipelines.storage.list_files)
+    watch: str | None = None  # a prefix whose new shards start a round (pipelines.storage.Store.list_files)
     poll_s: float = Field(60.0, gt=0)  # how often the prefix is listed
     # After a failed round its shards are still new: wait this long before the prefix starts another
     # round, so a shard that always fails does not restart training at every poll.

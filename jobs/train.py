@@ -84,7 +84,7 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     t = recipe.tokenizer
     log(f"tokenizer: training {t.kind} (vocab {t.vocab_size}) on up to {t.sample_chars:,} characters of the corpus")
     t0 = time.perf_counter()
-    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store.endpoint_url, store.deadline_s)
+    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store)
     tok = train_tokenizer(t.kind, texts, t.vocab_size, lowercase=t.lowercase)
     local = workdir / "tokenizer"
     tok.save(local)
@@ -133,7 +133,7 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         shuffle_files=d.shuffle_files,
         fmt=d.format,
         text_field=d.text_field,
-        endpoint_url=d.endpoint_url,
+        store=storage.Store.of(d),
         objective=d.objective,
         mlm=MlmConfig(mlm_probability=d.mlm_probability, whole_word=d.whole_word_mask),
         span=SpanConfig(mask_ratio=d.mlm_probability, geometric_p=d.span_geometric_p),
@@ -149,7 +149,6 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         strict=d.strict,
         max_record_chars=d.max_record_chars,
         run_uri=run_uri,
-        retry_deadline_s=d.retry_deadline_s,
     )
 
 
@@ -180,7 +179,6 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
 
 
 def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
-    ep = recipe.data.endpoint_url
     store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
     shards = store.list_files(recipe.data.input)
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
@@ -198,7 +196,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
     check_tokenizer_for_objective(tok, recipe.data.objective)  # and that its rows can be built
 
-    resumed = resume_state(run, ep, recipe.data.retry_deadline_s)
+    resumed = resume_state(run, store)
     first_epoch = 0
     if resumed:
         state, position = resumed
@@ -225,10 +223,9 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
             "eval_shards": eval_shards,
             "predicted_per_row": objective(spec.objective).predicted(recipe.data.seq_len, spec),
         },
-        name=recipe.name, output_dir=recipe.output_dir, endpoint_url=ep, scaling=recipe.scaling,
+        name=recipe.name, output_dir=recipe.output_dir, store=store, scaling=recipe.scaling,
         datasets={"train": dataset}, max_steps=recipe.train.max_steps, progress=progress,
         label="distill" if recipe.teacher is not None else "pretrain",
-        retry_deadline_s=recipe.data.retry_deadline_s,
     )
     log(f"checkpoint: {result.checkpoint_uri}")
     try:
@@ -249,11 +246,11 @@ def _log_data_report(run: str, store: storage.Store, log, epoch: int | None, n_s
     ended in (the data stage reads ahead, so later epochs may have reports too)."""
     from pipelines import datareport
 
-    epochs = datareport.list_epochs(run, store.endpoint_url, store.deadline_s)
+    epochs = datareport.list_epochs(run, store)
     if not epochs:
         return
     epoch = epoch if epoch in epochs else epochs[-1]
-    report = datareport.epoch_report(run, epoch, store.endpoint_url, store.deadline_s)
+    report = datareport.epoch_report(run, epoch, store)
     lines = datareport.format_report(report).splitlines()
     if report["n_shards"] < n_shards:
         lines[0] += f" (so far: {report['n_shards']} of {n_shards} shards read)"
@@ -412,11 +409,11 @@ class PretrainJob(WorkerJob):
         from ctxmodels.registry import build_model
 
         recipe, run = self.recipe, self.run
-        ep, deadline = recipe.data.endpoint_url, recipe.data.retry_deadline_s
+        store = storage.Store.of(recipe.data)
         return dict(
             save=partial(_save, family=recipe.model.family, model_cfg=self.model_cfg, tok_dir=self.tok_dir),
             fresh_model=lambda: build_model(recipe.model.family, recipe.model.preset, dataclasses.asdict(self.model_cfg))[1],
-            sampleless=partial(_sampleless, run, ep, deadline), on_epoch_closed=partial(_epoch_closed, run, ep, deadline),
+            sampleless=partial(_sampleless, run, store), on_epoch_closed=partial(_epoch_closed, run, store),
         )
 
     def held_out(self, micro: int, device) -> bool:
@@ -509,19 +506,19 @@ def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[st
     save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors)
 
 
-def _sampleless(run: str, endpoint_url: str | None, deadline_s: float, epoch: int) -> set[int]:
+def _sampleless(run: str, store: storage.Store, epoch: int) -> set[int]:
     from pipelines import datareport
 
-    return datareport.sampleless_shards(run, epoch, endpoint_url, deadline_s)
+    return datareport.sampleless_shards(run, epoch, store)
 
 
-def _epoch_closed(run: str, endpoint_url: str | None, deadline_s: float, epoch: int) -> None:
+def _epoch_closed(run: str, store: storage.Store, epoch: int) -> None:
     """An epoch every shard of which is committed: its data report (read = used + rejected per
     shard) is written and printed; telemetry, so a store that cannot be read is a warning."""
     from pipelines import datareport
 
     try:
-        report = datareport.write_epoch_report(run, epoch, endpoint_url, deadline_s)
+        report = datareport.write_epoch_report(run, epoch, store)
     except (OSError, storage.StorageError) as e:
         print(f"warning: data report of epoch {epoch} not written: {e}")
         return

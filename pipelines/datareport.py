@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipelines.sources import ReadStats
-from pipelines.storage import DEFAULT_RETRY_DEADLINE_S, StorageError, best_effort, filesystem, join, read_bytes, with_retries
+from pipelines.storage import Store, StorageError, filesystem, join
 
 REPORTS_DIR = "data_reports"
 _EPOCH_DIR = re.compile(r"epoch-(\d+)")
@@ -39,8 +39,8 @@ def epoch_dir(run_uri: str, epoch: int) -> str:
     return join(run_uri, REPORTS_DIR, f"epoch-{epoch:05d}")
 
 
-def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int, stats: ReadStats, endpoint_url: str | None = None,
-                       samples: int | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> str:
+def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int, stats: ReadStats, store: Store = Store(),
+                       samples: int | None = None) -> str:
     """Write the counts of one shard read in one epoch; returns the report's URI. ``samples``:
     how many training samples the shard's used records made (0 tells training that the shard
     is done for the epoch although none of its samples will ever arrive).
@@ -49,7 +49,7 @@ def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int,
     it again (a retried task) leaves the same report. Readers never see half a file: on a local
     disk it is written under a temporary name and renamed; on an object store it is one PUT.
 
-    Best-effort (``storage.best_effort``): a store still down after ``deadline_s`` or a full disk
+    Best-effort (``Store.best_effort``): a store still down after its deadline or a full disk
     is a warning, and the stream goes on. A lost report of a shard that made samples costs only
     the report; one of a shard that made none keeps its epoch open (``sampleless_shards``) until
     the shard is read again after a restart.
@@ -57,7 +57,7 @@ def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int,
     uri = join(epoch_dir(run_uri, epoch), f"{shard_key:08x}.json")
     record = {"epoch": epoch, "shard": shard_uri, "shard_key": shard_key, "samples": samples, **stats.to_dict()}
     data = (json.dumps(record, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
-    fs, path = filesystem(uri, endpoint_url)
+    fs, path = filesystem(uri, store.endpoint_url)
     folder = path.rsplit("/", 1)[0]
 
     def put() -> None:
@@ -71,20 +71,20 @@ def write_shard_report(run_uri: str, epoch: int, shard_uri: str, shard_key: int,
             with fs.open_output_stream(path) as out:
                 out.write(data)
 
-    best_effort(put, f"write data report {uri}", deadline_s, endpoint_url)
+    store.best_effort(put, f"write data report {uri}")
     return uri
 
 
-def list_epochs(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> list[int]:
+def list_epochs(run_uri: str, store: Store = Store()) -> list[int]:
     """The epochs that have a data report folder under the run, in order ([] when none)."""
-    fs, path = filesystem(join(run_uri, REPORTS_DIR), endpoint_url)
+    fs, path = filesystem(join(run_uri, REPORTS_DIR), store.endpoint_url)
     sel = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {join(run_uri, REPORTS_DIR)}", deadline_s, endpoint_url=endpoint_url)
+    infos = store.retry(lambda: fs.get_file_info(sel), f"list {join(run_uri, REPORTS_DIR)}")
     matches = (_EPOCH_DIR.fullmatch(i.base_name) for i in infos if i.type == pafs.FileType.Directory)
     return sorted(int(m.group(1)) for m in matches if m)
 
 
-def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> dict[str, Any]:
+def epoch_report(run_uri: str, epoch: int, store: Store = Store()) -> dict[str, Any]:
     """Merge the shard reports of one epoch.
 
     Returns a dict of plain values::
@@ -102,11 +102,11 @@ def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, dead
     is unaccounted for).
     """
     folder = epoch_dir(run_uri, epoch)
-    fs, path = filesystem(folder, endpoint_url)
+    fs, path = filesystem(folder, store.endpoint_url)
     sel = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {folder}", deadline_s, endpoint_url=endpoint_url)
+    infos = store.retry(lambda: fs.get_file_info(sel), f"list {folder}")
     names = sorted(i.base_name for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(".json") and not i.base_name.startswith("."))
-    shards = [_read_shard_report(join(folder, name), deadline_s, endpoint_url) for name in names]
+    shards = [_read_shard_report(join(folder, name), store) for name in names]
     shards.sort(key=lambda s: s["shard"])
 
     reasons: dict[str, int] = {}
@@ -135,9 +135,9 @@ def epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, dead
     }
 
 
-def _read_shard_report(uri: str, deadline_s: float, endpoint_url: str | None) -> dict[str, Any]:
+def _read_shard_report(uri: str, store: Store) -> dict[str, Any]:
     try:
-        raw = json.loads(read_bytes(uri, endpoint_url, deadline_s).decode("utf-8"))
+        raw = json.loads(store.read_bytes(uri).decode("utf-8"))
         stats = ReadStats.from_dict(raw)
         shard, key = str(raw["shard"]), int(raw["shard_key"])
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -147,12 +147,12 @@ def _read_shard_report(uri: str, deadline_s: float, endpoint_url: str | None) ->
     return row
 
 
-def write_epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> dict[str, Any]:
+def write_epoch_report(run_uri: str, epoch: int, store: Store = Store()) -> dict[str, Any]:
     """Merge one epoch's shard reports and write them as ``data_reports/epoch-NNNNN.json``
     (best-effort: a failed write is a warning, the merged report is returned all the same)."""
-    report = epoch_report(run_uri, epoch, endpoint_url, deadline_s)
+    report = epoch_report(run_uri, epoch, store)
     uri = join(run_uri, REPORTS_DIR, f"epoch-{epoch:05d}.json")
-    fs, path = filesystem(uri, endpoint_url)
+    fs, path = filesystem(uri, store.endpoint_url)
     data = (json.dumps(report, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
 
     def put() -> None:
@@ -161,14 +161,14 @@ def write_epoch_report(run_uri: str, epoch: int, endpoint_url: str | None = None
         with fs.open_output_stream(path) as out:
             out.write(data)
 
-    best_effort(put, f"write data report {uri}", deadline_s, endpoint_url)
+    store.best_effort(put, f"write data report {uri}")
     return report
 
 
-def sampleless_shards(run_uri: str, epoch: int, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> set[int]:
+def sampleless_shards(run_uri: str, epoch: int, store: Store = Store()) -> set[int]:
     """Keys of the shards read whole in ``epoch`` that made no training samples (empty, or every
     record rejected, or too short to pack)."""
-    return {s["shard_key"] for s in epoch_report(run_uri, epoch, endpoint_url, deadline_s)["shards"] if s.get("samples") == 0}
+    return {s["shard_key"] for s in epoch_report(run_uri, epoch, store)["shards"] if s.get("samples") == 0}
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -87,7 +87,7 @@ class StreamSpec:
     shuffle_files: bool = True
     fmt: Format = "auto"
     text_field: str = "text"
-    endpoint_url: str | None = None
+    store: storage.Store = storage.Store()  # the recipe's data.endpoint_url and data.retry_deadline_s
     objective: str = "mlm"  # a key of OBJECTIVES
     mlm: MlmConfig = field(default_factory=MlmConfig)  # "mlm", "nsp"
     span: SpanConfig = field(default_factory=SpanConfig)  # "span"
@@ -106,7 +106,6 @@ class StreamSpec:
     # read/used/rejected counts go to <run_uri>/data_reports/ (pipelines.datareport).
     # None: a stream from scratch, no reports.
     run_uri: str | None = None
-    retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S  # data.retry_deadline_s: how long a read retries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,8 +255,8 @@ def tokenizer_from_files(files: dict[str, bytes]) -> Tokenizer:
 
 def _documents(uri: str, spec: StreamSpec, stats: ReadStats | None) -> Iterator[list[str]]:
     return iter_documents(
-        uri, spec.fmt, spec.text_field, endpoint_url=spec.endpoint_url,
-        stats=stats, strict=spec.strict, max_record_chars=spec.max_record_chars, deadline_s=spec.retry_deadline_s,
+        uri, spec.fmt, spec.text_field, store=spec.store,
+        stats=stats, strict=spec.strict, max_record_chars=spec.max_record_chars,
     )
 
 
@@ -387,9 +386,8 @@ class TokenizePack:
         # committed newer checkpoints than the driver saw.
         if self._position is None:
             run = self.spec.run_uri
-            ep, deadline = self.spec.endpoint_url, self.spec.retry_deadline_s
-            latest = storage.latest_complete_checkpoint(run, ep, deadline) if run else None
-            self._position = load_position(latest, ep, deadline)
+            latest = self.spec.store.latest_complete_checkpoint(run) if run else None
+            self._position = load_position(latest, self.spec.store)
         return self._position
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
@@ -401,8 +399,7 @@ class TokenizePack:
             stats = ReadStats()
             made = yield from self.rows(uri, key, epoch, pos, stats)
             if self.spec.run_uri:  # the whole shard was read: its counts are final
-                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.endpoint_url, samples=made,
-                                   deadline_s=self.spec.retry_deadline_s)
+                write_shard_report(self.spec.run_uri, epoch, uri, key, stats, self.spec.store, samples=made)
 
     def rows(self, uri: str, key: int, epoch: int, pos: DataPosition, stats: ReadStats) -> Generator[dict[str, np.ndarray], None, int]:
         """One work unit's output batches, committed samples dropped; returns how many samples

@@ -516,10 +516,10 @@ def flatten_squad(squad: dict) -> dict[str, list]:
 
 def read_squad_json(uri: str) -> dict[str, list]:
     """``flatten_squad`` of a SQuAD JSON file (local path or URI, read with retries)."""
-    from pipelines.storage import read_bytes
+    from pipelines.storage import Store
 
     try:
-        squad = json.loads(read_bytes(uri))
+        squad = json.loads(Store().read_bytes(uri))
     except json.JSONDecodeError as e:
         raise ValueError(f"{uri}: not valid JSON ({e})") from e
     return flatten_squad(squad)

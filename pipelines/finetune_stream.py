@@ -90,15 +90,14 @@ def _ordered(ds) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
 
 
-def read_split(uris: str | list[str], fmt: str = "auto", endpoint_url: str | None = None,
-               deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> pa.Table:
+def read_split(uris: str | list[str], fmt: str = "auto", store: storage.Store = storage.Store()) -> pa.Table:
     """Every record of a split, in file order: ``_index`` (position in the split: the record's
     stable id), ``_file``, ``_line`` and ``_json`` (the record as JSON text). Empty JSONL lines
     are not records. Ray seam: Ray Data reads the files (any URI pyarrow opens)."""
     import ray
     from ray.data.context import DataContext
 
-    files = storage.list_files(uris, endpoint_url, suffixes=SPLIT_SUFFIXES, deadline_s=deadline_s)
+    files = store.list_files(uris, suffixes=SPLIT_SUFFIXES)
     parts = []
     ctx = DataContext.get_current()
     saved = ctx.execution_options.preserve_order
@@ -106,7 +105,7 @@ def read_split(uris: str | list[str], fmt: str = "auto", endpoint_url: str | Non
     try:
         for path in files:
             kind = split_format(path, fmt)
-            fs, local = storage.filesystem(path, endpoint_url)
+            fs, local = storage.filesystem(path, store.endpoint_url)
             if kind == "squad":
                 cols = read_squad_json(path)
                 n = len(cols["id"])
@@ -332,8 +331,7 @@ def check_split(table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, b
     return SplitCheck(got["_index"][ok].astype(np.int64), got["rows"][ok].astype(np.int64), int(got["truncated"][ok].sum()), stats)
 
 
-def write_split_report(run_uri: str, split: str, check: SplitCheck, endpoint_url: str | None = None,
-                       deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S) -> dict[str, Any]:
+def write_split_report(run_uri: str, split: str, check: SplitCheck, store: storage.Store = storage.Store()) -> dict[str, Any]:
     """The split's records read / used / rejected per file, as pretraining's shard reports
     (``data_reports/epoch-00000/``, one file per split file), merged; ``truncated`` added."""
     from pipelines import datareport
@@ -341,8 +339,8 @@ def write_split_report(run_uri: str, split: str, check: SplitCheck, endpoint_url
 
     for path, stats in check.stats.items():
         key = stable_hash64(f"{split}:{path}") & 0x7FFFFFFF
-        datareport.write_shard_report(run_uri, 0, path, key, stats, endpoint_url, samples=stats.used, deadline_s=deadline_s)
-    report = datareport.epoch_report(run_uri, 0, endpoint_url, deadline_s)
+        datareport.write_shard_report(run_uri, 0, path, key, stats, store, samples=stats.used)
+    report = datareport.epoch_report(run_uri, 0, store)
     return {**report, "split": split, "truncated": check.truncated}
 
 
@@ -378,21 +376,19 @@ class EncodeUnits:
     Rows already committed in the run's latest checkpoint are dropped (its data position is read
     when the stream starts running, so also after Ray Train restarts failed workers)."""
 
-    def __init__(self, table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, run_uri: str | None, endpoint_url: str | None,
-                 retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S):
+    def __init__(self, table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, run_uri: str | None, store: storage.Store):
         from pipelines.dataset import tokenizer_from_files
 
         self.texts = table.column("_json").to_pylist()
         self.tok = tokenizer_from_files(files)
         self.cfg = cfg
-        self.run_uri, self.endpoint_url, self.retry_deadline_s = run_uri, endpoint_url, retry_deadline_s
+        self.run_uri, self.store = run_uri, store
         self._position: DataPosition | None = None
 
     def position(self) -> DataPosition:
         if self._position is None:
-            ep, deadline = self.endpoint_url, self.retry_deadline_s
-            latest = storage.latest_complete_checkpoint(self.run_uri, ep, deadline) if self.run_uri else None
-            self._position = load_position(latest, ep, deadline)
+            latest = self.store.latest_complete_checkpoint(self.run_uri) if self.run_uri else None
+            self._position = load_position(latest, self.store)
         return self._position
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
@@ -416,8 +412,7 @@ class EncodeUnits:
 
 
 def build_train_dataset(table: pa.Table, usable: np.ndarray, files: dict[str, bytes], cfg: TaskDataConfig, *, seed: int,
-                        first_epoch: int, epochs: int, unit_records: int, run_uri: str | None, endpoint_url: str | None,
-                        retry_deadline_s: float = storage.DEFAULT_RETRY_DEADLINE_S):
+                        first_epoch: int, epochs: int, unit_records: int, run_uri: str | None, store: storage.Store):
     """The training stream as a lazy Ray Dataset (nothing runs until it is iterated)."""
     import ray
 
@@ -427,8 +422,7 @@ def build_train_dataset(table: pa.Table, usable: np.ndarray, files: dict[str, by
     ds = ray.data.from_items(units, override_num_blocks=len(units))
     return ds.map_batches(
         EncodeUnits,
-        fn_constructor_kwargs={"table": table.select(["_json"]), "files": files, "cfg": cfg, "run_uri": run_uri, "endpoint_url": endpoint_url,
-                               "retry_deadline_s": retry_deadline_s},
+        fn_constructor_kwargs={"table": table.select(["_json"]), "files": files, "cfg": cfg, "run_uri": run_uri, "store": store},
         batch_size=1, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=1), num_cpus=ENCODE_ACTOR_CPUS,
     )

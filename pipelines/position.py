@@ -24,9 +24,12 @@ Stored as plain arrays (``to_arrays``; safetensors in the checkpoint, no pickle)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipelines.storage import Store
 
 Key = tuple[int, int]  # (epoch, shard_key)
 
@@ -156,14 +159,14 @@ class DataPosition:
 POSITION_FILE = "data_position.safetensors"
 
 
-def load_position(ckpt_uri: str | None, endpoint_url: str | None = None, deadline_s: float | None = None) -> DataPosition:
-    """The position committed with a checkpoint (an empty one for None or an older checkpoint)."""
+def load_position(ckpt_uri: str | None, store: Store) -> DataPosition:
+    """The position committed with a checkpoint (an empty one for None or an older checkpoint),
+    read through the run's ``store``."""
     if ckpt_uri is None:
         return DataPosition()
     from safetensors.numpy import load
 
     from pipelines import storage
 
-    deadline = storage.DEFAULT_RETRY_DEADLINE_S if deadline_s is None else deadline_s
-    data = storage.read_bytes(storage.join(ckpt_uri.rstrip("/"), POSITION_FILE), endpoint_url, deadline, missing_ok=True)
+    data = store.read_bytes(storage.join(ckpt_uri.rstrip("/"), POSITION_FILE), missing_ok=True)
     return DataPosition() if data is None else DataPosition.from_arrays(load(data))

@@ -42,7 +42,7 @@ from typing import Any, Callable, ClassVar, Iterator, Literal, TypeVar
 
 import pyarrow.fs as pafs
 
-from pipelines.storage import DEFAULT_RETRY_DEADLINE_S, StorageError, filesystem, is_transient, with_retries
+from pipelines.storage import Store, StorageError, filesystem, is_transient
 
 T = TypeVar("T")
 
@@ -146,11 +146,10 @@ def iter_documents(
     fmt: Format = "auto",
     text_field: str = "text",
     chunk_docs: int = 2048,
-    endpoint_url: str | None = None,
+    store: Store = Store(),
     stats: ReadStats | None = None,
     strict: bool = False,
     max_record_chars: int = MAX_RECORD_CHARS,
-    deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
 ) -> Iterator[list[str]]:
     """Yield lists of up to ``chunk_docs`` documents from one shard.
 
@@ -159,17 +158,17 @@ def iter_documents(
     Records longer than ``max_record_chars`` characters are rejected.
 
     The store failing mid-way (a dropped connection, an endpoint restarting) is not bad data: a
-    read that fails transiently is retried for up to ``deadline_s`` seconds, reopening the shard
+    read that fails transiently is retried until ``store``'s deadline, reopening the shard
     at the byte it stopped at (a Parquet row group is read again whole), so every record is
     read once and in order whatever the network did.
     """
     fmt = detect_format(uri) if fmt == "auto" else fmt
     shard = _Shard(uri, stats if stats is not None else ReadStats(), strict)
-    fs, path = filesystem(uri, endpoint_url)
+    fs, path = filesystem(uri, store.endpoint_url)
     if fmt == "parquet":
-        yield from _parquet_docs(fs, path, shard, text_field, chunk_docs, max_record_chars, deadline_s, endpoint_url)
+        yield from _parquet_docs(fs, path, shard, text_field, chunk_docs, max_record_chars, store)
         return
-    with _ResumableReader(fs, path, uri, deadline_s, endpoint_url) as reader:
+    with _ResumableReader(fs, path, uri, store) as reader:
         blocks = reader.blocks()
         pieces = _gunzip(blocks) if path.endswith(".gz") else blocks
         lines = _decoded_lines(pieces, shard, max_record_chars)
@@ -199,8 +198,8 @@ class _ResumableReader:
     stream and, on the next attempt, reopens the file at the byte offset reached, so the bytes
     come out exactly once and in order across any number of reconnections."""
 
-    def __init__(self, fs: pafs.FileSystem, path: str, uri: str, deadline_s: float, endpoint_url: str | None):
-        self.fs, self.path, self.uri, self.deadline_s, self.endpoint_url = fs, path, uri, deadline_s, endpoint_url
+    def __init__(self, fs: pafs.FileSystem, path: str, uri: str, store: Store):
+        self.fs, self.path, self.uri, self.store = fs, path, uri, store
         self.offset = 0
         self.stream: pafs.NativeFile | None = None
         self.reopened = 0  # reconnections after a failed read (for tests and logs)
@@ -222,7 +221,7 @@ class _ResumableReader:
     def blocks(self) -> Iterator[bytes]:
         while True:
             try:
-                block = with_retries(self._read, f"read {self.uri} at byte {self.offset}", self.deadline_s, endpoint_url=self.endpoint_url)
+                block = self.store.retry(self._read, f"read {self.uri} at byte {self.offset}")
             except OSError as e:  # the store, not the data (a missing or forbidden object): not a bad record
                 raise StorageError(f"read {self.uri} at byte {self.offset}: {e}") from e
             if not block:
@@ -401,13 +400,13 @@ def _jsonl_docs(lines: Iterator[tuple[int, str]], shard: _Shard, text_field: str
 
 
 def _parquet_docs(fs: pafs.FileSystem, path: str, shard: _Shard, text_field: str, chunk_docs: int, max_chars: int,
-                  deadline_s: float = DEFAULT_RETRY_DEADLINE_S, endpoint_url: str | None = None) -> Iterator[list[str]]:
+                  store: Store) -> Iterator[list[str]]:
     import pyarrow.parquet as pq
 
     def network_safe(fn: Callable[[], Any]) -> Any:
-        return _unless_the_store_is_down(fn, fs, path, shard.uri, deadline_s, endpoint_url)
+        return _unless_the_store_is_down(fn, fs, path, shard.uri, store)
 
-    with with_retries(lambda: fs.open_input_file(path), f"open {shard.uri}", deadline_s, endpoint_url=endpoint_url) as f:
+    with store.retry(lambda: fs.open_input_file(path), f"open {shard.uri}") as f:
         if f.size() == 0:
             return  # an empty file: no records
         try:
@@ -428,12 +427,12 @@ def _parquet_docs(fs: pafs.FileSystem, path: str, shard: _Shard, text_field: str
             start += pf.metadata.row_group(rg).num_rows
 
 
-def _unless_the_store_is_down(fn: Callable[[], T], fs: pafs.FileSystem, path: str, uri: str, deadline_s: float, endpoint_url: str | None) -> T:
+def _unless_the_store_is_down(fn: Callable[[], T], fs: pafs.FileSystem, path: str, uri: str, store: Store) -> T:
     """``fn()``, a read through a Parquet reader, tried again while the store is unreachable.
 
     pyarrow raises the same errno-less OSError for a damaged page as for a dropped connection, so
     the error alone cannot tell bad data from a bad network. The store can: after a failure, the
-    file's metadata is asked for (with retries until ``deadline_s``). If the store answered at
+    file's metadata is asked for (with retries until ``store``'s deadline). If the store answered at
     once, the failure was the data's and is raised for the caller to count as rejected records;
     if it had to be waited for, ``fn`` is tried again (a row group is read again whole).
     """
@@ -449,7 +448,7 @@ def _unless_the_store_is_down(fn: Callable[[], T], fs: pafs.FileSystem, path: st
                 tries.append(1)
                 fs.get_file_info(path)
 
-            with_retries(stat, f"read {uri}", deadline_s, endpoint_url=endpoint_url)
+            store.retry(stat, f"read {uri}")
             if len(tries) == 1:
                 raise
 
@@ -484,14 +483,14 @@ def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str
         yield chunk
 
 
-def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text", endpoint_url: str | None = None,
-                deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> Iterator[str]:
+def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text",
+                store: Store = Store()) -> Iterator[str]:
     """Documents from the first shards until ``max_chars`` characters: what tokenizers train on.
 
     Shards are visited round-robin (one chunk from each in turn) so a sample of a large corpus
     is not all from its first file. Bad records are skipped.
     """
-    iters = [iter_documents(u, fmt, text_field, chunk_docs=256, endpoint_url=endpoint_url, deadline_s=deadline_s) for u in uris]
+    iters = [iter_documents(u, fmt, text_field, chunk_docs=256, store=store) for u in uris]
     total = 0
     while iters and total < max_chars:
         for it in list(iters):

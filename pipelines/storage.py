@@ -256,18 +256,6 @@ def with_retries(
             return result
 
 
-def best_effort(fn: Callable[[], T], what: str, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                endpoint_url: str | None = None) -> T | None:
-    """``with_retries(fn, ...)`` for telemetry (metrics, data reports, sample logs): a failure,
-    transient past the deadline or permanent (a full disk, a refused permission), is a warning
-    on stderr and None, never an error: losing a log line must not stop training."""
-    try:
-        return with_retries(fn, what, deadline_s, endpoint_url=endpoint_url)
-    except (OSError, StorageError) as e:
-        print(f"warning: {what} failed, training goes on without it: {e}", file=sys.stderr)
-        return None
-
-
 class RetryingS3FileSystem(pafs.S3FileSystem):
     """pyarrow's S3 filesystem with ``AwsStandardS3RetryStrategy(max_attempts)``, and a pickle that
     keeps it: pyarrow's own ``S3FileSystem.__reduce__`` drops the retry strategy (pyarrow 25), so a
@@ -328,6 +316,64 @@ def s3_retry_attempts(deadline_s: float) -> int:
     return 6 + math.ceil((deadline_s - 15) / 18)
 
 
+def join(uri: str, *parts: str) -> str:
+    if is_remote(uri) or uri.startswith("file://"):
+        return "/".join([uri.rstrip("/"), *parts])
+    return str(Path(uri).joinpath(*parts))
+
+
+def _has_glob(s: str) -> bool:
+    return any(c in s for c in "*?[")
+
+
+def _read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def _put_file(file: Path, fs: pafs.FileSystem, dest: str, rename: bool) -> None:
+    target = f"{dest}.tmp" if rename else dest
+    pafs.copy_files(str(file), target, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    if rename:
+        fs.move(target, dest)
+
+
+def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        pass
+
+
+# The manifest that ctxmodels.checkpoint.save_checkpoint writes last, and the files every checkpoint
+# has; repeated here because pipelines/ does not import torch (a test checks that they agree).
+MANIFEST = "MANIFEST.json"
+REQUIRED_FILES = ("model.safetensors", "config.json")
+TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoint of a ctx run
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
+
+
+def checkpoint_order(name: str) -> list:
+    """Sort key for checkpoint folder names: digit runs compare as numbers.
+
+    Ray Train V2 names checkpoints ``checkpoint_%Y-%m-%d_%H-%M-%S.%f`` (local time, fixed width),
+    for which this is time order as long as the clock and the time zone stay put; it also orders
+    Ray V1's ``checkpoint_000012`` and names with unpadded numbers (``checkpoint_step_9`` before
+    ``checkpoint_step_10``). Checkpoints are ordered by step first (``Store.checkpoints_by_step``).
+    """
+    # re.split with a group alternates text and digit runs, so equal positions hold equal types.
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
+
+
+def _is_entry(entry: object) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
+
+
+# ----------------------------------------------------------------------------------------------
+# The store handle
+# ----------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Store:
     """The object store as one command reaches it: the endpoint, the retry deadline and the name of
@@ -335,7 +381,9 @@ class Store:
     so none waits longer (or shorter) than the person asked, and every message names the knob.
 
     ``Store.of(recipe.data)`` for a recipe; ``Store(args.endpoint_url, args.retry_deadline,
-    "--retry-deadline")`` for a command without one. Plain values only: it pickles into Ray tasks.
+    "--retry-deadline")`` for a command without one. Plain values only: it pickles into Ray tasks
+    and actors. What this module does to a store is a method here (``store.read_bytes(uri)``,
+    ``store.latest_complete_checkpoint(run)``); code elsewhere takes a ``store`` and calls them.
     """
 
     endpoint_url: str | None = None  # None: AWS_ENDPOINT_URL, else AWS itself
@@ -354,350 +402,254 @@ class Store:
         """A recipe's store: its ``data.endpoint_url`` and ``data.retry_deadline_s``."""
         return cls(data.endpoint_url, data.retry_deadline_s)
 
+    # -- calls -----------------------------------------------------------------------------------
+
     def retry(self, fn: Callable[[], T], what: str) -> T:
         """``with_retries`` with this store's deadline, endpoint and setting."""
         return with_retries(fn, what, self.deadline_s, endpoint_url=self.endpoint_url, setting=self.setting)
+
+    def best_effort(self, fn: Callable[[], T], what: str) -> T | None:
+        """``retry(fn, what)`` for telemetry (metrics, data reports, sample logs): a failure,
+        transient past the deadline or permanent (a full disk, a refused permission), is a warning
+        on stderr and None, never an error: losing a log line must not stop training."""
+        try:
+            return self.retry(fn, what)
+        except (OSError, StorageError) as e:
+            print(f"warning: {what} failed, training goes on without it: {e}", file=sys.stderr)
+            return None
 
     def filesystem(self, uri: str) -> tuple[pafs.FileSystem, str]:
         """(filesystem, path) for calls made through ``retry``: one try per request (retry does the rest)."""
         return filesystem(uri, self.endpoint_url, attempts=1)
 
+    # -- files and folders -----------------------------------------------------------------------
+
     def list_files(self, uris: str | list[str], suffixes: tuple[str, ...] = CORPUS_SUFFIXES) -> list[str]:
-        return list_files(uris, self.endpoint_url, suffixes, self.deadline_s, setting=self.setting)
+        """Expand folders/prefixes, globs and files into a sorted list of file URIs.
+
+        Each entry of ``uris`` must match at least one file with one of ``suffixes``; otherwise the
+        error names the entry, so a typo in a bucket prefix is caught before any worker starts.
+        """
+        out: list[str] = []
+        for uri in [uris] if isinstance(uris, str) else list(uris):
+            fs, path = self.filesystem(uri)
+            scheme = uri.split("://", 1)[0] + "://" if is_remote(uri) else ""
+            if _has_glob(path):
+                root = path
+                while _has_glob(root):
+                    root = root.rsplit("/", 1)[0] if "/" in root else ""
+                candidates = self._walk(fs, root, uri)
+                matched = [p for p in candidates if fnmatch.fnmatch(p, path)]
+            else:
+                info = self.retry(lambda: fs.get_file_info(path), f"stat {uri}")
+                if info.type == pafs.FileType.File:
+                    matched = [path]
+                elif info.type == pafs.FileType.Directory:
+                    matched = self._walk(fs, path, uri)
+                else:
+                    raise StorageError(f"input {uri!r} matches no file or folder")
+            files = sorted(p for p in matched if p.endswith(suffixes))
+            if not files:
+                raise StorageError(f"input {uri!r} matches no corpus file (expected one of {', '.join(CORPUS_SUFFIXES)})")
+            out.extend(scheme + p for p in files)
+        return sorted(dict.fromkeys(out))
+
+    def _walk(self, fs: pafs.FileSystem, root: str, uri: str) -> list[str]:
+        sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
+        infos = self.retry(lambda: fs.get_file_info(sel), f"list {uri}")
+        return [i.path for i in infos if i.type == pafs.FileType.File]
 
     def exists(self, uri: str) -> bool:
-        return exists(uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+        fs, path = self.filesystem(uri)
+        return self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.NotFound
 
     def read_bytes(self, uri: str, missing_ok: bool = False) -> bytes | None:
-        return read_bytes(uri, self.endpoint_url, self.deadline_s, missing_ok, setting=self.setting)
+        """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code
+        base. A missing file raises ``FileNotFoundError``, or gives None with ``missing_ok``."""
+        fs, path = self.filesystem(uri)
+        if missing_ok and self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.File:
+            return None
+        return self.retry(lambda: _read_bytes(fs, path), f"read {uri}")
 
     def download_dir(self, uri: str, local_dir: str | Path) -> Path:
-        return download_dir(uri, local_dir, self.endpoint_url, self.deadline_s, setting=self.setting)
+        """Copy a folder (any filesystem) into ``local_dir``; returns the local folder."""
+        local_dir = Path(local_dir)
+        if not is_remote(uri):
+            src = Path(filesystem(uri)[1])
+            if not src.is_dir():
+                raise StorageError(f"{uri!r} is not a folder")
+            return src
+        fs, path = self.filesystem(uri)
+        info = self.retry(lambda: fs.get_file_info(path), f"stat {uri}")
+        if info.type != pafs.FileType.Directory:
+            raise StorageError(f"{uri!r} is not a folder")
+        local_dir.mkdir(parents=True, exist_ok=True)
+        self.retry(lambda: pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()),
+                   f"download {uri}")
+        return local_dir
 
     def copy_dir(self, local_dir: str | Path, uri: str) -> None:
-        copy_dir(local_dir, uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+        """Copy a local folder into a local path or a remote folder (created if needed), MANIFEST.json last.
+
+        A destination manifest is deleted before anything else is written, and the new one is copied
+        after every other file, so an interrupted copy (or overwrite) is never mistaken for a complete
+        checkpoint. Each local file lands under a temporary name and is renamed into place; an object
+        store publishes an object whole when its upload completes.
+        """
+        src = Path(local_dir)
+        if not src.is_dir():
+            raise StorageError(f"cannot copy {str(src)!r} to {uri!r}: not a local folder")
+        fs, root = self.filesystem(uri)
+        local = isinstance(fs, pafs.LocalFileSystem)
+        if local and Path(root).resolve() == src.resolve():
+            return  # copying onto itself would truncate every file
+        files = sorted(p for p in src.rglob("*") if p.is_file())
+        manifest = src / MANIFEST
+        if manifest in files:
+            files = [p for p in files if p != manifest] + [manifest]
+            self.retry(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}")
+        self.retry(lambda: fs.create_dir(root, recursive=True), f"create {uri}")
+        made = {root}
+        for file in files:
+            rel = file.relative_to(src).as_posix()
+            dest = f"{root}/{rel}"
+            parent = dest.rsplit("/", 1)[0]
+            if parent not in made:
+                self.retry(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}")
+                made.add(parent)
+            self.retry(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}")
+
+    # -- checkpoints in a run folder -------------------------------------------------------------
 
     def checkpoint_problem(self, uri: str) -> str | None:
-        return checkpoint_problem(uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+        """What keeps the checkpoint folder at ``uri`` from being complete, or None when nothing does.
+
+        Complete: MANIFEST.json parses and every file it lists is there with the listed size. Ray Train
+        copies a checkpoint folder to storage in no particular order, so a copy cut off halfway can leave
+        a manifest beside missing or short files. Costs one listing and one read of the manifest; sizes
+        only (``ctxmodels.checkpoint.load_checkpoint(..., verify_hashes=True)`` checks the hashes).
+        """
+        fs, path = self.filesystem(uri)
+        selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+        infos = self.retry(lambda: fs.get_file_info(selector), f"list {uri}")
+        prefix = path.rstrip("/") + "/"
+        sizes = {
+            i.path[len(prefix):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(prefix)
+        }
+        if MANIFEST not in sizes:
+            return f"{MANIFEST} missing"
+        try:
+            text = self.retry(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}")
+        except FileNotFoundError:  # deleted since the listing (an overwrite in progress)
+            return f"{MANIFEST} missing"
+        try:
+            manifest = json.loads(text)
+        except ValueError as e:  # half a JSON document, or not UTF-8
+            return f"manifest unreadable ({e})"
+        entries = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
+            return "manifest unreadable (expected {\"files\": [{\"path\": ..., \"size\": ...}, ...]})"
+        listed = {e["path"] for e in entries}
+        for name in REQUIRED_FILES:
+            if name not in listed:
+                return f"manifest does not list {name}"
+        problems = []
+        for e in entries:
+            size = sizes.get(e["path"])
+            if size is None:
+                problems.append(f"{e['path']} missing")
+            elif size != e["size"]:
+                problems.append(f"{e['path']}: {size} bytes, manifest says {e['size']}")
+        if not problems:
+            return None
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return problems[0] + more
+
+    def checkpoint_step(self, uri: str) -> int | None:
+        """The ``step`` in the checkpoint's trainer_state.json, or None when it has none (missing, cut
+        off, not JSON, no integer step)."""
+        try:
+            data = json.loads(self.read_bytes(join(uri, TRAINER_STATE)))
+        except (FileNotFoundError, ValueError):
+            return None
+        step = data.get("step") if isinstance(data, dict) else None
+        return step if type(step) is int else None
+
+    def checkpoints_by_step(self, run_uri: str) -> list[tuple[str, int | None]]:
+        """The run's ``checkpoint_*`` folders as (name, step), oldest first.
+
+        Newer means a higher step in trainer_state.json: folder names carry a local-time stamp, which
+        goes backwards when the clock or the time zone does. A folder without a step (a copy cut off
+        before its trainer_state.json landed) falls back to name order: it sorts as if it had the step
+        of the folder its name follows, just after it; equal steps are in name order too. One read
+        per folder.
+        """
+        fs, path = self.filesystem(run_uri)
+        selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
+        infos = self.retry(lambda: fs.get_file_info(selector), f"list {run_uri}")
+        names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")),
+                       key=checkpoint_order)
+        out, keys, carried = [], {}, -1
+        for name in names:
+            step = self.checkpoint_step(join(run_uri, name))
+            carried = step if step is not None else carried
+            keys[name] = (carried, checkpoint_order(name))
+            out.append((name, step))
+        return sorted(out, key=lambda item: keys[item[0]])
 
     def latest_complete_checkpoint(self, run_uri: str) -> str | None:
-        return latest_complete_checkpoint(run_uri, self.endpoint_url, self.deadline_s, setting=self.setting)
+        """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``),
+        newest by step (``checkpoints_by_step``).
+
+        Newer folders that are not complete are skipped, each with a line on stderr saying why.
+        """
+        for name, _ in reversed(self.checkpoints_by_step(run_uri)):
+            uri = join(run_uri, name)
+            problem = self.checkpoint_problem(uri)
+            if problem is None:
+                return uri
+            print(f"warning: skipping incomplete checkpoint {uri}: {problem}", file=sys.stderr)
+        return None
+
+    def remove_incomplete_checkpoints(self, run_uri: str) -> list[tuple[str, str]]:
+        """Delete the run's incomplete checkpoint folders that are older than its newest complete one;
+        returns (uri, problem) of each deleted folder.
+
+        Older: before it in ``checkpoints_by_step`` (a lower step; a folder whose trainer_state.json is
+        missing or cut off is placed by its name). Incomplete folders newer than it are left alone (a
+        copy may still be under way), and so are folders that Ray Train's snapshot of the run lists (a
+        rerun fails when one it lists is gone). Meant for rank 0 when an attempt starts, before it
+        writes anything.
+        """
+        ordered = self.checkpoints_by_step(run_uri)
+        problems: dict[str, str | None] = {}
+        newest = None
+        for name, _ in reversed(ordered):
+            problems[name] = self.checkpoint_problem(join(run_uri, name))
+            if problems[name] is None:
+                newest = name
+                break
+        if newest is None:
+            return []
+        fs, path = self.filesystem(run_uri)
+        snapshot = self.read_bytes(join(run_uri, RAY_SNAPSHOT), missing_ok=True) or b""
+        snapshot = snapshot.decode("utf-8", "replace")
+        removed = []
+        for name, _ in ordered:
+            if name == newest:
+                break  # everything from here on is newer
+            if name in snapshot:
+                continue
+            uri = join(run_uri, name)
+            problem = problems.get(name) or self.checkpoint_problem(uri)
+            if problem is None:
+                continue
+            self.retry(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}")
+            removed.append((uri, problem))
+        return removed
 
 
 def as_store(where: "Store | str | None") -> Store:
     """A Store from what callers written before it pass: a Store as it is, an endpoint URL (or None:
     AWS_ENDPOINT_URL) with the default deadline."""
     return where if isinstance(where, Store) else Store(where)
-
-
-def _has_glob(s: str) -> bool:
-    return any(c in s for c in "*?[")
-
-
-def list_files(uris: str | list[str], endpoint_url: str | None = None, suffixes: tuple[str, ...] = CORPUS_SUFFIXES,
-               deadline_s: float = DEFAULT_RETRY_DEADLINE_S, *, setting: str = DEADLINE_SETTING) -> list[str]:
-    """Expand folders/prefixes, globs and files into a sorted list of file URIs.
-
-    Each entry of ``uris`` must match at least one file with one of ``suffixes``; otherwise the
-    error names the entry, so a typo in a bucket prefix is caught before any worker starts.
-    """
-    out: list[str] = []
-    for uri in [uris] if isinstance(uris, str) else list(uris):
-        fs, path = filesystem(uri, endpoint_url, attempts=1)
-        scheme = uri.split("://", 1)[0] + "://" if is_remote(uri) else ""
-        if _has_glob(path):
-            root = path
-            while _has_glob(root):
-                root = root.rsplit("/", 1)[0] if "/" in root else ""
-            candidates = _walk(fs, root, uri, deadline_s, endpoint_url, setting)
-            matched = [p for p in candidates if fnmatch.fnmatch(p, path)]
-        else:
-            info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-            if info.type == pafs.FileType.File:
-                matched = [path]
-            elif info.type == pafs.FileType.Directory:
-                matched = _walk(fs, path, uri, deadline_s, endpoint_url, setting)
-            else:
-                raise StorageError(f"input {uri!r} matches no file or folder")
-        files = sorted(p for p in matched if p.endswith(suffixes))
-        if not files:
-            raise StorageError(f"input {uri!r} matches no corpus file (expected one of {', '.join(CORPUS_SUFFIXES)})")
-        out.extend(scheme + p for p in files)
-    return sorted(dict.fromkeys(out))
-
-
-def _walk(fs: pafs.FileSystem, root: str, uri: str, deadline_s: float, endpoint_url: str | None, setting: str) -> list[str]:
-    sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(sel), f"list {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-    return [i.path for i in infos if i.type == pafs.FileType.File]
-
-
-def download_dir(uri: str, local_dir: str | Path, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                 *, setting: str = DEADLINE_SETTING) -> Path:
-    """Copy a folder (any filesystem) into ``local_dir``; returns the local folder."""
-    local_dir = Path(local_dir)
-    if not is_remote(uri):
-        src = Path(filesystem(uri)[1])
-        if not src.is_dir():
-            raise StorageError(f"{uri!r} is not a folder")
-        return src
-    fs, path = filesystem(uri, endpoint_url, attempts=1)
-    info = with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-    if info.type != pafs.FileType.Directory:
-        raise StorageError(f"{uri!r} is not a folder")
-    local_dir.mkdir(parents=True, exist_ok=True)
-    with_retries(lambda: pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem()),
-                 f"download {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-    return local_dir
-
-
-def upload_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
-    """Same as ``copy_dir`` (the older name, kept for its callers)."""
-    copy_dir(local_dir, uri, endpoint_url, deadline_s)
-
-
-def copy_dir(local_dir: str | Path, uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-             *, setting: str = DEADLINE_SETTING) -> None:
-    """Copy a local folder into a local path or a remote folder (created if needed), MANIFEST.json last.
-
-    A destination manifest is deleted before anything else is written, and the new one is copied
-    after every other file, so an interrupted copy (or overwrite) is never mistaken for a complete
-    checkpoint. Each local file lands under a temporary name and is renamed into place; an object
-    store publishes an object whole when its upload completes.
-    """
-    src = Path(local_dir)
-    if not src.is_dir():
-        raise StorageError(f"cannot copy {str(src)!r} to {uri!r}: not a local folder")
-    fs, root = filesystem(uri, endpoint_url, attempts=1)
-    local = isinstance(fs, pafs.LocalFileSystem)
-    if local and Path(root).resolve() == src.resolve():
-        return  # copying onto itself would truncate every file
-    files = sorted(p for p in src.rglob("*") if p.is_file())
-    manifest = src / MANIFEST
-    if manifest in files:
-        files = [p for p in files if p != manifest] + [manifest]
-        with_retries(lambda: _delete_if_present(fs, f"{root}/{MANIFEST}"), f"delete {join(uri, MANIFEST)}", deadline_s,
-                     endpoint_url=endpoint_url, setting=setting)
-    with_retries(lambda: fs.create_dir(root, recursive=True), f"create {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-    made = {root}
-    for file in files:
-        rel = file.relative_to(src).as_posix()
-        dest = f"{root}/{rel}"
-        parent = dest.rsplit("/", 1)[0]
-        if parent not in made:
-            with_retries(lambda: fs.create_dir(parent, recursive=True), f"create {join(uri, rel.rsplit('/', 1)[0])}", deadline_s,
-                         endpoint_url=endpoint_url, setting=setting)
-            made.add(parent)
-        with_retries(lambda: _put_file(file, fs, dest, rename=local), f"copy {file} to {join(uri, rel)}", deadline_s,
-                     endpoint_url=endpoint_url, setting=setting)
-
-
-def _put_file(file: Path, fs: pafs.FileSystem, dest: str, rename: bool) -> None:
-    target = f"{dest}.tmp" if rename else dest
-    pafs.copy_files(str(file), target, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-    if rename:
-        fs.move(target, dest)
-
-
-def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
-    try:
-        fs.delete_file(path)
-    except FileNotFoundError:
-        pass
-
-
-def read_bytes(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-               missing_ok: bool = False, *, setting: str = DEADLINE_SETTING) -> bytes | None:
-    """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code
-    base. A missing file raises ``FileNotFoundError``, or gives None with ``missing_ok``."""
-    fs, path = filesystem(uri, endpoint_url, attempts=1)
-    if missing_ok and with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url,
-                                   setting=setting).type != pafs.FileType.File:
-        return None
-    return with_retries(lambda: _read_bytes(fs, path), f"read {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-
-
-def exists(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-           *, setting: str = DEADLINE_SETTING) -> bool:
-    fs, path = filesystem(uri, endpoint_url, attempts=1)
-    return with_retries(lambda: fs.get_file_info(path), f"stat {uri}", deadline_s, endpoint_url=endpoint_url,
-                        setting=setting).type != pafs.FileType.NotFound
-
-
-def join(uri: str, *parts: str) -> str:
-    if is_remote(uri) or uri.startswith("file://"):
-        return "/".join([uri.rstrip("/"), *parts])
-    return str(Path(uri).joinpath(*parts))
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints in a run folder
-# ----------------------------------------------------------------------------------------------
-
-# The manifest that ctxmodels.checkpoint.save_checkpoint writes last, and the files every checkpoint
-# has; repeated here because pipelines/ does not import torch (a test checks that they agree).
-MANIFEST = "MANIFEST.json"
-REQUIRED_FILES = ("model.safetensors", "config.json")
-
-
-def checkpoint_problem(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                       *, setting: str = DEADLINE_SETTING) -> str | None:
-    """What keeps the checkpoint folder at ``uri`` from being complete, or None when nothing does.
-
-    Complete: MANIFEST.json parses and every file it lists is there with the listed size. Ray Train
-    copies a checkpoint folder to storage in no particular order, so a copy cut off halfway can leave
-    a manifest beside missing or short files. Costs one listing and one read of the manifest; sizes
-    only (``ctxmodels.checkpoint.load_checkpoint(..., verify_hashes=True)`` checks the hashes).
-    """
-    fs, path = filesystem(uri, endpoint_url, attempts=1)
-    selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(selector), f"list {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-    prefix = path.rstrip("/") + "/"
-    sizes = {
-        i.path[len(prefix):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(prefix)
-    }
-    if MANIFEST not in sizes:
-        return f"{MANIFEST} missing"
-    try:
-        text = with_retries(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}", deadline_s,
-                            endpoint_url=endpoint_url, setting=setting)
-    except FileNotFoundError:  # deleted since the listing (an overwrite in progress)
-        return f"{MANIFEST} missing"
-    try:
-        manifest = json.loads(text)
-    except ValueError as e:  # half a JSON document, or not UTF-8
-        return f"manifest unreadable ({e})"
-    entries = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
-        return "manifest unreadable (expected {\"files\": [{\"path\": ..., \"size\": ...}, ...]})"
-    listed = {e["path"] for e in entries}
-    for name in REQUIRED_FILES:
-        if name not in listed:
-            return f"manifest does not list {name}"
-    problems = []
-    for e in entries:
-        size = sizes.get(e["path"])
-        if size is None:
-            problems.append(f"{e['path']} missing")
-        elif size != e["size"]:
-            problems.append(f"{e['path']}: {size} bytes, manifest says {e['size']}")
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return problems[0] + more
-
-
-def _read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
-    with fs.open_input_stream(path) as f:
-        return f.read()
-
-
-def _is_entry(entry: object) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
-
-
-def checkpoint_order(name: str) -> list:
-    """Sort key for checkpoint folder names: digit runs compare as numbers.
-
-    Ray Train V2 names checkpoints ``checkpoint_%Y-%m-%d_%H-%M-%S.%f`` (local time, fixed width),
-    for which this is time order as long as the clock and the time zone stay put; it also orders
-    Ray V1's ``checkpoint_000012`` and names with unpadded numbers (``checkpoint_step_9`` before
-    ``checkpoint_step_10``). Checkpoints are ordered by step first (``checkpoints_by_step``).
-    """
-    # re.split with a group alternates text and digit runs, so equal positions hold equal types.
-    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
-
-
-TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoint of a ctx run
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
-
-
-def checkpoint_step(uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                    *, setting: str = DEADLINE_SETTING) -> int | None:
-    """The ``step`` in the checkpoint's trainer_state.json, or None when it has none (missing, cut
-    off, not JSON, no integer step)."""
-    try:
-        data = json.loads(read_bytes(join(uri, TRAINER_STATE), endpoint_url, deadline_s, setting=setting))
-    except (FileNotFoundError, ValueError):
-        return None
-    step = data.get("step") if isinstance(data, dict) else None
-    return step if type(step) is int else None
-
-
-def checkpoints_by_step(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                        *, setting: str = DEADLINE_SETTING) -> list[tuple[str, int | None]]:
-    """The run's ``checkpoint_*`` folders as (name, step), oldest first.
-
-    Newer means a higher step in trainer_state.json: folder names carry a local-time stamp, which
-    goes backwards when the clock or the time zone does. A folder without a step (a copy cut off
-    before its trainer_state.json landed) falls back to name order: it sorts as if it had the step
-    of the folder its name follows, just after it; equal steps are in name order too. One read
-    per folder.
-    """
-    fs, path = filesystem(run_uri, endpoint_url, attempts=1)
-    selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-    infos = with_retries(lambda: fs.get_file_info(selector), f"list {run_uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")),
-                   key=checkpoint_order)
-    out, keys, carried = [], {}, -1
-    for name in names:
-        step = checkpoint_step(join(run_uri, name), endpoint_url, deadline_s, setting=setting)
-        carried = step if step is not None else carried
-        keys[name] = (carried, checkpoint_order(name))
-        out.append((name, step))
-    return sorted(out, key=lambda item: keys[item[0]])
-
-
-def latest_complete_checkpoint(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                               *, setting: str = DEADLINE_SETTING) -> str | None:
-    """The newest ``checkpoint_*`` folder under a run that is complete (see ``checkpoint_problem``),
-    newest by step (``checkpoints_by_step``).
-
-    Newer folders that are not complete are skipped, each with a line on stderr saying why.
-    """
-    for name, _ in reversed(checkpoints_by_step(run_uri, endpoint_url, deadline_s, setting=setting)):
-        uri = join(run_uri, name)
-        problem = checkpoint_problem(uri, endpoint_url, deadline_s, setting=setting)
-        if problem is None:
-            return uri
-        print(f"warning: skipping incomplete checkpoint {uri}: {problem}", file=sys.stderr)
-    return None
-
-
-def remove_incomplete_checkpoints(run_uri: str, endpoint_url: str | None = None, deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
-                                  *, setting: str = DEADLINE_SETTING) -> list[tuple[str, str]]:
-    """Delete the run's incomplete checkpoint folders that are older than its newest complete one;
-    returns (uri, problem) of each deleted folder.
-
-    Older: before it in ``checkpoints_by_step`` (a lower step; a folder whose trainer_state.json is
-    missing or cut off is placed by its name). Incomplete folders newer than it are left alone (a
-    copy may still be under way), and so are folders that Ray Train's snapshot of the run lists (a
-    rerun fails when one it lists is gone). Meant for rank 0 when an attempt starts, before it
-    writes anything.
-    """
-    ordered = checkpoints_by_step(run_uri, endpoint_url, deadline_s, setting=setting)
-    problems: dict[str, str | None] = {}
-    newest = None
-    for name, _ in reversed(ordered):
-        problems[name] = checkpoint_problem(join(run_uri, name), endpoint_url, deadline_s, setting=setting)
-        if problems[name] is None:
-            newest = name
-            break
-    if newest is None:
-        return []
-    fs, path = filesystem(run_uri, endpoint_url, attempts=1)
-    snapshot = read_bytes(join(run_uri, RAY_SNAPSHOT), endpoint_url, deadline_s, missing_ok=True, setting=setting) or b""
-    snapshot = snapshot.decode("utf-8", "replace")
-    removed = []
-    for name, _ in ordered:
-        if name == newest:
-            break  # everything from here on is newer
-        if name in snapshot:
-            continue
-        uri = join(run_uri, name)
-        problem = problems.get(name) or checkpoint_problem(uri, endpoint_url, deadline_s, setting=setting)
-        if problem is None:
-            continue
-        with_retries(lambda: fs.delete_dir(f"{path}/{name}"), f"delete {uri}", deadline_s, endpoint_url=endpoint_url, setting=setting)
-        removed.append((uri, problem))
-    return removed

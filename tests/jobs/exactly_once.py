@@ -81,7 +81,7 @@ def reference_digests(rec, run: Path, epoch: int, tokenizer: Path | None = None)
     ``tokenizer`` (default: the run's own, trained by it; a distillation's is its checkpoints')."""
     from pipelines import storage
 
-    shards = storage.list_files(rec.data.input)
+    shards = storage.Store().list_files(rec.data.input)
     spec = stream_spec(rec, shards)
     tok = load_tokenizer(tokenizer or run / "tokenizer")
     out = {}
@@ -114,7 +114,7 @@ def assert_epoch_exactly_once(rec, run: Path, epoch: int = 0, tokenizer: Path | 
 def state(run: Path) -> dict:
     from pipelines import storage
 
-    return json.loads(Path(storage.latest_complete_checkpoint(str(run)), "trainer_state.json").read_text())
+    return json.loads(Path(storage.Store().latest_complete_checkpoint(str(run)), "trainer_state.json").read_text())
 
 
 class WorkerKiller:

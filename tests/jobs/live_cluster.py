@@ -51,7 +51,7 @@ def committed_world(run: Path) -> int | None:
     """``world_size`` of the run's latest complete checkpoint."""
     from pipelines import storage
 
-    latest = storage.latest_complete_checkpoint(str(run))
+    latest = storage.Store().latest_complete_checkpoint(str(run))
     return json.loads(Path(latest, "trainer_state.json").read_text())["world_size"] if latest else None
 
 

@@ -35,7 +35,7 @@ def stream_digests(rec, run: Path, epoch: int) -> dict[int, str]:
     batches of the micro-batch's rows as the data stage cuts them."""
     from pipelines import storage
 
-    spec = stream_spec(rec, storage.list_files(rec.data.input))
+    spec = stream_spec(rec, storage.Store().list_files(rec.data.input))
     out = {}
     for b in local_batches(spec, load_tokenizer(run / "tokenizer"), batch_size=spec.stream_rows, epoch=epoch):
         tensors = {k: torch.as_tensor(v) for k, v in b.items()}

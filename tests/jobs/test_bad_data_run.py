@@ -66,7 +66,7 @@ def test_strict_mode_stops_at_the_first_bad_record(ray_session, s3_server, mixed
     from pipelines.tokenizers import train_tokenizer
 
     rec = recipe(mixed_bucket, "data.strict=true")
-    shards = storage.list_files(rec.data.input)
+    shards = storage.Store().list_files(rec.data.input)
     train_tokenizer("wordpiece", ["a few words to build a vocabulary from"] * 10, 100).save(tmp_path / "tok")
     spec = stream_spec(rec, shards)
     first_bad = next(u["shard"].rsplit("/", 1)[1] for u in work_units(spec) if CASES[u["shard"].rsplit("/", 1)[1]].strict)

@@ -159,7 +159,7 @@ def test_two_ranks_take_the_same_decision_when_one_rank_sees_nan(tmp_path):
 
 
 def _checkpointer(run: Path, saved: list) -> Checkpointer:
-    return Checkpointer(str(run), None, [0], 0, 1, DataPosition(), save=lambda *a: saved.append(a), fresh_model=tiny_bert)
+    return Checkpointer(str(run), storage.Store(), [0], 0, 1, DataPosition(), save=lambda *a: saved.append(a), fresh_model=tiny_bert)
 
 
 def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
@@ -205,13 +205,13 @@ def test_resume_from_object_storage_removes_its_temporary_folder(tmp_path, s3_bu
 
     local = _trained_checkpoint(tmp_path / "src" / "checkpoint_a", step=5)
     run = f"s3://{s3_bucket}/runs/r"
-    storage.copy_dir(local, storage.join(run, "checkpoint_a"))
+    storage.Store().copy_dir(local, storage.join(run, "checkpoint_a"))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where TemporaryDirectory puts its folders
 
     model = tiny_bert()
-    resumed = resume(run, None, model)
+    resumed = resume(run, storage.Store(), model)
     assert resumed.state.step == 5 and resumed.position.committed(0) == B
     assert resumed.optimizer_tensors and all(t.numel() for t in resumed.optimizer_tensors.values())
     expected = weights(build_model("bert", "tiny", OVERRIDES, seed=0)[1])
@@ -220,7 +220,7 @@ def test_resume_from_object_storage_removes_its_temporary_folder(tmp_path, s3_bu
 
     wrong = build_model("bert", "tiny", {**OVERRIDES, "n_layer": 1}, seed=0)[1]  # fails while loading
     with pytest.raises(RuntimeError):
-        resume(run, None, wrong)
+        resume(run, storage.Store(), wrong)
     assert list(scratch.iterdir()) == []
 
 
@@ -237,7 +237,7 @@ def test_tokenizer_copies_and_warm_start_copies_leave_no_temporary_folder(tmp_pa
     train_tokenizer("wordpiece", ["the river bank", "a loan from the bank"] * 50, 60).save(tok_dir)
     local = _trained_checkpoint(tmp_path / "src" / "checkpoint_a", step=5)
     remote = f"s3://{s3_bucket}/runs/warm/checkpoint_a"
-    storage.copy_dir(local, remote)
+    storage.Store().copy_dir(local, remote)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where TemporaryDirectory puts its folders

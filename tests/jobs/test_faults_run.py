@@ -52,12 +52,12 @@ def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run_keeping_the_newes
     message = str(stopped.value)
     assert "train.max_bad_steps=3" in message and "non-finite loss or gradient norm" in message, message
 
-    newest = storage.latest_complete_checkpoint(str(run))
+    newest = storage.Store().latest_complete_checkpoint(str(run))
     state = json.loads(Path(newest, "trainer_state.json").read_text())
     assert (state["step"], state["bad_steps"], state["samples_seen"]) == (4, 1, 4 * 8)
     assert all(torch.isfinite(p).all() for p in load_checkpoint(newest, verify_hashes=True).model.parameters())
     # The skipped step's 8 samples were consumed: committed with the position, not fed again.
-    assert load_position(newest).committed(0) == 5 * 8
+    assert load_position(newest, storage.Store()).committed(0) == 5 * 8
     logged = [json.loads(x) for f in (run / "sample_log").glob("*.jsonl") for x in f.read_text().splitlines()[1:]]
     assert [x["step"] for x in logged if x.get("skipped")] == [3, 3, 5, 5, 5, 5]  # 2 micro-batches per attempt; the 3rd raised
     metrics = [json.loads(x) for x in (run / "metrics" / "metrics.jsonl").read_text().splitlines()]
@@ -67,7 +67,7 @@ def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run_keeping_the_newes
 
     # A rerun resumes from that checkpoint (attempt 6 onwards: none poisoned now) and finishes.
     result = pretrain(recipe(corpus, tmp_path, "train.max_steps=6", "train.debug_nan_steps=[3]"), progress=False, log=lambda *_: None)
-    final = json.loads(Path(storage.latest_complete_checkpoint(str(run)), "trainer_state.json").read_text())
+    final = json.loads(Path(storage.Store().latest_complete_checkpoint(str(run)), "trainer_state.json").read_text())
     assert result.metrics["step"] == 6 and (final["step"], final["bad_steps"]) == (6, 1)
     assert all(torch.isfinite(p).all() for p in load_checkpoint(result.checkpoint_uri).model.parameters())
     assert list(scratch.iterdir()) == []

@@ -53,7 +53,7 @@ def test_s3_pretrain_resume_and_serve(ray_session, s3_server, s3_bucket):
     first = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", common + ["train.max_steps=20", "train.eval_every=8"]), progress=False, log=logs.append)
     assert first.checkpoint_uri.startswith(f"s3://{s3_bucket}/runs/e2e/checkpoint_")
     assert trainer_state(first.checkpoint_uri)["step"] == 20
-    assert storage.latest_complete_checkpoint(f"s3://{s3_bucket}/runs/e2e") == first.checkpoint_uri
+    assert storage.Store().latest_complete_checkpoint(f"s3://{s3_bucket}/runs/e2e") == first.checkpoint_uri
     assert first.metrics["step"] == 20 and first.metrics["tokens_per_s"] > 0 and 0 <= first.metrics["mlm_acc"] <= 1
     assert any("training wordpiece" in line for line in logs)
     rows = read_metrics(f"s3://{s3_bucket}/runs/e2e")

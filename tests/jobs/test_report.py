@@ -102,7 +102,7 @@ def test_restarted_run_keeps_the_last_line_of_each_step(tmp_path):
 
 def test_s3_log_uploads_on_flush_and_close_and_resumes(s3_bucket, s3_server, tmp_path):
     run = f"s3://{s3_bucket}/runs/bert-tiny"
-    log = MetricsLog(run, endpoint_url=s3_server, flush_every_s=3600)
+    log = MetricsLog(run, storage.Store(s3_server), flush_every_s=3600)
     log.log(step_metrics(10))
     assert read_metrics(run, s3_server) == []  # not uploaded before a flush
     log.flush()
@@ -112,14 +112,14 @@ def test_s3_log_uploads_on_flush_and_close_and_resumes(s3_bucket, s3_server, tmp
     log.close()  # twice is fine
     assert [r["step"] for r in read_metrics(run, s3_server)] == [10, 20]
 
-    with MetricsLog(run, endpoint_url=s3_server, flush_every_s=0) as resumed:  # flush_every_s=0: upload every log
+    with MetricsLog(run, storage.Store(s3_server), flush_every_s=0) as resumed:  # flush_every_s=0: upload every log
         resumed.log({**step_metrics(20), "loss": 0.25})
         resumed.log(step_metrics(30))
         assert [r["step"] for r in read_metrics(run, s3_server)] == [10, 20, 30]
     rows = read_metrics(run, s3_server)
     assert [(r["step"], r["loss"]) for r in rows][1] == (20, 0.25)
 
-    local = storage.download_dir(f"{run}/metrics", tmp_path / "metrics", s3_server)
+    local = storage.Store(s3_server).download_dir(f"{run}/metrics", tmp_path / "metrics")
     assert len(list((local / "tb").glob("events.out.tfevents.*"))) == 2  # one per writer, none overwritten
     assert [s for s, _ in tb_scalars(local / "tb", "loss")] == [10, 20, 20, 30]
 
@@ -179,7 +179,7 @@ def test_report_includes_the_data_reports(tmp_path):
 def test_report_on_s3_run(s3_bucket, s3_server, tmp_path, monkeypatch):
     local = make_run(tmp_path / "bert-tiny")
     run = f"s3://{s3_bucket}/runs/bert-tiny"
-    storage.upload_dir(local, run, s3_server)
+    storage.Store(s3_server).copy_dir(local, run)
     monkeypatch.chdir(tmp_path)
     index = write_report(run, store=s3_server)
     assert index == tmp_path / "report-bert-tiny" / "index.html"

@@ -144,7 +144,7 @@ def test_scheduled_round_promotes_and_rolls_then_a_gated_round_changes_nothing(r
     cfg, model = build_model("bert", "tiny", {"vocab_size": tok.vocab_size, "nsp": False}, seed=0)
     local = save_checkpoint(tmp_path / "seed" / "checkpoint_2026-01-01_00-00-00.000000", model, "bert", cfg, tokenizer_dir=tmp_path / "tok")
     seed_ckpt = f"{bucket}/runs/seed/{local.name}"
-    storage.copy_dir(local, seed_ckpt)
+    storage.Store().copy_dir(local, seed_ckpt)
     registry = Registry(mlflow_server)
     v1 = registry.register("bert-tiny", seed_ckpt)
     registry.promote("bert-tiny", v1.version)

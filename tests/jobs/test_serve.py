@@ -48,7 +48,7 @@ def tiny_run(s3_server, minilm_dir):
         partial.mkdir()
         shutil.copy(ckpt / "config.json", partial / "config.json")
         run_uri = f"s3://{bucket}/runs/tiny"
-        storage.upload_dir(tmp, run_uri)
+        storage.Store().copy_dir(tmp, run_uri)
         backbone = load_checkpoint(ckpt).model.backbone.eval()
         yield run_uri, backbone
     finally:
@@ -225,8 +225,8 @@ def test_the_run_folder_was_resolved_once_and_the_version_says_which(client, tin
     manifest = boto3.client("s3").get_object(Bucket="serve-tests", Key="runs/tiny/checkpoint_000001/MANIFEST.json")["Body"].read()
     version = f"checkpoint_000001@{hashlib.sha256(manifest).hexdigest()[:16]}"
     with tempfile.TemporaryDirectory() as d:
-        storage.download_dir(f"{run_uri}/checkpoint_000001", Path(d) / "c")
-        storage.upload_dir(Path(d) / "c", f"{run_uri}/checkpoint_000003")  # newer and complete
+        storage.Store().download_dir(f"{run_uri}/checkpoint_000001", Path(d) / "c")
+        storage.Store().copy_dir(Path(d) / "c", f"{run_uri}/checkpoint_000003")  # newer and complete
     for path, body in [("/v1/embeddings", {"model": "tiny", "input": "x"}), ("/v1/token-embeddings", {"model": "tiny", "input": ["x"]})]:
         r = client.post(path, json=body)
         assert r.status_code == 200, r.text

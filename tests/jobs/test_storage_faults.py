@@ -91,7 +91,7 @@ def test_a_20s_s3_outage_mid_epoch_is_ridden_out_with_each_sample_once(ray_sessi
         assert proxy.refused > 0 and time.monotonic() - outage["start"] > 20
 
     assert result.metrics["step"] == 30
-    local = storage.download_dir(run, tmp_path / "run", s3_server)  # the whole run folder, for the checks
+    local = storage.Store(s3_server).download_dir(run, tmp_path / "run")  # the whole run folder, for the checks
     _, starts = committed(local)
     assert starts == [0], starts  # one attempt: no worker failed, nothing was resumed
     logs = [[json.loads(x) for x in f.read_text().splitlines()] for f in (local / "sample_log").glob("*.jsonl")]
@@ -100,7 +100,7 @@ def test_a_20s_s3_outage_mid_epoch_is_ridden_out_with_each_sample_once(ray_sessi
     direct = recipe(f"s3://{s3_bucket}/corpus/", f"s3://{s3_bucket}/runs", f"data.endpoint_url={s3_server}")
     assert assert_epoch_exactly_once(direct, local, epoch=0) > 8 * 15  # epoch 0 ran through the outage
     ckpts = [p.name for p in local.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")]
-    assert ckpts and all(storage.checkpoint_problem(str(local / c)) is None for c in ckpts)
+    assert ckpts and all(storage.Store().checkpoint_problem(str(local / c)) is None for c in ckpts)
 
 
 @pytest.mark.slow
@@ -151,7 +151,7 @@ def checkpointer(run: str, endpoint_url: str, deadline_s: float):
     from jobs.loop import Checkpointer
     from pipelines.position import DataPosition
 
-    return Checkpointer(run, endpoint_url, [0], 0, 1, DataPosition(), save=None, fresh_model=None, retry_deadline_s=deadline_s)
+    return Checkpointer(run, storage.Store(endpoint_url, deadline_s), [0], 0, 1, DataPosition(), save=None, fresh_model=None)
 
 
 def test_a_checkpoint_upload_rides_out_an_outage_then_gives_up_at_the_deadline_naming_object_and_endpoint(s3_server, s3_bucket, tmp_path):
@@ -170,7 +170,7 @@ def test_a_checkpoint_upload_rides_out_an_outage_then_gives_up_at_the_deadline_n
         done = checkpointer(run, proxy.url, 30).upload(Checkpoint.from_directory(str(local)), "checkpoint_a")
         assert time.monotonic() - t0 > 2.5 and proxy.refused > 0  # it did wait for the endpoint
         assert done.path == f"{s3_bucket}/runs/up/checkpoint_a"
-        assert storage.checkpoint_problem(f"{run}/checkpoint_a", s3_server) is None
+        assert storage.Store(s3_server).checkpoint_problem(f"{run}/checkpoint_a") is None
 
         proxy.cut(3600)
         with pytest.raises(storage.StorageError) as e:

@@ -289,7 +289,7 @@ def test_an_outage_mid_command_is_waited_out_and_said_and_one_past_the_deadline_
         assert proxy.cuts and proxy.refused > 0, "the network never went away"
         assert f"(endpoint {proxy.url}) failed: " in err and f"(endpoint {proxy.url}) succeeded after " in err, err
         assert "nothing has been read from it yet" not in err  # an outage, not a wrong address
-        assert storage.exists(f"s3://{s3_bucket}/tok/vocab.txt", s3_server)
+        assert storage.Store(s3_server).exists(f"s3://{s3_bucket}/tok/vocab.txt")
 
         proxy.cut(3600)
         assert cli.main([*args, "--retry-deadline", "2"]) == 2

@@ -41,4 +41,4 @@ def test_fsdp_run_checkpoints_full_state_and_resumes(ray_session, tmp_path):
     again = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", common + ["train.max_steps=20"]), progress=False, log=lambda *_: None)
     assert again.metrics["step"] == 20 and math.isfinite(again.metrics["loss"])
     assert [m["step"] for m in again.history] == [15, 20]  # resumed at 10, not from scratch
-    assert storage.latest_complete_checkpoint(str(tmp_path / "fsdp")) == again.checkpoint_uri
+    assert storage.Store().latest_complete_checkpoint(str(tmp_path / "fsdp")) == again.checkpoint_uri

@@ -309,7 +309,7 @@ def test_pretraining_job_retried_submit_attaches_and_one_writer_per_run(ray_head
     assert [j.submission_id for j in client.list_jobs()].count(sid) == 1
     assert not any(j.submission_id.startswith(sid + "-") for j in client.list_jobs())
     assert not (run / LOCK_FILE).exists()  # released at the end of the run
-    assert storage.latest_complete_checkpoint(str(run)) is not None
+    assert storage.Store().latest_complete_checkpoint(str(run)) is not None
 
 
 def test_stop_a_long_running_job(ray_head, client_env, monkeypatch, tmp_path, capsys):

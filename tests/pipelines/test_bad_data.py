@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.datareport import epoch_report, format_report, list_epochs, write_shard_report
+from pipelines.storage import Store
 from pipelines.sources import CorpusError, ReadStats, iter_documents, sample_text
 
 MAX_CHARS = 1000  # data.max_record_chars for these tests: the long line below is 2000x that
@@ -179,9 +180,9 @@ def cases() -> dict[str, Case]:
 CASES = cases()
 
 
-def read(uri: str, endpoint_url: str | None = None, **kw) -> tuple[list[str], ReadStats]:
+def read(uri: str, store: Store = Store(), **kw) -> tuple[list[str], ReadStats]:
     stats = ReadStats()
-    docs = [d for chunk in iter_documents(uri, endpoint_url=endpoint_url, stats=stats, max_record_chars=MAX_CHARS, chunk_docs=7, **kw) for d in chunk]
+    docs = [d for chunk in iter_documents(uri, store=store, stats=stats, max_record_chars=MAX_CHARS, chunk_docs=7, **kw) for d in chunk]
     return docs, stats
 
 
@@ -318,14 +319,15 @@ def test_a_mixed_bucket_reconciles_exactly(s3_server, s3_bucket):
         s3.put_object(Bucket=s3_bucket, Key=f"corpus/{name}", Body=case.data)
     shards = [f"s3://{s3_bucket}/corpus/{name}" for name in sorted(CASES)]
     run = f"s3://{s3_bucket}/runs/r1"
+    store = Store(s3_server)
     for epoch in (0, 1):
         for uri, key in zip(shards, shard_keys(shards)):
-            docs, stats = read(uri, endpoint_url=s3_server)
+            docs, stats = read(uri, store)
             assert docs == CASES[uri.rsplit("/", 1)[1]].docs, uri
-            write_shard_report(run, epoch, uri, key, stats, endpoint_url=s3_server)
+            write_shard_report(run, epoch, uri, key, stats, store)
 
-    assert list_epochs(run, s3_server) == [0, 1]
-    report = epoch_report(run, 1, endpoint_url=s3_server)
+    assert list_epochs(run, store) == [0, 1]
+    report = epoch_report(run, 1, store)
     assert report["reconciled"] and report["problems"] == []
     assert report["n_shards"] == len(CASES)
     assert report["read"] == sum(c.read for c in CASES.values())

@@ -93,7 +93,7 @@ def test_a_unit_drops_the_rows_the_checkpoint_committed(tok):
     cfg = TaskDataConfig(kind="classification", max_len=16, labels=("0", "1"))
     texts = [json.dumps({"sentence1": f"text {i}", "label": i % 2}) for i in range(6)]
     enc = EncodeUnits.__new__(EncodeUnits)
-    enc.texts, enc.tok, enc.cfg, enc.run_uri, enc.endpoint_url = texts, tok, cfg, None, None
+    enc.texts, enc.tok, enc.cfg, enc.run_uri, enc.store = texts, tok, cfg, None, None
     enc._position = DataPosition()
     enc._position.add([0, 0], [1, 1], [2 << WINDOW_BITS, 5 << WINDOW_BITS], [3, 3])
     batch = {"epoch": np.array([0, 0]), "unit": np.array([0, 1]), "records": np.array([[0, 1, 4], [2, 3, 5]])}

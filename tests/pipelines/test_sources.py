@@ -11,6 +11,7 @@ from pipelines import storage
 from pipelines.dataset import shard_keys, shard_order
 from pipelines.sources import CorpusError, ReadStats, iter_documents, sample_text
 
+STORE = storage.Store()  # the defaults: AWS_ENDPOINT_URL (moto's, in the S3 tests) and data.retry_deadline_s
 DOCS = ["the river bank was muddy.\nwe walked along it.", "the bank approved the loan.", "a third document\nwith two lines."]
 
 
@@ -40,21 +41,21 @@ def test_each_format_yields_the_documents(tmp_path):
 
 def test_listing_folder_glob_list_and_file_scheme(tmp_path):
     root = write_corpus(tmp_path / "c")
-    folder = storage.list_files(str(root))
+    folder = STORE.list_files(str(root))
     assert [p.rsplit("/", 1)[1] for p in folder] == ["a.txt", "b.txt.gz", "c.jsonl", "d.jsonl.gz", "e.parquet"]
-    assert storage.list_files(str(root / "*.txt*")) == folder[:2]
-    assert storage.list_files([str(root / "a.txt"), str(root / "e.parquet")]) == [folder[0], folder[4]]
-    assert storage.list_files(f"file://{root}") == folder
+    assert STORE.list_files(str(root / "*.txt*")) == folder[:2]
+    assert STORE.list_files([str(root / "a.txt"), str(root / "e.parquet")]) == [folder[0], folder[4]]
+    assert STORE.list_files(f"file://{root}") == folder
 
 
 def test_inputs_that_match_nothing_say_so(tmp_path):
     with pytest.raises(storage.StorageError, match="matches no"):
-        storage.list_files(str(tmp_path / "missing"))
+        STORE.list_files(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(storage.StorageError, match="empty"):
-        storage.list_files(str(tmp_path / "empty"))
+        STORE.list_files(str(tmp_path / "empty"))
     with pytest.raises(storage.StorageError, match=r"\*.zzz"):
-        storage.list_files(str(tmp_path / "*.zzz"))
+        STORE.list_files(str(tmp_path / "*.zzz"))
 
 
 def test_strict_reading_names_the_shard_and_line_of_the_first_bad_record(tmp_path):
@@ -95,7 +96,7 @@ def test_bad_records_are_skipped_and_counted_by_default(tmp_path):
 
 def test_sample_text_stops_at_budget_and_visits_every_shard(tmp_path):
     root = write_corpus(tmp_path / "c")
-    shards = storage.list_files(str(root / "*.txt*"))
+    shards = STORE.list_files(str(root / "*.txt*"))
     out = list(sample_text(shards, max_chars=60))
     assert sum(map(len, out)) >= 60 and sum(map(len, out[:-1])) < 60
 
@@ -122,16 +123,16 @@ def test_s3_listing_and_reading(s3_server, s3_bucket, tmp_path):
     s3 = boto3.client("s3", endpoint_url=s3_server)
     for p in root.iterdir():
         s3.upload_file(str(p), s3_bucket, f"corpus/{p.name}")
-    files = storage.list_files(f"s3://{s3_bucket}/corpus/")
+    files = STORE.list_files(f"s3://{s3_bucket}/corpus/")
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.txt", "b.txt.gz", "c.jsonl", "d.jsonl.gz", "e.parquet"]
     assert all(f.startswith(f"s3://{s3_bucket}/") for f in files)
     assert all_docs(files[1]) == DOCS and all_docs(files[4]) == DOCS
-    assert storage.list_files(f"s3://{s3_bucket}/corpus/*.jsonl") == [files[2]]
+    assert STORE.list_files(f"s3://{s3_bucket}/corpus/*.jsonl") == [files[2]]
     with pytest.raises(storage.StorageError, match="matches no"):
-        storage.list_files(f"s3://{s3_bucket}/nothing-here/")
+        STORE.list_files(f"s3://{s3_bucket}/nothing-here/")
     # folders round-trip through the bucket
-    storage.upload_dir(root, f"s3://{s3_bucket}/copy")
-    back = storage.download_dir(f"s3://{s3_bucket}/copy", tmp_path / "back")
+    STORE.copy_dir(root, f"s3://{s3_bucket}/copy")
+    back = STORE.download_dir(f"s3://{s3_bucket}/copy", tmp_path / "back")
     assert (back / "a.txt").read_text() == (root / "a.txt").read_text()
 
 
@@ -161,10 +162,10 @@ def test_a_read_cut_mid_shard_resumes_and_reads_every_record_once(s3_server, s3_
     assert size > 250_000
 
     direct_stats, cut_stats = ReadStats(), ReadStats()
-    direct = all_docs(f"s3://{s3_bucket}/{name}", endpoint_url=s3_server, stats=direct_stats)
+    direct = all_docs(f"s3://{s3_bucket}/{name}", store=storage.Store(s3_server), stats=direct_stats)
     with CutProxy(int(s3_server.rsplit(":", 1)[1])) as proxy:
         proxy.cut_after(100_000, seconds=2)
-        cut = all_docs(f"s3://{s3_bucket}/{name}", endpoint_url=proxy.url, stats=cut_stats, deadline_s=30)
+        cut = all_docs(f"s3://{s3_bucket}/{name}", store=storage.Store(proxy.url, 30), stats=cut_stats)
     assert len(proxy.cuts) == 1 and proxy.cuts[0][1] < size  # cut before the shard was through
     assert proxy.connections >= 2  # and read on over a new connection
     assert cut == direct == docs

@@ -23,6 +23,7 @@ from tests.ctxmodels.test_checkpoint import CUTS, write_small_checkpoint
 OLDER = "checkpoint_2025-12-31_23-59-59.999999"
 NEWER = "checkpoint_2026-01-01_00-00-00.000000"
 RAY_NAME = re.compile(r"checkpoint_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}\.\d{6}")
+STORE = storage.Store()  # the defaults: AWS_ENDPOINT_URL (moto's, in the S3 tests) and data.retry_deadline_s
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,8 @@ def test_manifest_names_agree_with_the_checkpoint_format():
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_the_newest_complete_checkpoint_wins(tmp_path, saved, where, request, capsys):
     run = publish(local_run(tmp_path, saved), where, request)
-    assert storage.latest_complete_checkpoint(run) == storage.join(run, NEWER)
-    assert storage.checkpoint_problem(storage.join(run, OLDER)) is None
+    assert STORE.latest_complete_checkpoint(run) == storage.join(run, NEWER)
+    assert STORE.checkpoint_problem(storage.join(run, OLDER)) is None
     assert capsys.readouterr().err == ""
 
 
@@ -101,11 +102,11 @@ def test_a_newer_checkpoint_cut_in_half_is_skipped(tmp_path, saved, where, cut, 
     expected = CUTS[cut](local / NEWER)
     run = publish(local, where, request)
 
-    assert storage.latest_complete_checkpoint(run) == storage.join(run, OLDER)
+    assert STORE.latest_complete_checkpoint(run) == storage.join(run, OLDER)
     warning = capsys.readouterr().err
     assert warning.count("\n") == 1 and storage.join(run, NEWER) in warning and expected in warning, warning
     # The storage check (a listing and one read) and the local check tell the same story.
-    assert storage.checkpoint_problem(storage.join(run, NEWER)) == ckpt.checkpoint_problem(local / NEWER)
+    assert STORE.checkpoint_problem(storage.join(run, NEWER)) == ckpt.checkpoint_problem(local / NEWER)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -115,14 +116,14 @@ def test_no_complete_checkpoint_gives_none(tmp_path, saved, where, request, caps
     CUTS["weights-truncated"](local / NEWER)
     (local / "tokenizer").mkdir()  # not a checkpoint folder: ignored
     run = publish(local, where, request)
-    assert storage.latest_complete_checkpoint(run) is None
+    assert STORE.latest_complete_checkpoint(run) is None
     assert len(capsys.readouterr().err.splitlines()) == 2
-    assert storage.latest_complete_checkpoint(storage.join(run, "no-such-run")) is None
+    assert STORE.latest_complete_checkpoint(storage.join(run, "no-such-run")) is None
 
 
 def test_names_with_unpadded_numbers_still_pick_the_newest(tmp_path, saved):
     run = local_run(tmp_path, saved, names=("checkpoint_step_9", "checkpoint_step_10"))
-    assert storage.latest_complete_checkpoint(str(run)) == str(run / "checkpoint_step_10")
+    assert STORE.latest_complete_checkpoint(str(run)) == str(run / "checkpoint_step_10")
 
 
 # ---- retries ------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ PERMANENT = {
 def test_transient_errors_are_retried_until_the_call_succeeds(tmp_path, saved, flaky, sleeps, kind):
     run = local_run(tmp_path, saved)
     fs = flaky(TRANSIENT[kind], failures=2)
-    assert storage.latest_complete_checkpoint(str(run)) == str(run / NEWER)
+    assert STORE.latest_complete_checkpoint(str(run)) == str(run / NEWER)
     # two failures, then: list the run, read both trainer states, list the newest checkpoint, read its manifest
     assert fs.calls == 2 + 5
     assert len(sleeps) == 2 and 0.1 <= sleeps[0] <= 0.2 <= sleeps[1] <= 0.4  # 0.2 s, 0.4 s, jittered
@@ -198,7 +199,7 @@ def test_transient_errors_are_retried_until_the_call_succeeds(tmp_path, saved, f
 def test_permanent_errors_are_raised_at_once(tmp_path, saved, flaky, sleeps, kind):
     fs = flaky(PERMANENT[kind], failures=1)
     with pytest.raises(type(PERMANENT[kind])) as raised:
-        storage.latest_complete_checkpoint(str(local_run(tmp_path, saved)))
+        STORE.latest_complete_checkpoint(str(local_run(tmp_path, saved)))
     assert raised.value is PERMANENT[kind]
     assert fs.calls == 1 and sleeps == []
 
@@ -207,7 +208,7 @@ def test_retries_go_on_until_the_deadline_then_name_the_uri_attempts_and_time(tm
     run = local_run(tmp_path, saved)
     fs = flaky(TRANSIENT["slow-down"], failures=100_000)
     with pytest.raises(storage.StorageError, match=rf"list {re.escape(str(run))}: gave up after \d+ attempts in 45 s \(data.retry_deadline_s=45\): .*SLOW_DOWN"):
-        storage.latest_complete_checkpoint(str(run), deadline_s=45)
+        storage.Store(deadline_s=45).latest_complete_checkpoint(str(run))
     # waited until the deadline, not a fixed count: the last wait ends exactly there
     assert sum(sleeps) == pytest.approx(45) and fs.calls == len(sleeps) + 1 and max(sleeps) <= 10.0
     assert fs.calls > 5  # more than the 5 attempts (1.5-3 s in all) this used to give up after
@@ -225,7 +226,7 @@ def test_best_effort_warns_and_returns_none(sleeps, capsys):
     def full():
         raise PERMANENT["disk-full"]
 
-    assert storage.best_effort(full, "write metrics /x") is None
+    assert STORE.best_effort(full, "write metrics /x") is None
     assert "warning: write metrics /x failed, training goes on without it" in capsys.readouterr().err
     assert sleeps == []  # a full disk is not waited for
 
@@ -233,7 +234,7 @@ def test_best_effort_warns_and_returns_none(sleeps, capsys):
 def test_retries_on_s3_reach_the_bucket_after_the_blips(tmp_path, saved, flaky, sleeps, request):
     run = publish(local_run(tmp_path, saved), "s3", request)
     flaky(TRANSIENT["http-503"], failures=2)
-    assert storage.latest_complete_checkpoint(run) == storage.join(run, NEWER)
+    assert STORE.latest_complete_checkpoint(run) == storage.join(run, NEWER)
     assert len(sleeps) == 2
 
 
@@ -290,10 +291,10 @@ def test_copy_dir_copies_everything_with_the_manifest_last(tmp_path, saved, wher
     real_put = storage._put_file
     monkeypatch.setattr(storage, "_put_file", lambda file, fs, path, rename: (written.append(path), real_put(file, fs, path, rename)))
 
-    storage.copy_dir(saved, storage.join(dest, NEWER))
+    STORE.copy_dir(saved, storage.join(dest, NEWER))
     assert written[-1].endswith("/MANIFEST.json") and len(written) == len(tree(saved))
-    assert storage.latest_complete_checkpoint(dest) == storage.join(dest, NEWER)
-    back = storage.download_dir(storage.join(dest, NEWER), tmp_path / "back")
+    assert STORE.latest_complete_checkpoint(dest) == storage.join(dest, NEWER)
+    back = STORE.download_dir(storage.join(dest, NEWER), tmp_path / "back")
     assert tree(back) == tree(saved)
     assert not list(back.rglob("*.tmp"))
     assert ckpt.load_checkpoint(back, verify_hashes=True).family == "bert"
@@ -303,9 +304,9 @@ def test_copy_dir_copies_everything_with_the_manifest_last(tmp_path, saved, wher
 def test_copy_dir_cut_off_midway_leaves_no_manifest(tmp_path, saved, where, request, monkeypatch, capsys):
     """Overwriting a complete copy and dying halfway must not leave the old manifest behind."""
     dest = f"s3://{request.getfixturevalue('s3_bucket')}/runs/r" if where == "s3" else str(tmp_path / "runs" / "r")
-    storage.copy_dir(saved, storage.join(dest, OLDER))
-    storage.copy_dir(saved, storage.join(dest, NEWER))
-    assert storage.latest_complete_checkpoint(dest) == storage.join(dest, NEWER)
+    STORE.copy_dir(saved, storage.join(dest, OLDER))
+    STORE.copy_dir(saved, storage.join(dest, NEWER))
+    assert STORE.latest_complete_checkpoint(dest) == storage.join(dest, NEWER)
 
     real_put = storage._put_file
     written = []
@@ -318,19 +319,19 @@ def test_copy_dir_cut_off_midway_leaves_no_manifest(tmp_path, saved, where, requ
 
     monkeypatch.setattr(storage, "_put_file", dies_on_the_third_file)
     with pytest.raises(RuntimeError, match="preempted"):
-        storage.copy_dir(saved, storage.join(dest, NEWER))
-    assert storage.checkpoint_problem(storage.join(dest, NEWER)) == "MANIFEST.json missing"
-    assert storage.latest_complete_checkpoint(dest) == storage.join(dest, OLDER)
+        STORE.copy_dir(saved, storage.join(dest, NEWER))
+    assert STORE.checkpoint_problem(storage.join(dest, NEWER)) == "MANIFEST.json missing"
+    assert STORE.latest_complete_checkpoint(dest) == storage.join(dest, OLDER)
     assert "MANIFEST.json missing" in capsys.readouterr().err
 
 
 def test_copy_dir_onto_itself_or_from_nowhere(tmp_path, saved):
     folder = shutil.copytree(saved, tmp_path / "ck")
     before = tree(folder)
-    storage.copy_dir(folder, str(folder))
+    STORE.copy_dir(folder, str(folder))
     assert tree(folder) == before
     with pytest.raises(storage.StorageError, match="not a local folder"):
-        storage.copy_dir(tmp_path / "missing", str(tmp_path / "out"))
+        STORE.copy_dir(tmp_path / "missing", str(tmp_path / "out"))
 
 
 def test_copy_dir_without_a_manifest_copies_a_plain_folder(tmp_path):
@@ -338,9 +339,9 @@ def test_copy_dir_without_a_manifest_copies_a_plain_folder(tmp_path):
     (src / "sub").mkdir(parents=True)
     (src / "vocab.txt").write_text("a\nb\n")
     (src / "sub" / "merges.txt").write_text("a b\n")
-    storage.copy_dir(src, f"file://{tmp_path}/out/tokenizer")
+    STORE.copy_dir(src, f"file://{tmp_path}/out/tokenizer")
     assert tree(tmp_path / "out" / "tokenizer") == tree(src)
-    storage.copy_dir(src, str(tmp_path / "out" / "tokenizer"))  # again: overwrites in place
+    STORE.copy_dir(src, str(tmp_path / "out" / "tokenizer"))  # again: overwrites in place
     assert tree(tmp_path / "out" / "tokenizer") == tree(src)
 
 
@@ -376,15 +377,15 @@ def run_of(tmp_path: Path, by_step, folders: dict[str, int]) -> Path:
 def test_the_newest_checkpoint_is_the_highest_step_when_names_go_backwards(tmp_path, by_step, where, request):
     run = publish(run_of(tmp_path, by_step, {BEFORE_CHANGE: 100, AFTER_CHANGE: 200}), where, request)
     assert sorted([BEFORE_CHANGE, AFTER_CHANGE], key=storage.checkpoint_order)[-1] == BEFORE_CHANGE  # the names mislead
-    assert storage.checkpoints_by_step(run) == [(BEFORE_CHANGE, 100), (AFTER_CHANGE, 200)]
-    assert storage.latest_complete_checkpoint(run) == storage.join(run, AFTER_CHANGE)
+    assert STORE.checkpoints_by_step(run) == [(BEFORE_CHANGE, 100), (AFTER_CHANGE, 200)]
+    assert STORE.latest_complete_checkpoint(run) == storage.join(run, AFTER_CHANGE)
 
 
 def test_equal_steps_and_folders_without_a_step_fall_back_to_name_order(tmp_path, by_step):
     run = run_of(tmp_path, by_step, {"checkpoint_b": 5, "checkpoint_a": 5, "checkpoint_c": 3, "checkpoint_d": 3})
     (run / "checkpoint_d" / "trainer_state.json").unlink()  # its name follows checkpoint_c's: just after it
     (run / "checkpoint_0" / "sub").mkdir(parents=True)  # no step and first by name: the oldest
-    assert storage.checkpoints_by_step(str(run)) == [
+    assert STORE.checkpoints_by_step(str(run)) == [
         ("checkpoint_0", None), ("checkpoint_c", 3), ("checkpoint_d", None), ("checkpoint_a", 5), ("checkpoint_b", 5),
     ]
 
@@ -407,15 +408,15 @@ def test_incomplete_folders_older_than_the_newest_complete_one_are_removed(tmp_p
     (local / storage.RAY_SNAPSHOT).write_text(json.dumps({"checkpoint_results": [{"dir": "checkpoint_2026-10-25_02-52-00.000000"}]}))
     run = publish(local, where, request)
 
-    removed = storage.remove_incomplete_checkpoints(run)
+    removed = STORE.remove_incomplete_checkpoints(run)
     assert sorted(uri for uri, _ in removed) == [storage.join(run, "checkpoint_2026-10-25_02-05-00.000000"),
                                                   storage.join(run, "checkpoint_2026-10-25_02-55-00.000000")]
     assert dict(removed)[storage.join(run, "checkpoint_2026-10-25_02-05-00.000000")] == "MANIFEST.json missing"
-    left = [name for name, _ in storage.checkpoints_by_step(run)]
+    left = [name for name, _ in STORE.checkpoints_by_step(run)]
     assert left == ["checkpoint_2026-10-25_02-50-00.000000", "checkpoint_2026-10-25_02-52-00.000000",
                     "checkpoint_2026-10-25_02-10-00.000000", "checkpoint_2026-10-25_02-20-00.000000"]
-    assert storage.latest_complete_checkpoint(run) == storage.join(run, "checkpoint_2026-10-25_02-10-00.000000")
-    assert storage.remove_incomplete_checkpoints(run) == []  # nothing more to do
+    assert STORE.latest_complete_checkpoint(run) == storage.join(run, "checkpoint_2026-10-25_02-10-00.000000")
+    assert STORE.remove_incomplete_checkpoints(run) == []  # nothing more to do
     capsys.readouterr()
 
 
@@ -423,5 +424,5 @@ def test_nothing_is_removed_without_a_complete_checkpoint(tmp_path, by_step):
     run = run_of(tmp_path, by_step, {"checkpoint_a": 1, "checkpoint_b": 2})
     for name in ("checkpoint_a", "checkpoint_b"):
         CUTS["manifest-missing"](run / name)
-    assert storage.remove_incomplete_checkpoints(str(run)) == []
+    assert STORE.remove_incomplete_checkpoints(str(run)) == []
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint_a", "checkpoint_b"]
