@@ -60,7 +60,7 @@ from ctxmodels import registry
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
 from ctxmodels.ops import Dropout
-from ctxmodels.task_kinds import TASK_KINDS, TASKS, Task, TaskKind, task_of  # noqa: F401 (TASK_KINDS re-exported)
+from ctxmodels.task_kinds import TASK_KINDS, TaskKind, task_of  # noqa: F401 (TASK_KINDS re-exported)
 
 IGNORE_INDEX = -100
 

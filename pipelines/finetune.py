@@ -514,12 +514,13 @@ def flatten_squad(squad: dict) -> dict[str, list]:
     return cols
 
 
-def read_squad_json(uri: str) -> dict[str, list]:
-    """``flatten_squad`` of a SQuAD JSON file (local path or URI, read with retries)."""
+def read_squad_json(uri: str, store: Any = None) -> dict[str, list]:
+    """``flatten_squad`` of a SQuAD JSON file (local path or URI, read with ``store``'s retries: a
+    ``pipelines.storage.Store``; None: the default endpoint and deadline)."""
     from pipelines.storage import Store
 
     try:
-        squad = json.loads(Store().read_bytes(uri))
+        squad = json.loads((store or Store()).read_bytes(uri))
     except json.JSONDecodeError as e:
         raise ValueError(f"{uri}: not valid JSON ({e})") from e
     return flatten_squad(squad)

@@ -107,7 +107,7 @@ def read_split(uris: str | list[str], fmt: str = "auto", store: storage.Store = 
             kind = split_format(path, fmt)
             fs, local = storage.filesystem(path, store.endpoint_url)
             if kind == "squad":
-                cols = read_squad_json(path)
+                cols = read_squad_json(path, store)
                 n = len(cols["id"])
                 texts = [json.dumps({k: cols[k][i] for k in cols}, ensure_ascii=False) for i in range(n)]
                 parts.append(pa.table({"_file": [path] * n, "_line": list(range(1, n + 1)), "_json": texts}))
