@@ -2,7 +2,8 @@
 line (pretraining, the fine-tuned accuracy beside the baselines, the registry, a /v1/classify and a
 /v1/embeddings answer with their registry version header, the scheduled round's gate decision), no
 Ray or library log lines, and afterwards no process it started and nothing in its temporary folder;
-the same after Ctrl-C in the middle of fine-tuning and after SIGTERM in the middle of pretraining.
+the same after Ctrl-C in the middle of pretraining (`make test`) and, in `make test-all`, after Ctrl-C in the
+middle of fine-tuning and SIGTERM in the middle of pretraining.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ class Demo:
                 break
             time.sleep(0.2)
         raise AssertionError(f"no line {prefix!r} within {timeout} s:\n{self.output}")
+
+    def wait_for_process(self, name: str, timeout: float) -> None:
+        """Until a process the demo started has ``name`` in its command line (Ray names actors' processes)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.proc.poll() is None:
+            if any(name in cmd for _, cmd in self.started.values()):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"no process {name!r} of the demo within {timeout} s:\n{self.output}")
 
     def finish(self, timeout: float) -> int:
         try:
@@ -149,14 +159,19 @@ def test_the_demo_runs_every_step_and_leaves_nothing_behind(tmp_path):
 
 
 @pytest.mark.parametrize("sig, status, after, wait_s, inside", [
-    (signal.SIGINT, 130, "2. held-out masked-token accuracy", 8, "3. "),  # Ctrl-C while fine-tuning: its worker starting or training
-    # `kill`, a pod's shutdown, while the tokenizer or pretraining runs; extended: the Ctrl-C case shows the same cleanup
+    (signal.SIGINT, 130, "ctx demo: ", "RayTrainWorker", "1. "),  # Ctrl-C while pretraining, once Ray Train's worker runs
+    # extended: the same cleanup, later in the demo (a fine-tuning worker) or by `kill` (a pod's shutdown)
+    pytest.param(signal.SIGINT, 130, "2. held-out masked-token accuracy", 8, "3. ", marks=pytest.mark.extended),
     pytest.param(signal.SIGTERM, 143, "ctx demo: ", 20, "1. ", marks=pytest.mark.extended),
-], ids=["ctrl-c-fine-tuning", "sigterm-pretraining"])
+], ids=["ctrl-c-pretraining", "ctrl-c-fine-tuning", "sigterm-pretraining"])
 def test_a_signal_mid_run_exits_at_once_and_leaves_nothing_behind(tmp_path, sig, status, after, wait_s, inside):
+    """``wait_s``: seconds after the line ``after``, or the name of a process of the demo's to wait for."""
     demo = Demo(tmp_path)
     demo.wait_for_line(after, 240)
-    time.sleep(wait_s)
+    if isinstance(wait_s, str):
+        demo.wait_for_process(wait_s, 240)
+    else:
+        time.sleep(wait_s)
     assert demo.proc.poll() is None and not any(x.startswith(inside) for x in demo.lines), demo.output  # that step still runs
     demo.proc.send_signal(sig)
     sent = time.monotonic()
