@@ -20,7 +20,10 @@ The steps, each measured in every round, in this order:
    back: what batching requests costs (passes cut from what is queued, not from all texts sorted).
 4. ``http bulk`` / ``http langchain``: ``ctx serve`` as ``serving.py`` starts it (HAProxy, uvicorn,
    FastAPI, JSON) under ``serving.py``'s bulk load (8 clients x 64 texts, float JSON) and LangChain's
-   (1,000-text requests through the openai client's base64): what HTTP costs.
+   (1,000-text requests through the openai client's base64): what HTTP costs. Before the load, with
+   no request in flight, ``serve_idle_cores``: the cores every other process on the machine keeps
+   busy meanwhile (``ctx serve``'s Ray, Serve's controller, proxy and HAProxy, the replica's own
+   timers): what a model inside Ray can never have.
 
 Each replica step also gives the replica process's CPU (cores busy, from ``getrusage``), so a step
 that loses throughput at the same CPU loses it to the work it does, and one that loses CPU loses it
@@ -49,6 +52,7 @@ import serving  # noqa: E402  (benchmarks/serving.py: texts, limit, servers and 
 SECONDS = 10.0
 ROUNDS = 2
 LANGCHAIN_REQUESTS = 6
+IDLE_SETTLE_S = 10.0
 
 
 class FloorReplica:
@@ -131,13 +135,40 @@ def replica_steps(model_dir: Path, texts: list[str], seconds: float) -> dict[str
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def http_steps(model_dir: Path, texts: list[str], n_tokens: list[int], seconds: float) -> dict[str, float]:
-    """Step 4: ``ctx serve`` in a child process, as serving.py runs it, under the bulk and LangChain loads."""
+def others_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by every process on the machine but this one."""
+    me, total = os.getpid(), 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cores(seconds: float) -> float:
+    """Cores busy meanwhile outside this process, averaged over ``seconds`` (processes that end
+    meanwhile are not counted: run it where nothing else starts or stops)."""
+    cpu0, start = others_cpu_s(), time.perf_counter()
+    time.sleep(seconds)
+    return (others_cpu_s() - cpu0) / (time.perf_counter() - start)
+
+
+def http_steps(model_dir: Path, texts: list[str], n_tokens: list[int], seconds: float) -> tuple[dict[str, float], float]:
+    """Step 4: ``ctx serve`` in a child process, as serving.py runs it, under the bulk and LangChain loads;
+    first, with no request at all, the cores its processes (Ray, Serve's controller, proxy and HAProxy,
+    the replica) keep busy by themselves."""
     side = serving.sides(model_dir, REPO / ".venv-infinity" / "bin" / "python", serving.CORES)["ours"]
     log_dir = Path(tempfile.mkdtemp(prefix="bulk-floor-logs-"))
     running = serving.Running(side, log_dir, serving.CORES)
     try:
         running.wait_ready()
+        time.sleep(IDLE_SETTLE_S)  # past start-up's last deployment steps
+        idle = idle_cores(seconds)
         bulk = asyncio.run(serving.generate_load(running, texts, n_tokens, serving.BULK_CLIENTS, seconds,
                                                  per_request=serving.BULK_PER_REQUEST))
         langchain = asyncio.run(serving.generate_load(running, texts, n_tokens, 1, 0, per_request=serving.BULK_TEXTS,
@@ -148,7 +179,7 @@ def http_steps(model_dir: Path, texts: list[str], n_tokens: list[int], seconds: 
     for name, load in (("bulk", bulk), ("langchain", langchain)):
         if load.errors:
             raise SystemExit(f"ctx serve answered errors under the {name} load: {load.errors}")
-    return {"http bulk": bulk.texts / bulk.seconds, "http langchain": langchain.texts / langchain.seconds}
+    return {"http bulk": bulk.texts / bulk.seconds, "http langchain": langchain.texts / langchain.seconds}, idle
 
 
 def main() -> None:
@@ -175,17 +206,20 @@ def main() -> None:
 
     rounds: list[dict[str, float]] = []
     cores: dict[str, list[float]] = {}
+    idle: list[float] = []
     for r in range(args.rounds):
         before = limit()
         replica = replica_steps(model_dir, texts, args.seconds)
-        http = http_steps(model_dir, texts, n_tokens, args.seconds)
+        http, idle_now = http_steps(model_dir, texts, n_tokens, args.seconds)
+        idle.append(idle_now)
         after = limit()
         got = {"limit": (before + after) / 2, **{k: v for k, (v, _) in replica.items()}, **http}
         for k, (_, c) in replica.items():
             cores.setdefault(k, []).append(c)
         rounds.append(got)
         print(f"round {r + 1}/{args.rounds}: limit {before:,.0f} then {after:,.0f} texts/s; " + ", ".join(
-            f"{k} {v:,.0f}" + (f" ({replica[k][1]:.2f} cores)" if k in replica else "") for k, v in got.items() if k != "limit"), flush=True)
+            f"{k} {v:,.0f}" + (f" ({replica[k][1]:.2f} cores)" if k in replica else "") for k, v in got.items() if k != "limit")
+            + f"; ctx serve idle: {idle_now:.3f} cores", flush=True)
 
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -193,6 +227,7 @@ def main() -> None:
     for k, v in med.items():
         busy = f"   {statistics.median(cores[k]):.2f} cores busy in the replica" if k in cores else ""
         print(f"{k + ':':<20} {v:8,.1f} texts/s   {v / lim:.2f} of the limit{busy}")
+    print(f"serve_idle_cores: {statistics.median(idle):.3f} ({statistics.median(idle) / serving.CORES:.1%} of the machine, no request in flight)")
     print(f"replica_vs_limit: {med['replica direct'] / lim:.2f}")
     print(f"batching_bulk_vs_direct: {med['replica bulk'] / med['replica direct']:.2f}")
     print(f"batching_langchain_vs_direct: {med['replica langchain'] / med['replica direct']:.2f}")
