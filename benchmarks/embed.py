@@ -1,5 +1,7 @@
-"""Bulk re-embedding throughput: ``ctx embed`` (Ray Data, an actor pool) over stored texts, start-up
-included, against the in-process limit of the same model on the same texts.
+"""Bulk re-embedding throughput: ``ctx embed`` over stored texts, start-up included, against the
+in-process limit of the same model on the same texts. With its defaults, an input this small on a
+machine with no cluster runs on ``ctx embed``'s local engine (no Ray); ``-- --engine ray`` times the Ray
+Data actor pool instead.
 
 Run: ``PYTHONPATH=$PWD .venv/bin/python benchmarks/embed.py`` (about 3 minutes on 2 cores with the
 defaults). Options: ``--rows`` (texts to embed, default 16384), ``--rounds`` (2), ``--small-rows``
@@ -217,7 +219,8 @@ def main() -> None:
             wall, summary = run_embed(model_dir, src, out, args.embed_args)
             walls.append(wall)
             print(f"round {r + 1}/{args.rounds} ctx embed: {args.rows} rows in {wall:.1f} s wall, {args.rows / wall:,.0f} rows/s "
-                  f"(summary: {summary['rows']} rows, {summary['seconds']} s, {summary['rows_per_s']} rows/s, {summary['actors']} actors)", flush=True)
+                  f"(summary: {summary['rows']} rows, {summary['seconds']} s, {summary['rows_per_s']} rows/s, engine {summary.get('engine', 'ray')}, "
+                  f"{summary['actors']} actors)", flush=True)
             print(check_output(out, args.rows, check_ids, ref))
             shutil.rmtree(out)
             if args.small_rows:

@@ -34,6 +34,9 @@ from pipelines import storage
 
 Pooling = Literal["mean", "cls", "last"]
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
+Engine = Literal["auto", "ray", "local"]
+ENGINES: tuple[str, ...] = ("auto", "ray", "local")
+LOCAL_FILE_ROWS = 16384  # rows per Parquet file the local engine writes (~25 MB of 384-dim vectors)
 # A bulk job bounds its work by the pass sizes below; the server's per-request token cap protects a
 # server from one client and would only refuse a large batch of long texts here.
 UNBOUNDED_TOKENS = 2**62
@@ -139,6 +142,7 @@ def reembed(
     verbose: bool = False,
     started: float | None = None,
     driver_read_bytes: int = DRIVER_READ_BYTES,
+    engine: Engine = "auto",
 ) -> dict[str, Any]:
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
@@ -156,14 +160,20 @@ def reembed(
     An input of at most ``driver_read_bytes`` (its files' sizes) is read here and handed to Ray Data in
     memory (``DRIVER_READ_BYTES``); a larger one streams through Ray Data's read tasks.
 
+    ``engine``: "ray" runs the Ray Data pipeline above; "local" embeds in this process, one model with a
+    torch thread per core over the same ``actor_batch_size`` chunks, and writes the Parquet itself (no Ray
+    started: its start and shutdown alone take 10 s on 2 cores, ``benchmarks/embed.py --floor``); "auto"
+    (the default) is "local" where there is no cluster to use (no Ray running here, no RAY_ADDRESS), the
+    input is one the driver reads (at most ``driver_read_bytes``) and no ``actors`` or ``num_gpus`` were
+    asked for, else "ray".
+
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
-    "registry_version", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
+    "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
     is wall time from ``started`` (a ``time.perf_counter()`` value, default this call's start).
     """
     started = time.perf_counter() if started is None else started
     import ray
 
-    from jobs.loop import init_ray
     from jobs.registry import resolve
     from jobs.identity import checkpoint_version  # not jobs.serve: the driver needs neither torch nor Ray Serve
     from jobs.runs import resolve_checkpoint
@@ -175,6 +185,8 @@ def reembed(
             raise ValueError(f"{name} ({value}) must be at least 1")
     if (actors is not None and actors < 1) or cpus_per_actor <= 0:
         raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
     existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)
@@ -183,15 +195,72 @@ def reembed(
     checkpoint = resolve_checkpoint(source)
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
 
+    if engine == "auto":
+        no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+        engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
+    if engine == "local":
+        table = _read_small(files, in_fs, input, id_column, text_column, store)
+        embedder = Embedder(checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens,
+                            threads=os.cpu_count() or 1)
+        _write_local(out_fs, out_path, (embedder(table.slice(i, actor_batch_size)) for i in range(0, table.num_rows, actor_batch_size)),
+                     output, store)
+        pool = 0
+    else:
+        pool = _ray_data(files, in_fs, input, out_fs, out_path, size, existed_empty, checkpoint, version, id_column, text_column,
+                         pooling, normalize, store, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor,
+                         num_gpus, verbose, driver_read_bytes)
+
+    summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
+    seconds = time.perf_counter() - started
+    return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
+            "seconds": round(seconds, 2), "rows_per_s": round(rows_in / seconds, 1)}
+
+
+def _read_small(files: list[str], fs: pafs.FileSystem, input: str, id_column: str, text_column: str, store: storage.Store) -> pa.Table:
+    import pyarrow.dataset as pads
+
+    return store.retry(lambda: pads.dataset(files, filesystem=fs, format="parquet").to_table(columns=[id_column, text_column]),
+                       f"read {input}")
+
+
+def _write_local(fs: pafs.FileSystem, path: str, parts, output: str, store: storage.Store) -> None:
+    """The local engine's output: Parquet files of at least LOCAL_FILE_ROWS rows each (the last one
+    fewer), in the folder ``refuse_existing`` found empty or absent."""
+    import pyarrow.parquet as pq
+
+    store.retry(lambda: fs.create_dir(path, recursive=True), f"create {output}")
+    pending: list[pa.Table] = []
+
+    def flush(k: int) -> None:
+        table = pa.concat_tables(pending)
+        name = f"embeddings-{k:05d}.parquet"
+        store.retry(lambda: pq.write_table(table, f"{path.rstrip('/')}/{name}", filesystem=fs), f"write {storage.join(output, name)}")
+        pending.clear()
+
+    k = 0
+    for part in parts:
+        pending.append(part)
+        if sum(t.num_rows for t in pending) >= LOCAL_FILE_ROWS:
+            flush(k)
+            k += 1
+    if pending:
+        flush(k)
+
+
+def _ray_data(files, in_fs, input, out_fs, out_path, size, existed_empty, checkpoint, version, id_column, text_column, pooling,
+              normalize, store, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, num_gpus, verbose,
+              driver_read_bytes) -> int:
+    """The Ray Data pipeline (``engine="ray"``); returns the actor pool's size."""
+    import ray
+
+    from jobs.loop import init_ray
+
     # --- Ray seam: Ray Data read -> actor pool -> write ---
     init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
     pool = actors or pool_size(cpus_per_actor, num_gpus)
     _check_pool(pool, cpus_per_actor)
     if size <= driver_read_bytes:  # small: read here, no Ray Data read tasks (DRIVER_READ_BYTES)
-        import pyarrow.dataset as pads
-
-        table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format="parquet").to_table(columns=[id_column, text_column]),
-                            f"read {input}")
+        table = _read_small(files, in_fs, input, id_column, text_column, store)
         ds = ray.data.from_arrow([table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)])
     else:
         ds = ray.data.read_parquet(files, filesystem=in_fs).select_columns([id_column, text_column])  # read only these two
@@ -211,11 +280,7 @@ def reembed(
     # SaveMode.ERROR: Ray Data refuses too if another writer created the folder since the check above.
     mode = ray.data.SaveMode.APPEND if existed_empty else ray.data.SaveMode.ERROR
     vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
-
-    summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
-    seconds = time.perf_counter() - started
-    return {**summary, "registry_version": registered.ref if registered else None, "actors": pool,
-            "seconds": round(seconds, 2), "rows_per_s": round(rows_in / seconds, 1)}
+    return pool
 
 
 def pool_size(cpus_per_actor: float, num_gpus: float = 0.0) -> int:

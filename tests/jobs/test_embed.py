@@ -108,6 +108,24 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
         reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out)
 
 
+def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(minilm_dir, tmp_path, monkeypatch):
+    """engine="local" (what "auto" picks for a small input with no cluster): this process embeds, no Ray."""
+    import jobs.embed
+
+    monkeypatch.setattr(jobs.embed, "LOCAL_FILE_ROWS", 4)  # 7 rows in chunks of 3, 3, 1: files of 6 and 1 rows
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    out = tmp_path / "vectors"
+    summary = reembed(str(minilm_dir), str(src), str(out), actor_batch_size=3, batch_size=2, engine="local")
+    assert summary["engine"] == "local" and summary["actors"] == 0 and summary["rows"] == len(IDS)
+    assert sorted(pq.read_metadata(f).num_rows for f in out.glob("*.parquet")) == [1, 6]
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), checkpoint_version(str(minilm_dir)))
+    with pytest.raises(FileExistsError, match="never over them"):
+        reembed(str(minilm_dir), str(src), str(out), engine="local")
+    with pytest.raises(ValueError, match="engine 'spark'"):
+        reembed(str(minilm_dir), str(src), str(tmp_path / "other"), engine="spark")
+
+
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir):
     from jobs.cli import main
 
@@ -171,12 +189,12 @@ def test_ctx_embed_prints_rows_seconds_and_rate_and_no_ray_data_lines_without_ve
     pq.write_table(pa.table({"id": pa.array(range(n), pa.int64()), "text": texts}), tmp_path / "texts.parquet")
     common = ["--model", str(minilm_dir), "--input", str(tmp_path / "texts.parquet"), "--actor-batch-size", "64", "--batch-size", "8"]
 
-    done, wall = _ctx_embed(*common, "--output", str(tmp_path / "quiet"))
+    done, wall = _ctx_embed(*common, "--engine", "ray", "--output", str(tmp_path / "quiet"))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 1, done.stdout  # the summary, nothing else
     summary = json.loads(lines[0])
-    assert summary["rows"] == n and summary["dim"] == 384 and summary["actors"] >= 1
+    assert summary["rows"] == n and summary["dim"] == 384 and summary["engine"] == "ray" and summary["actors"] >= 1
     assert 0 < summary["seconds"] < wall  # from the command's start, Ray's start included, within the process's life
     assert summary["rows_per_s"] == pytest.approx(n / summary["seconds"], rel=0.02, abs=0.06)  # rounded to 0.1
     assert sorted(_read(str(tmp_path / "quiet")).column("id").to_pylist()) == list(range(n))
@@ -185,6 +203,16 @@ def test_ctx_embed_prints_rows_seconds_and_rate_and_no_ray_data_lines_without_ve
     assert not shown, "\n".join(shown[:20])
 
     # the control: --verbose shows them, so the check above reads the streams where they would be
-    done, _ = _ctx_embed(*common, "--output", str(tmp_path / "verbose"), "--verbose")
+    done, _ = _ctx_embed(*common, "--engine", "ray", "--output", str(tmp_path / "verbose"), "--verbose")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Starting execution of Dataset" in done.stdout + done.stderr
+
+    # the default on this small input with no cluster: the local engine, no Ray at all, the same vectors
+    done, _ = _ctx_embed(*common, "--output", str(tmp_path / "local"), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["engine"] == "local" and summary["actors"] == 0 and summary["rows"] == n
+    assert "Ray instance" not in done.stdout + done.stderr  # --verbose would show Ray's start
+    by_ray, local = (_read(str(tmp_path / d)).sort_by("id") for d in ("quiet", "local"))
+    assert local.column("id").to_pylist() == list(range(n))
+    np.testing.assert_allclose(np.asarray(local.column("embedding").to_pylist()), np.asarray(by_ray.column("embedding").to_pylist()), atol=1e-5)
