@@ -6,6 +6,9 @@
     --actor-batch-size rows --map_batches(Embedder, a fixed pool of --actors)--> (id, embedding,
     model_version, tokenizer_hash) --write_parquet--> a NEW folder
 
+On a machine with no cluster to use, an input the driver reads runs on the local engine instead
+(``engine``, ``reembed``'s docstring): one ``Embedder`` in this process over the same chunks, no Ray.
+
 Each actor loads the model once, through the serving code (``jobs.replica.EmbeddingReplica.embed_now``),
 so a stored vector equals what /v1/embeddings answers for that text with the same ``pooling`` and
 ``normalize`` (and ``"truncate": true``: a stored text longer than the model reads is cut, not
