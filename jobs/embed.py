@@ -175,8 +175,10 @@ def reembed(
     is wall time from ``started`` (a ``time.perf_counter()`` value, default this call's start).
     """
     started = time.perf_counter() if started is None else started
+    import pyarrow.dataset as pads
     import ray
 
+    from jobs.loop import init_ray
     from jobs.registry import resolve
     from jobs.identity import checkpoint_version  # not jobs.serve: the driver needs neither torch nor Ray Serve
     from jobs.runs import resolve_checkpoint
@@ -201,29 +203,45 @@ def reembed(
     if engine == "auto":
         no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
         engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
+    chunks = None  # the input in actor_batch_size rows, where this process reads it (DRIVER_READ_BYTES)
+    if engine == "local" or size <= driver_read_bytes:
+        table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format="parquet").to_table(columns=[id_column, text_column]),
+                            f"read {input}")
+        chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
+    model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
     if engine == "local":
-        table = _read_small(files, in_fs, input, id_column, text_column, store)
-        embedder = Embedder(checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens,
-                            threads=os.cpu_count() or 1)
-        _write_local(out_fs, out_path, (embedder(table.slice(i, actor_batch_size)) for i in range(0, table.num_rows, actor_batch_size)),
-                     output, store)
+        _write_local(out_fs, out_path, map(Embedder(*model_args, threads=os.cpu_count() or 1), chunks), output, store)
         pool = 0
     else:
-        pool = _ray_data(files, in_fs, input, out_fs, out_path, size, existed_empty, checkpoint, version, id_column, text_column,
-                         pooling, normalize, store, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor,
-                         num_gpus, verbose, driver_read_bytes)
+        # --- Ray seam: Ray Data read -> actor pool -> write ---
+        init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
+        pool = actors or pool_size(cpus_per_actor, num_gpus)
+        _check_pool(pool, cpus_per_actor)
+        if chunks is not None:  # small: read here, no Ray Data read tasks
+            ds = ray.data.from_arrow(chunks)
+        else:
+            ds = ray.data.read_parquet(files, filesystem=in_fs).select_columns([id_column, text_column])  # read only these two
+            # One Parquet file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
+            # every actor of the pool gets work (streaming: no barrier before the model starts).
+            ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
+        threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
+        vectors = ds.map_batches(
+            Embedder,
+            fn_constructor_args=(*model_args, threads),
+            batch_size=actor_batch_size,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=pool),
+            num_cpus=cpus_per_actor,
+            num_gpus=num_gpus,
+        )
+        # SaveMode.ERROR: Ray Data refuses too if another writer created the folder since the check above.
+        mode = ray.data.SaveMode.APPEND if existed_empty else ray.data.SaveMode.ERROR
+        vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
 
     summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
     seconds = time.perf_counter() - started
     return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
             "seconds": round(seconds, 2), "rows_per_s": round(rows_in / seconds, 1)}
-
-
-def _read_small(files: list[str], fs: pafs.FileSystem, input: str, id_column: str, text_column: str, store: storage.Store) -> pa.Table:
-    import pyarrow.dataset as pads
-
-    return store.retry(lambda: pads.dataset(files, filesystem=fs, format="parquet").to_table(columns=[id_column, text_column]),
-                       f"read {input}")
 
 
 def _write_local(fs: pafs.FileSystem, path: str, parts, output: str, store: storage.Store) -> None:
@@ -240,50 +258,15 @@ def _write_local(fs: pafs.FileSystem, path: str, parts, output: str, store: stor
         store.retry(lambda: pq.write_table(table, f"{path.rstrip('/')}/{name}", filesystem=fs), f"write {storage.join(output, name)}")
         pending.clear()
 
-    k = 0
+    k = rows = 0
     for part in parts:
         pending.append(part)
-        if sum(t.num_rows for t in pending) >= LOCAL_FILE_ROWS:
+        rows += part.num_rows
+        if rows >= LOCAL_FILE_ROWS:
             flush(k)
-            k += 1
+            k, rows = k + 1, 0
     if pending:
         flush(k)
-
-
-def _ray_data(files, in_fs, input, out_fs, out_path, size, existed_empty, checkpoint, version, id_column, text_column, pooling,
-              normalize, store, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, num_gpus, verbose,
-              driver_read_bytes) -> int:
-    """The Ray Data pipeline (``engine="ray"``); returns the actor pool's size."""
-    import ray
-
-    from jobs.loop import init_ray
-
-    # --- Ray seam: Ray Data read -> actor pool -> write ---
-    init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
-    pool = actors or pool_size(cpus_per_actor, num_gpus)
-    _check_pool(pool, cpus_per_actor)
-    if size <= driver_read_bytes:  # small: read here, no Ray Data read tasks (DRIVER_READ_BYTES)
-        table = _read_small(files, in_fs, input, id_column, text_column, store)
-        ds = ray.data.from_arrow([table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)])
-    else:
-        ds = ray.data.read_parquet(files, filesystem=in_fs).select_columns([id_column, text_column])  # read only these two
-        # One Parquet file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
-        # every actor of the pool gets work (streaming: no barrier before the model starts).
-        ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
-    threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
-    vectors = ds.map_batches(
-        Embedder,
-        fn_constructor_args=(checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens, threads),
-        batch_size=actor_batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=pool),
-        num_cpus=cpus_per_actor,
-        num_gpus=num_gpus,
-    )
-    # SaveMode.ERROR: Ray Data refuses too if another writer created the folder since the check above.
-    mode = ray.data.SaveMode.APPEND if existed_empty else ray.data.SaveMode.ERROR
-    vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
-    return pool
 
 
 def pool_size(cpus_per_actor: float, num_gpus: float = 0.0) -> int:
