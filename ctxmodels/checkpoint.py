@@ -30,12 +30,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ctxmodels import hf, registry
-from ctxmodels.files import file_sha256  # noqa: F401 (re-exported: the manifest's hashes)
+from ctxmodels.files import CONFIG, MANIFEST, WEIGHTS, file_sha256, first_problem, manifest_entries  # noqa: F401 (re-exported)
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 TOKENIZER = "tokenizer"
-MANIFEST = "MANIFEST.json"
 RESERVED = {WEIGHTS, CONFIG, MANIFEST, TOKENIZER}
 
 
@@ -200,19 +197,9 @@ def checkpoint_problem(ckpt_dir: str | Path, verify_hashes: bool = False) -> str
         return f"{MANIFEST} missing"
     except OSError as e:
         return f"manifest unreadable ({e})"
-    try:
-        manifest = json.loads(text)
-    except ValueError as e:  # half a JSON document, or not UTF-8
-        return f"manifest unreadable ({e})"
-    entries = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(entries, list) or not all(
-        isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int for e in entries
-    ):
-        return 'manifest unreadable (expected {"files": [{"path": ..., "size": ..., "sha256": ...}, ...]})'
-    listed = {e["path"] for e in entries}
-    for name in (WEIGHTS, CONFIG):
-        if name not in listed:
-            return f"manifest does not list {name}"
+    entries, unusable = manifest_entries(text)
+    if unusable:
+        return unusable
     problems = []
     for entry in entries:
         path = folder / entry["path"]
@@ -222,10 +209,7 @@ def checkpoint_problem(ckpt_dir: str | Path, verify_hashes: bool = False) -> str
             problems.append(f"{entry['path']}: {path.stat().st_size} bytes, manifest says {entry['size']}")
         elif verify_hashes and file_sha256(path) != entry.get("sha256"):
             problems.append(f"{entry['path']}: sha256 differs from the manifest")
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return problems[0] + more
+    return first_problem(problems)
 
 
 def is_complete(ckpt_dir: str | Path, verify_hashes: bool = False) -> bool:

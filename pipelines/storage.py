@@ -31,6 +31,8 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
+from ctxmodels.files import CONFIG, MANIFEST, WEIGHTS, first_problem, manifest_entries
+
 T = TypeVar("T")
 
 CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
@@ -346,9 +348,8 @@ def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
 
 
 # The manifest that ctxmodels.checkpoint.save_checkpoint writes last, and the files every checkpoint
-# has; repeated here because pipelines/ does not import torch (a test checks that they agree).
-MANIFEST = "MANIFEST.json"
-REQUIRED_FILES = ("model.safetensors", "config.json")
+# has: from ctxmodels.files, which imports no torch.
+REQUIRED_FILES = (WEIGHTS, CONFIG)
 TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoint of a ctx run
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
 
@@ -363,10 +364,6 @@ def checkpoint_order(name: str) -> list:
     """
     # re.split with a group alternates text and digit runs, so equal positions hold equal types.
     return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
-
-
-def _is_entry(entry: object) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("path"), str) and type(entry.get("size")) is int
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,17 +539,9 @@ class Store:
             text = self.retry(lambda: _read_bytes(fs, prefix + MANIFEST), f"read {join(uri, MANIFEST)}")
         except FileNotFoundError:  # deleted since the listing (an overwrite in progress)
             return f"{MANIFEST} missing"
-        try:
-            manifest = json.loads(text)
-        except ValueError as e:  # half a JSON document, or not UTF-8
-            return f"manifest unreadable ({e})"
-        entries = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
-            return "manifest unreadable (expected {\"files\": [{\"path\": ..., \"size\": ...}, ...]})"
-        listed = {e["path"] for e in entries}
-        for name in REQUIRED_FILES:
-            if name not in listed:
-                return f"manifest does not list {name}"
+        entries, unusable = manifest_entries(text)
+        if unusable:
+            return unusable
         problems = []
         for e in entries:
             size = sizes.get(e["path"])
@@ -560,10 +549,7 @@ class Store:
                 problems.append(f"{e['path']} missing")
             elif size != e["size"]:
                 problems.append(f"{e['path']}: {size} bytes, manifest says {e['size']}")
-        if not problems:
-            return None
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return problems[0] + more
+        return first_problem(problems)
 
     def checkpoint_step(self, uri: str) -> int | None:
         """The ``step`` in the checkpoint's trainer_state.json, or None when it has none (missing, cut
