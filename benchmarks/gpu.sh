@@ -11,8 +11,10 @@
 # transformers' BertForMaskedLM (sdpa) at batch 32 (the issue's figure): compiled blocks, eager,
 # and compiled blocks as CUDA graphs (reduce-overhead), then at batch 256, with the share of each
 # step the GPU is busy (torch.profiler) and its kernel time by kind; at batch 256 again with the
-# residual stream in bf16 (--residual bf16), and that without dropout; a fine-tuning step (MiniLM, padded batches, bf16); MiniLM sentence
-# embeddings against sentence-transformers. Each part has its own time limit, so one that hangs
+# residual stream in bf16 (--residual bf16), and that without dropout; the whole model compiled as CUDA
+# graphs (--compile whole --compile-mode reduce-overhead) at batch 32 and 256; batch 256 with the
+# blocks' products autotuned (max-autotune: Triton templates with fused epilogues); a fine-tuning
+# step (MiniLM, padded batches, bf16); MiniLM sentence embeddings against sentence-transformers. Each part has its own time limit, so one that hangs
 # does not take the others with it. Logs go to $OUT/ when OUT is set. PARTS="a b" runs those parts only.
 set -u
 cd "$(dirname "$0")/.."
@@ -55,6 +57,11 @@ part pretrain_b32_graphs 90 $PY benchmarks/train_throughput.py --device cuda --p
 part pretrain_b256_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile
 part pretrain_b256_bf16res 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile --residual bf16
 part pretrain_b256_bf16res_nodrop 100 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --residual bf16 --dropout 0
+# the whole model as CUDA graphs (train.compile: graphs on one GPU), at batch 32 and 256
+part pretrain_b32_whole 170 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --residual bf16 --compile whole --compile-mode reduce-overhead --profile
+part pretrain_b256_whole 170 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --residual bf16 --compile whole --compile-mode reduce-overhead --profile
+# the blocks' products as inductor's autotuned Triton templates, element-wise work fused into them (GEMM epilogues)
+part pretrain_b256_autotune 240 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --residual bf16 --compile-mode max-autotune-no-cudagraphs --profile
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
 echo "=== summary"

@@ -76,14 +76,15 @@ from ctxmodels.compiling import compile_blocks  # noqa: E402
 from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
 from ctxmodels.ops import low_precision_layernorms  # noqa: E402
-from jobs.loop import model_inputs, to_device  # noqa: E402
+from jobs.loop import POSITIONS_MULTIPLE, model_inputs, to_device  # noqa: E402
 from jobs.parallel import cpu_has_native_bf16  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
 
 BATCH, SEQ_LEN = 32, 128  # rows per batch (--batch), tokens per row
 N_BATCHES = 3  # distinct batches, cycled; a round times each once per model
 ROUNDS = 7
-WARMUP_STEPS = 2  # per model, before the first round
+WARMUP_STEPS = 2 * N_BATCHES  # per model, before the first round: twice over the batches, so a compiled step
+# has met every shape twice (CUDA graphs: one warm-up run, then the recording) before it is timed
 CHECK_ROWS = 8  # rows of the first batch on which the two models' losses, gradients and FLOPs are checked (CPU, fp32)
 SEED = 1234
 LR, WEIGHT_DECAY, MAX_NORM = 1e-4, 0.01, 1.0
@@ -367,9 +368,11 @@ def main() -> None:
     parser.add_argument("--residual", choices=("fp32", "bf16"), default="fp32",
                         help="ours under bf16 autocast: the LayerNorm outputs (the residual stream between blocks) "
                              "in float32 (default, as plain autocast) or bf16 (ops.low_precision_layernorms, as train.residual: bf16 does)")
-    parser.add_argument("--compile", choices=("auto", "blocks", "none"), default="auto",
+    parser.add_argument("--compile", choices=("auto", "blocks", "whole", "none"), default="auto",
                         help="ours: each Transformer block under torch.compile (ctxmodels.compiling, as train.compile), "
-                             "or eager; auto (default): blocks on CUDA, eager on the CPU. transformers runs eager")
+                             "the whole model in one graph (with --compile-mode reduce-overhead: forward and backward "
+                             "each one CUDA graph, as train.compile: graphs on one GPU), or eager; auto (default): "
+                             "blocks on CUDA, eager on the CPU. transformers runs eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -408,11 +411,15 @@ def main() -> None:
 
     # Checked on the CPU in fp32 above; from here on both run where and how they are timed.
     ours.to(device), hf.to(device)
-    compiled = args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda")
-    if compiled:
-        options = {} if args.compile_mode is None else {"mode": args.compile_mode}
+    options = {} if args.compile_mode is None else {"mode": args.compile_mode}
+    stepped = ours  # what ours' step calls
+    if args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda"):
         print(f"ours: {compile_blocks(ours, **options)} blocks under torch.compile {options or ''} "
               "(compiled during the warm-up steps)")
+    elif args.compile == "whole":
+        stepped = torch.compile(ours, **options)
+        print(f"ours: the whole model under torch.compile {options or ''} (compiled during the warm-up steps; "
+              f"masked positions padded to a multiple of {POSITIONS_MULTIPLE} by to_device)")
     # Ours gets its batches as ctx pretrain moves them (jobs.loop.to_device: pinned, asynchronous,
     # an all-ones mask found on the host and left out, the masked positions found on the host); transformers gets the mask, as users pass it.
     batches_ours = [model_inputs(to_device(b, device, label_positions=True)) for b in batches]
@@ -421,7 +428,7 @@ def main() -> None:
     if args.precision == "bf16":
         autocast = functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
     fused = args.adamw == "fused"
-    sides = {"ours": make_step(ours, fused, autocast, ours=True), "transformers": make_step(hf, fused, autocast)}
+    sides = {"ours": make_step(stepped, fused, autocast, ours=True), "transformers": make_step(hf, fused, autocast)}
     inputs = {"ours": batches_ours, "transformers": batches}
     for name, step in sides.items():
         start = time.perf_counter()

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, Embedding, predicted_positions
+from ctxmodels.ops import Dropout, Embedding, predicted_positions, prediction_count
 from ctxmodels.outputs import PretrainOutput
 
 IGNORE_INDEX = -100  # label value of positions that are not predicted (HF convention)
@@ -309,7 +309,8 @@ class AlbertForPreTraining(nn.Module):
         """``labels`` (B, T): target ids at masked positions, -100 elsewhere. ``next_sentence_label``
         (B,) is the project's column for SOP too: 0 = in order, 1 = swapped. ``label_positions``
         (N,): where ``labels != -100`` as flat indices found on the host (``jobs.loop.to_device``
-        on a GPU); found here when None."""
+        on a GPU, padded by ``ops.padded_positions``: padding rows count in no loss or metric);
+        found here when None."""
         if labels is None:
             raise ValueError("AlbertForPreTraining needs `labels` (MLM targets, -100 where not predicted)")
         if self.config.sop and next_sentence_label is None:
@@ -319,9 +320,9 @@ class AlbertForPreTraining(nn.Module):
             )
         positions = predicted_positions(labels, label_positions, IGNORE_INDEX)  # (N,) into B * T
         mlm_logits, sop_logits = self.logits(input_ids, attention_mask, token_type_ids, labels, positions)
-        targets = labels.reshape(-1).index_select(0, positions)  # (N,)
-        n_pred = torch.full((), targets.numel(), dtype=torch.long, device=targets.device)  # a fill, not a copy from the host
-        denom = max(targets.numel(), 1)  # a batch with nothing masked gives loss 0, not NaN
+        targets = labels.reshape(-1).index_select(0, positions)  # (N,), -100 where positions only pad
+        n_pred = prediction_count(targets, IGNORE_INDEX)  # on the device: no wait for the host
+        denom = n_pred.clamp(min=1)  # a batch with nothing masked gives loss 0, not NaN
         mlm_loss = F.cross_entropy(mlm_logits, targets, reduction="sum") / denom
         metrics = {
             "mlm_loss": mlm_loss.detach(),

@@ -43,7 +43,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ctxmodels.ops import Dropout, Embedding, LayerNorm, drawable, dropout, keep_mask, masked_lm_loss, predicted_positions
+from ctxmodels.ops import (
+    Dropout,
+    Embedding,
+    LayerNorm,
+    drawable,
+    dropout,
+    keep_mask,
+    masked_lm_loss,
+    predicted_positions,
+    prediction_count,
+)
 from ctxmodels.outputs import PretrainOutput
 
 PositionStyle = Literal["absolute", "roberta"]
@@ -835,7 +845,9 @@ class BertForPreTraining(nn.Module):
         the tokens just before / after the token's span and its 0-based position in the span
         (``pipelines.spans.span_mask``). Given together, and only to a model with ``cfg.sbo``.
         ``label_positions`` (N,): where ``labels != -100``, as flat indices found on the host
-        (``ops.predicted_positions``; ``jobs.loop.to_device`` on a GPU); found here when None."""
+        (``ops.predicted_positions``; ``jobs.loop.to_device`` on a GPU, padded to a few fixed
+        counts by ``ops.padded_positions``: padding rows count in no loss or metric); found here
+        when None."""
         if labels is None and next_sentence_label is None:
             raise ValueError(
                 "BertForPreTraining.forward needs labels (MLM) and/or next_sentence_label (NSP); "
@@ -864,21 +876,17 @@ class BertForPreTraining(nn.Module):
             # parameter used).
             positions = predicted_positions(labels, label_positions, IGNORE_INDEX)  # (N,) into B * T
             h = self.mlm.transform(last.reshape(-1, last.shape[-1]).index_select(0, positions))  # (N, D)
-            target = labels.reshape(-1).index_select(0, positions)  # (N,)
-            n_pred = positions.numel()
+            target = labels.reshape(-1).index_select(0, positions)  # (N,), -100 where positions only pad
+            n_pred = prediction_count(target, IGNORE_INDEX)  # on the device: no wait for the host
             mlm_loss, n_correct = masked_lm_loss(h, word, self.mlm.bias, target)
-            mlm_acc = n_correct.float() / max(n_pred, 1)
+            mlm_acc = n_correct.float() / n_pred.clamp(min=1)
             losses.append(mlm_loss)
-            metrics.update(
-                mlm_loss=mlm_loss.detach(),
-                mlm_acc=mlm_acc.detach(),
-                n_pred=torch.full((), n_pred, dtype=torch.long, device=last.device),  # a fill, not a copy from the host
-            )
+            metrics.update(mlm_loss=mlm_loss.detach(), mlm_acc=mlm_acc.detach(), n_pred=n_pred)
 
         if self.sbo is not None and sbo_left is not None:
             y = self._sbo_at(last, positions, sbo_left, sbo_right, sbo_pos)  # (N, D), same N as MLM
             sbo_loss, sbo_correct = masked_lm_loss(y, word, self.sbo.bias, target)
-            sbo_acc = sbo_correct.float() / max(n_pred, 1)
+            sbo_acc = sbo_correct.float() / n_pred.clamp(min=1)
             losses.append(sbo_loss)
             metrics.update(sbo_loss=sbo_loss.detach(), sbo_acc=sbo_acc.detach())
 

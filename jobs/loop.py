@@ -46,6 +46,8 @@ BOOKKEEPING = ("sample_id", "epoch")
 # The key ``to_device`` sets in a batch whose attention mask is all ones: ``model_inputs`` drops the mask.
 NO_PADDING = "_no_padding"
 LABEL_POSITIONS = "_label_positions"  # where labels != -100, found by to_device on the host; the forward's label_positions
+# to_device pads those positions to a multiple of this many (ops.padded_positions): a few shapes a run
+POSITIONS_MULTIPLE = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +132,11 @@ def to_device(batch: dict[str, Any], device, label_positions: bool = False) -> d
     read it). ``label_positions`` (for a model whose forward takes them: BERT's and ALBERT's
     masked-LM heads): the flat indices where ``labels != -100`` are found here too
     (``LABEL_POSITIONS``, passed on by ``model_inputs``), so the head gathers its rows with no
-    wait either (``ctxmodels.ops.predicted_positions``). On the CPU the batch is returned as it
-    is: the families check their masks there.
+    wait either, padded to a multiple of ``POSITIONS_MULTIPLE`` with a position that has no target
+    (``ctxmodels.ops.padded_positions``): a run's steps then take a handful of shapes, which a
+    compiled model keeps graphs for and CUDA graphs replay, while the loss and metrics count the
+    real targets only. On the CPU the batch is returned as it is: the families check their masks
+    there.
     """
     import torch
 
@@ -140,9 +145,13 @@ def to_device(batch: dict[str, Any], device, label_positions: bool = False) -> d
     host = dict(batch)
     labels = batch.get("labels")
     if label_positions and isinstance(labels, torch.Tensor) and labels.device.type == "cpu":
-        from ctxmodels.ops import predicted_positions
+        from torch._dynamo import maybe_mark_dynamic
 
-        host[LABEL_POSITIONS] = predicted_positions(labels)
+        from ctxmodels.ops import padded_positions
+
+        positions = padded_positions(labels, POSITIONS_MULTIPLE)
+        maybe_mark_dynamic(positions, 0)  # a model compiled whole compiles once for every count, not once per count
+        host[LABEL_POSITIONS] = positions
     out: dict[str, Any] = {}
     for k, v in host.items():
         if isinstance(v, torch.Tensor) and v.device.type == "cpu":

@@ -44,8 +44,8 @@ Precision = Literal["fp32", "bf16"]
 class ParallelPlan:
     strategy: Strategy = "ddp"  # replicate (DDP) or shard (FSDP2) the model across the workers
     precision: Precision = "fp32"  # bf16: autocast on CUDA and native-bf16 CPUs (bf16 matmuls, fp32 master weights/optimizer)
-    # True: each Transformer block under torch.compile (ctxmodels.compiling); "graphs": the same, on
-    # CUDA replayed as CUDA graphs (mode reduce-overhead: the host launches a block's kernels at once)
+    # True: each Transformer block under torch.compile (ctxmodels.compiling); "graphs": on CUDA replayed
+    # as CUDA graphs (mode reduce-overhead), the whole model where its step has static shapes on one GPU
     compile: bool | Literal["graphs"] = False
 
     def __post_init__(self) -> None:
@@ -156,16 +156,21 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
     Compiling is regional (``ctxmodels.compiling.compile_blocks``): each Transformer block is
     compiled in place, before wrapping, as FSDP2's per-block recipe does; the embeddings, heads
     and loss stay eager. A family with no block marked for it (ELMo, Transformer-XL, XLNet) is
-    compiled whole, around the wrapper, as the DDP and FSDP2 documentation recommend.
+    compiled whole, around the wrapper, as the DDP and FSDP2 documentation recommend. With
+    ``compile: graphs`` on one GPU, a model whose step has static shapes
+    (``ctxmodels.compiling.has_static_step``: the masked-LM families) is compiled whole as CUDA
+    graphs, forward and backward each one replay; with several workers its blocks are (the
+    gradient hooks of DDP and FSDP2 run between a backward's pieces).
     """
-    model = model.to(device)
-    whole = False
-    if plan.compile:
-        from ctxmodels.compiling import compile_blocks
+    from ctxmodels.compiling import compile_blocks, has_static_step
 
-        graphs = plan.compile == "graphs" and device.type == "cuda"  # CUDA graphs exist on CUDA only
-        whole = compile_blocks(model, **({"mode": "reduce-overhead"} if graphs else {})) == 0
+    model = model.to(device)
     n = world_size()
+    graphs = plan.compile == "graphs" and device.type == "cuda"  # CUDA graphs exist on CUDA only
+    step_graphs = graphs and n == 1 and has_static_step(model)  # the whole model as CUDA graphs
+    whole = step_graphs
+    if plan.compile and not step_graphs:
+        whole = compile_blocks(model, **({"mode": "reduce-overhead"} if graphs else {})) == 0
     if n > 1 and plan.strategy == "ddp":
         ids = None
         if device.type == "cuda":
@@ -174,7 +179,7 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
     elif n > 1 and plan.strategy == "fsdp":
         model = _fully_shard(model, plan, device)
     if whole:
-        model = torch.compile(model)
+        model = torch.compile(model, **({"mode": "reduce-overhead"} if step_graphs else {}))
     return model
 
 

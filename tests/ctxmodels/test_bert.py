@@ -759,3 +759,58 @@ def test_label_positions_found_on_the_host_give_the_same_loss_and_gradients(fami
     assert given.metrics["n_pred"].item() == n_pred
     assert grads_found.keys() == grads_given.keys()
     assert all(torch.equal(grads_found[n], grads_given[n]) for n in grads_found)
+
+
+def test_padded_positions_pad_to_a_multiple_with_a_position_that_has_no_target():
+    labels = torch.full((4, 8), -100)
+    labels[0, 1], labels[2, 5], labels[3, 7] = 7, 9, 11
+    positions = ops.padded_positions(labels, 8)
+    assert positions.tolist() == [1, 21, 31] + [0] * 5  # flat index 0 is the first without a target
+    assert labels.reshape(-1)[positions].tolist() == [7, 9, 11] + [-100] * 5
+    assert ops.padded_positions(labels, 3).tolist() == [1, 21, 31]  # a multiple already
+    assert ops.padded_positions(labels, 1).tolist() == [1, 21, 31]
+    assert ops.padded_positions(torch.full((2, 4), -100), 8).numel() == 0  # nothing to predict: nothing to pad
+    full = torch.arange(6).reshape(2, 3)
+    assert ops.padded_positions(full, 4).tolist() == list(range(6))  # never more than B * T, never a target twice
+    labels[0, 0] = 5
+    assert ops.padded_positions(labels, 8)[4:].tolist() == [2] * 4  # the first position without a target
+    with pytest.raises(ValueError, match="multiple must be >= 1"):
+        ops.padded_positions(labels, 0)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert", "albert"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_padded_label_positions_give_the_unpadded_loss_metrics_and_gradients(family, precision):
+    """The positions ``jobs.loop.to_device`` gives on a GPU (``ops.padded_positions``: padded with a
+    position whose label is -100, so the step's shapes repeat): the same loss, accuracy, count and
+    gradients as the unpadded ones, through the fused masked-LM loss (fp32) and the plain one (bf16
+    autocast, as on a GPU)."""
+    import contextlib
+
+    from ctxmodels.registry import build_model
+    from tests.ctxmodels.test_flops import family_batch
+
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128}, seed=0)
+    model.eval()
+    batch, n_pred = family_batch(family, cfg)
+    exact = ops.predicted_positions(batch["labels"])
+    padded = ops.padded_positions(batch["labels"], 64)
+    assert padded.numel() % 64 == 0 and padded.numel() > exact.numel() and torch.equal(padded[: exact.numel()], exact)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    results = []
+    for given in (exact, padded):
+        with autocast:
+            out = model(**batch, label_positions=given)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        results.append((out, grads))
+    (plain, grads_plain), (pad, grads_pad) = results
+    tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(pad.loss, plain.loss, **tol)
+    assert pad.metrics["n_pred"].item() == plain.metrics["n_pred"].item() == n_pred
+    for name in plain.metrics:
+        torch.testing.assert_close(pad.metrics[name].float(), plain.metrics[name].float(), **tol, msg=name)
+    assert grads_pad.keys() == grads_plain.keys()
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads_pad[name], grad, **tol, msg=name)

@@ -130,3 +130,50 @@ def test_compiled_blocks_equal_eager_ones(family):
     _assert_same(compiled, eager, family, "compiled", rtol=1e-4, atol=1e-5)
     _assert_same(again, reference, family, "compiled, padded", rtol=1e-4, atol=1e-5)
     assert list(model.state_dict()) == names  # in place: the same parameter names
+
+
+def test_the_masked_lm_families_have_a_static_step_and_the_others_not():
+    from ctxmodels.compiling import has_static_step
+    from ctxmodels.registry import FAMILIES
+
+    static = {family for family in FAMILIES if has_static_step(_tiny(family)[1])}
+    assert static == {"albert", "bert", "roberta", "spanbert"}
+
+
+@pytest.mark.parametrize("family", ["bert", "spanbert", "albert"])
+def test_a_masked_lm_model_with_padded_positions_traces_whole_in_one_graph(family):
+    """``train.compile: graphs`` on one GPU compiles these models whole, as CUDA graphs: with the
+    positions ``jobs.loop.to_device`` gives (``ops.padded_positions``, no attention mask for packed
+    rows) the forward and backward trace as one graph each, with no break (``fullgraph=True``; the
+    ``aot_eager`` backend traces as inductor does, without compiling kernels, so this runs on any
+    CPU), and give eager's loss, metrics and gradients."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from ctxmodels import ops
+
+    _, model, batch = _tiny(family)
+    model.eval()  # no dropout: the same draws on both sides would need the same RNG use
+    inputs = {k: v for k, v in batch.items() if k != "attention_mask"}
+    inputs["label_positions"] = ops.padded_positions(batch["labels"], 64)
+    torch._dynamo.maybe_mark_dynamic(inputs["label_positions"], 0)  # as jobs.loop.to_device marks them
+    eager = _loss_and_grads(model, inputs)
+    want_metrics = {k: v.item() for k, v in model(**inputs).metrics.items()}
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    try:
+        loss = compiled(**inputs).loss
+        loss.backward()
+        got = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        got_metrics = {k: v.item() for k, v in compiled(**inputs).metrics.items()}
+        # another padded count (a multiple of 32 here) runs the same graph: no recompile per count
+        other = dict(inputs, label_positions=ops.padded_positions(batch["labels"], 32))
+        assert other["label_positions"].numel() != inputs["label_positions"].numel()
+        torch._dynamo.maybe_mark_dynamic(other["label_positions"], 0)
+        compiled(**other).loss.backward()
+        assert counter.frame_count == 1
+    finally:
+        torch._dynamo.reset()
+    _assert_same(got, eager, family, "whole graph")
+    assert got_metrics == pytest.approx(want_metrics, rel=1e-6)

@@ -11,7 +11,10 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
   memory-efficient kernels equal its math path under bf16 autocast, for every family and mask
   kind; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host;
 - a BERT, SpanBERT and ALBERT step with the masked positions found on the host makes no
-  synchronizing call; the bf16 residual stream (``train.residual: bf16``) compiles like eager and learns.
+  synchronizing call; the bf16 residual stream (``train.residual: bf16``) compiles like eager and learns;
+- ``train.compile: graphs`` on one GPU (``jobs.parallel.wrap_model``): BERT, SpanBERT and ALBERT
+  compiled whole, forward and backward replayed as CUDA graphs, train like eager over AdamW steps
+  whose padded position counts change.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -254,13 +257,13 @@ def test_a_masked_lm_step_with_host_positions_never_waits_for_the_gpu(family):
     """``to_device(..., label_positions=True)`` finds the masked positions on the host; a training
     step (forward, backward, fused AdamW) then makes no synchronizing call at all
     (``torch.cuda.set_sync_debug_mode("error")``), and its loss equals the one found on the GPU."""
-    from jobs.loop import LABEL_POSITIONS, model_inputs, to_device
+    from jobs.loop import LABEL_POSITIONS, POSITIONS_MULTIPLE, model_inputs, to_device
 
     cfg, model, batch = _tiny(family)
     model.to(CUDA).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     moved = to_device(batch, CUDA, label_positions=True)
-    assert torch.equal(moved[LABEL_POSITIONS].cpu(), ops.predicted_positions(batch["labels"]))
+    assert torch.equal(moved[LABEL_POSITIONS].cpu(), ops.padded_positions(batch["labels"], POSITIONS_MULTIPLE))
     inputs = model_inputs(moved)
     assert "label_positions" in inputs and "attention_mask" not in inputs
     torch.cuda.synchronize()
@@ -277,3 +280,51 @@ def test_a_masked_lm_step_with_host_positions_never_waits_for_the_gpu(family):
         here = model(**_on(batch, CUDA)).loss
         there = model(**inputs).loss
     torch.testing.assert_close(here, there)
+
+
+@pytest.mark.parametrize("family", ["bert", "spanbert", "albert"])
+def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch):
+    """``train.compile: graphs`` on one GPU compiles a masked-LM model whole as CUDA graphs
+    (``jobs.parallel.wrap_model``, ``ctxmodels.compiling.has_static_step``): four AdamW steps on
+    batches moved by ``to_device`` (positions padded to a multiple, then a batch padded to another
+    count: a second recording of the same compiled graph) give eager's losses and weights. fp32,
+    TF32 off, no dropout."""
+    import copy
+
+    import torch._dynamo
+
+    from jobs.loop import LABEL_POSITIONS, model_inputs, to_device
+    from jobs.parallel import ParallelPlan, wrap_model
+
+    _, model, batch = _tiny(family)
+    model.to(CUDA).eval()
+    twin = copy.deepcopy(model)
+    wider = dict(batch)  # about twice the targets: another padded count
+    wider["labels"] = torch.where(batch["labels"] == -100, batch["input_ids"], batch["labels"])
+    wider["labels"][:, 0] = -100
+    monkeypatch.setattr("jobs.loop.POSITIONS_MULTIPLE", 16)  # the tiny batch has 4 x 24 positions
+    moved = [to_device(b, CUDA, label_positions=True) for b in (batch, batch, wider, batch)]
+    counts = [m[LABEL_POSITIONS].numel() for m in moved]
+    assert counts[0] % 16 == 0 and counts[0] < counts[2]
+
+    def train(m) -> list[float]:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        losses = []
+        for b in moved:
+            loss = m(**model_inputs(b)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    eager = train(model)
+    compiled = wrap_model(twin, ParallelPlan(compile="graphs"), CUDA)
+    assert compiled is not twin and compiled._orig_mod is twin  # whole, not by block
+    try:
+        got = train(compiled)
+    finally:
+        torch._dynamo.reset()
+    assert got == pytest.approx(eager, rel=1e-4, abs=1e-5), counts
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
