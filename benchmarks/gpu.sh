@@ -51,7 +51,7 @@ for name, fn, work in [("copy", lambda: y.copy_(x), 2 * x.numel()), ("bf16 8192^
     print(f"{name}: {work / t / 1e12:.2f} {'TB/s' if name == 'copy' else 'TFLOP/s'}")
 EOF
 part pretrain_b32_blocks 120 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --profile
-part test_cuda 120 $PY -m pytest tests/jobs/test_cuda.py -q -p no:cacheprovider
+part test_cuda 200 $PY -m pytest tests/jobs/test_cuda.py -q -p no:cacheprovider
 part pretrain_b32_eager 75 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile none
 part pretrain_b32_graphs 90 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile-mode reduce-overhead --profile
 part pretrain_b256_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile
