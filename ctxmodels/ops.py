@@ -365,10 +365,23 @@ def masked_lm_loss(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor) -> t
     h (N, D) hidden states of the predicted rows, weight (V, D) the decoder (BERT: the tied word
     embeddings), bias (V,), target (N,) ids, -100 for a row that only pads (``padded_positions``):
     such rows count neither in the mean nor in the accuracy. With N = 0 the loss is 0 with zero
-    gradients (the graph stays connected, as DDP wants). Under autocast, or for other dtypes than float32, the
-    plain version runs: the fused one would need casting rules of its own.
+    gradients (the graph stays connected, as DDP wants).
+
+    The fused version runs on the CPU, eager, in float32, where it was measured to pay (page
+    faults and MKL's operand order, above). Elsewhere the plain one runs: under autocast or for
+    other dtypes (the fused one would need casting rules of its own); on a GPU, where
+    ``cross_entropy``'s kernels are fast already; and inside ``torch.compile``, which fuses the
+    plain one itself. (A whole BERT compiled as CUDA graphs on an H200 trained wrong through the
+    fused one in float32: step 1 equal, then the updates fell short of eager's; ALBERT, on the
+    plain loss, trained like eager in the same test.)
     """
-    if torch.is_autocast_enabled(h.device.type) or any(t.dtype != torch.float32 for t in (h, weight, bias)):
+    plain = (
+        h.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or torch.is_autocast_enabled(h.device.type)
+        or any(t.dtype != torch.float32 for t in (h, weight, bias))
+    )
+    if plain:
         return _plain_masked_lm_loss(h, weight, bias, target)
     want_grads = torch.is_grad_enabled() and any(t.requires_grad for t in (h, weight, bias))
     return _MaskedLMLoss.apply(h, weight, bias, target, LOSS_CHUNK_ROWS, want_grads)

@@ -264,11 +264,12 @@ def test_masked_lm_loss_equals_cross_entropy_with_its_gradients(monkeypatch):
     monkeypatch.setattr(ops, "LOSS_CHUNK_ROWS", 7)  # several row chunks ...
     monkeypatch.setattr(ops, "VOCAB_BLOCK", 40)  # ... and vocabulary blocks, one of them short
     g = torch.Generator().manual_seed(0)
-    for n in (0, 1, 19):
+    for n, padding in ((0, 0), (1, 0), (19, 0), (19, 6)):  # padding: rows with target -100 (ops.padded_positions)
         h = torch.randn(n, 16, generator=g, requires_grad=True)
         w = torch.randn(150, 16, generator=g, requires_grad=True)
         b = torch.randn(150, generator=g, requires_grad=True)
         target = torch.randint(0, 150, (n,), generator=g)
+        target[torch.randperm(n, generator=g)[:padding]] = -100
         loss, correct = ops.masked_lm_loss(h, w, b, target)
         (3.0 * loss).backward()  # the incoming gradient scales all three
         got = [t.grad for t in (h, w, b)]
