@@ -273,6 +273,12 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def is_annotation(event) -> bool:
+    """Whether a profiler event on the GPU's timeline is a ``record_function`` range (a user
+    annotation, such as the optimizer's ``Optimizer.step#AdamW.step``), not a kernel or a copy."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("Optimizer.")
+
+
 def gpu_busy(step, batches, device: torch.device, steps: int = 3) -> tuple[float, float, list[tuple[str, float, int]]]:
     """(GPU kernel seconds per step, wall seconds per step, kernels) over ``steps`` steps under
     torch.profiler: where the first is much smaller, the GPU waits on the host (launches, syncs).
@@ -286,7 +292,9 @@ def gpu_busy(step, batches, device: torch.device, steps: int = 3) -> tuple[float
             step(batches[i % len(batches)])
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # the GPU's own events, less the ranges the profiler draws on the GPU's timeline for a
+    # record_function (Optimizer.step#AdamW.step spans the optimizer's kernels: not one itself)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)]
     # union of kernel intervals: overlapping kernels (several streams) count once
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, float("-inf")
