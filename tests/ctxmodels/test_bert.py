@@ -737,6 +737,19 @@ def test_bert_under_autocast_keeps_a_bf16_residual_stream_and_learns():
 # label_positions: the masked-LM rows as indices found on the host (issue 25)
 
 
+def _output_and_grads(model, batch, positions, autocast=None):
+    """The output of one forward with ``label_positions=positions`` (under ``autocast`` if given)
+    and the gradients of its loss; the model's gradients are cleared again."""
+    import contextlib
+
+    with autocast or contextlib.nullcontext():
+        out = model(**batch, label_positions=positions)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "spanbert", "albert"])
 def test_label_positions_found_on_the_host_give_the_same_loss_and_gradients(family):
     from ctxmodels.registry import build_model
@@ -747,14 +760,7 @@ def test_label_positions_found_on_the_host_give_the_same_loss_and_gradients(fami
     batch, n_pred = family_batch(family, cfg)
     positions = ops.predicted_positions(batch["labels"])
     assert positions.tolist() == (batch["labels"].reshape(-1) != -100).nonzero().squeeze(1).tolist()
-    outputs = []
-    for given in (None, positions):
-        out = model(**batch, label_positions=given)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        outputs.append((out, grads))
-    (found, grads_found), (given, grads_given) = outputs
+    (found, grads_found), (given, grads_given) = (_output_and_grads(model, batch, p) for p in (None, positions))
     assert torch.equal(found.loss, given.loss)
     assert {k: v.item() for k, v in found.metrics.items()} == {k: v.item() for k, v in given.metrics.items()}
     assert given.metrics["n_pred"].item() == n_pred
@@ -786,8 +792,6 @@ def test_padded_label_positions_give_the_unpadded_loss_metrics_and_gradients(fam
     position whose label is -100, so the step's shapes repeat): the same loss, accuracy, count and
     gradients as the unpadded ones, through the fused masked-LM loss (fp32) and the plain one (bf16
     autocast, as on a GPU)."""
-    import contextlib
-
     from ctxmodels.registry import build_model
     from tests.ctxmodels.test_flops import family_batch
 
@@ -797,16 +801,8 @@ def test_padded_label_positions_give_the_unpadded_loss_metrics_and_gradients(fam
     exact = ops.predicted_positions(batch["labels"])
     padded = ops.padded_positions(batch["labels"], 64)
     assert padded.numel() % 64 == 0 and padded.numel() > exact.numel() and torch.equal(padded[: exact.numel()], exact)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    results = []
-    for given in (exact, padded):
-        with autocast:
-            out = model(**batch, label_positions=given)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        results.append((out, grads))
-    (plain, grads_plain), (pad, grads_pad) = results
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
+    (plain, grads_plain), (pad, grads_pad) = (_output_and_grads(model, batch, p, autocast) for p in (exact, padded))
     tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=1e-3)
     torch.testing.assert_close(pad.loss, plain.loss, **tol)
     assert pad.metrics["n_pred"].item() == plain.metrics["n_pred"].item() == n_pred

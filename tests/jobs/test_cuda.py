@@ -58,6 +58,19 @@ def _on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def _adamw_losses(model, batches: list[dict[str, torch.Tensor]]) -> list[float]:
+    """One fused-AdamW step of ``model`` on each batch in turn; the losses, read after each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    losses = []
+    for b in batches:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp32_forward_and_backward_on_cuda_equal_the_cpu(family):
     _, model, batch = _tiny(family)
@@ -210,22 +223,10 @@ def test_compiled_blocks_train_like_eager_over_steps(mode):
     model.to(CUDA).eval()
     twin = copy.deepcopy(model)
     batches = [_on(batch, CUDA), _on(_padded(batch), CUDA), _on(batch, CUDA)]
-
-    def train(m) -> list[float]:
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        losses = []
-        for b in batches:
-            loss = m(**b).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    eager = train(model)
+    eager = _adamw_losses(model, batches)
     compile_blocks(twin, mode=mode)
     try:
-        compiled = train(twin)
+        compiled = _adamw_losses(twin, batches)
     finally:
         torch._dynamo.reset()
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
@@ -310,23 +311,12 @@ def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch
     moved = [to_device(b, CUDA, label_positions=True) for b in (batch, batch, wider, batch)]
     counts = [m[LABEL_POSITIONS].numel() for m in moved]
     assert counts[0] % 16 == 0 and counts[0] < counts[2]
-
-    def train(m) -> list[float]:
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        losses = []
-        for b in moved:
-            loss = m(**model_inputs(b)).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    eager = train(model)
+    inputs = [model_inputs(m) for m in moved]
+    eager = _adamw_losses(model, inputs)
     compiled = wrap_model(twin, ParallelPlan(compile="graphs"), CUDA)
     assert compiled is not twin and compiled._orig_mod is twin  # whole, not by block
     try:
-        got = train(compiled)
+        got = _adamw_losses(compiled, inputs)
     finally:
         torch._dynamo.reset()
     assert got == pytest.approx(eager, rel=1e-4, abs=1e-5), counts
