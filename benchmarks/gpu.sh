@@ -19,7 +19,8 @@
 # (pretrain_b32_blocks), eager (pretrain_b32_eager), blocks as CUDA graphs (pretrain_b32_graphs);
 # at batch 256 the blocks (pretrain_b256_blocks), with the bf16 residual stream
 # (pretrain_b256_bf16res) and that without dropout (pretrain_b256_bf16res_nodrop); and inductor's
-# GEMM autotuning, Triton templates with fused epilogues against cuBLAS (pretrain_b256_autotune).
+# GEMM autotuning, Triton templates with fused epilogues against cuBLAS (pretrain_b256_autotune);
+# DDP and FSDP2 scaling over the machine's GPUs (scaling: benchmarks/gpu_scaling.py).
 # Logs go to $OUT/ when OUT is set.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,6 +69,8 @@ part pretrain_b32_whole 170 $PY benchmarks/train_throughput.py --device cuda --p
 part pretrain_b256_whole 170 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --residual bf16 --compile whole --compile-mode reduce-overhead --profile
 # the blocks' products as inductor's autotuned Triton templates, element-wise work fused into them (GEMM epilogues)
 part pretrain_b256_autotune 240 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --residual bf16 --compile-mode max-autotune-no-cudagraphs --profile
+# data-parallel scaling, DDP and FSDP2 over the machine's GPUs (named only: the machines lent so far have one)
+part scaling 400 $PY benchmarks/gpu_scaling.py --device cuda --preset base --steps 20
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
 echo "=== summary"
