@@ -162,15 +162,14 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
     graphs, forward and backward each one replay; with several workers its blocks are (the
     gradient hooks of DDP and FSDP2 run between a backward's pieces).
     """
-    from ctxmodels.compiling import compile_blocks, has_static_step
+    from ctxmodels.compiling import compile_blocks
 
     model = model.to(device)
     n = world_size()
-    graphs = plan.compile == "graphs" and device.type == "cuda"  # CUDA graphs exist on CUDA only
-    step_graphs = graphs and n == 1 and has_static_step(model)  # the whole model as CUDA graphs
-    whole = step_graphs
-    if plan.compile and not step_graphs:
-        whole = compile_blocks(model, **({"mode": "reduce-overhead"} if graphs else {})) == 0
+    how = compile_scope(model, plan, device, n)
+    whole = how == "whole graphs"
+    if how in ("blocks", "block graphs"):
+        whole = compile_blocks(model, **({"mode": "reduce-overhead"} if how == "block graphs" else {})) == 0
     if n > 1 and plan.strategy == "ddp":
         ids = None
         if device.type == "cuda":
@@ -179,8 +178,23 @@ def wrap_model(model: nn.Module, plan: ParallelPlan, device: torch.device) -> nn
     elif n > 1 and plan.strategy == "fsdp":
         model = _fully_shard(model, plan, device)
     if whole:
-        model = torch.compile(model, **({"mode": "reduce-overhead"} if step_graphs else {}))
+        model = torch.compile(model, **({"mode": "reduce-overhead"} if how == "whole graphs" else {}))
     return model
+
+
+def compile_scope(model: nn.Module, plan: ParallelPlan, device: torch.device, workers: int) -> str | None:
+    """What ``wrap_model`` compiles: None (``compile: false``), ``"blocks"`` (``true``: each block,
+    or the whole model for a family with none), ``"block graphs"`` (``graphs``: each block replayed
+    as CUDA graphs) or ``"whole graphs"`` (``graphs`` on one GPU for a model whose step has static
+    shapes, ``ctxmodels.compiling.has_static_step``: forward and backward each one CUDA graph).
+    CUDA graphs exist on CUDA only: ``graphs`` compiles blocks elsewhere."""
+    from ctxmodels.compiling import has_static_step
+
+    if not plan.compile:
+        return None
+    if plan.compile != "graphs" or device.type != "cuda":
+        return "blocks"
+    return "whole graphs" if workers == 1 and has_static_step(model) else "block graphs"
 
 
 

@@ -31,6 +31,7 @@ from jobs.parallel import (
     autocast,
     clip_grad_norm,
     clipped_step,
+    compile_scope,
     cpu_has_native_bf16,
     grad_norm,
     fsdp_units,
@@ -352,6 +353,21 @@ def test_without_a_process_group_nothing_is_wrapped():
 def test_bad_plan_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"ParallelPlan\.{field}\b"):
         ParallelPlan(**{field: value})
+
+
+def test_compile_graphs_takes_the_whole_masked_lm_model_on_one_gpu_only():
+    """``train.compile: graphs``: the whole model as CUDA graphs where a step has static shapes (the
+    masked-LM families) on one GPU; blocks as CUDA graphs on several GPUs or for other families;
+    on the CPU (no CUDA graphs) plain compiled blocks. Decided without a GPU."""
+    cuda, cpu = torch.device("cuda", 0), CPU
+    bert, gpt = build_model("bert", "tiny", {"vocab_size": 128})[1], build_model("gpt", "tiny", {"vocab_size": 128})[1]
+    graphs, blocks, eager = ParallelPlan(compile="graphs"), ParallelPlan(compile=True), ParallelPlan()
+    assert compile_scope(bert, graphs, cuda, 1) == "whole graphs"
+    assert compile_scope(bert, graphs, cuda, 2) == "block graphs"
+    assert compile_scope(gpt, graphs, cuda, 1) == "block graphs"
+    assert compile_scope(bert, graphs, cpu, 1) == "blocks"
+    assert compile_scope(bert, blocks, cuda, 1) == "blocks"
+    assert compile_scope(bert, eager, cuda, 1) is None
 
 
 def test_compiled_model_gives_the_eager_loss_and_the_original_names():
