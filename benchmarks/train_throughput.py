@@ -1,7 +1,8 @@
 """Training-step throughput: our BERT against transformers' ``BertForMaskedLM``, side by side.
 
 Run: ``python benchmarks/train_throughput.py`` (2 to 4 minutes on 2 cores). Options: ``--threads``,
-``--rounds``, ``--dropout``, ``--adamw``, ``--device``, ``--precision``, ``--preset``, ``--batch`` (see ``--help``).
+``--rounds``, ``--dropout``, ``--adamw``, ``--device``, ``--precision``, ``--preset``, ``--batch``,
+``--compile`` (blocks, whole, none), ``--compile-mode``, ``--residual``, ``--profile`` (see ``--help``).
 The last two lines are ``speedup_vs_transformers: X`` (our tokens/s over theirs) and ``mfu: X`` (ours).
 
 On a GPU (``--device cuda``): both models and batches on the device, ``--precision bf16`` runs both
@@ -43,7 +44,9 @@ after every round, so it sees about the same machine load.
 
 Timing: a round times one step of each model on every batch of the set, the two models taking
 turns step by step (ABBA), so that both run under the same machine load; tokens/s are medians over
-rounds. The machine is shared: compare the ratio, not the absolute numbers, with other runs. Under
+rounds. After the rounds each side takes one more step on the first batch and both losses are
+printed: the two trained from the same weights on the same batches, so they agree up to dropout's
+draws, and a warning says when they are over 5% apart (a compiled step that trains wrong). The machine is shared: compare the ratio, not the absolute numbers, with other runs. Under
 heavy load two OpenMP threads wait for each other at every operation, which costs a step of many
 short operations (ours) more than one of fewer long ones (theirs): ``--threads 1`` shows the
 comparison without that effect.
