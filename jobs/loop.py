@@ -145,19 +145,21 @@ def to_device(batch: dict[str, Any], device, label_positions: bool = False) -> d
     host = dict(batch)
     labels = batch.get("labels")
     if label_positions and isinstance(labels, torch.Tensor) and labels.device.type == "cpu":
-        from torch._dynamo import maybe_mark_dynamic
-
         from ctxmodels.ops import padded_positions
 
-        positions = padded_positions(labels, POSITIONS_MULTIPLE)
-        maybe_mark_dynamic(positions, 0)  # a model compiled whole compiles once for every count, not once per count
-        host[LABEL_POSITIONS] = positions
+        host[LABEL_POSITIONS] = padded_positions(labels, POSITIONS_MULTIPLE)
     out: dict[str, Any] = {}
     for k, v in host.items():
         if isinstance(v, torch.Tensor) and v.device.type == "cpu":
             # (an expanded view cannot be pinned: one copy of it first)
             v = v.contiguous().pin_memory().to(device, non_blocking=True)
         out[k] = v
+    if LABEL_POSITIONS in host:
+        from torch._dynamo import maybe_mark_dynamic
+
+        # their count varies: a model compiled whole compiles once for every count, not once per
+        # count (marked on the device's copy: the mark is an attribute of the tensor, not its data)
+        maybe_mark_dynamic(out[LABEL_POSITIONS], 0)
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and bool(mask.all()):
         out[NO_PADDING] = True
