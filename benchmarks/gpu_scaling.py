@@ -151,26 +151,20 @@ def main() -> None:
     if len(worlds) == 1 and worlds[0] == 1:
         print("one device only: no scaling to measure (the world of 1 is still timed)")
 
-    single: float | None = None  # tokens/s of one device, no wrapper
-    single_run = (0.0, 0)
+    args.strategy = args.strategies[0]
+    baseline = run(1, args) if 1 in worlds else None  # a world of 1 has no wrapper: one run for every strategy
+    single = baseline[1] / baseline[0] if baseline else None  # tokens/s of one device
     for strategy in args.strategies:
         args.strategy = strategy
-        last = None
+        efficiency = float("nan")
         for world in worlds:
-            if world == 1 and single is not None:  # no wrapper at 1: the same run for every strategy
-                seconds, tokens = single_run
-            else:
-                seconds, tokens = run(world, args)
+            seconds, tokens = baseline if world == 1 else run(world, args)
             tps = tokens / seconds
-            if world == 1:
-                single, single_run = tps, (seconds, tokens)
             efficiency = tps / (world * single) if single else float("nan")
             print(f"{strategy} world {world}: {tps:,.0f} tokens/s ({tps / world:,.0f} per device), "
                   f"step {seconds * 1e3:.1f} ms, scaling efficiency {efficiency:.2f}")
-            last = (world, efficiency)
-        if last is not None and last[0] > 1:
-            print(f"scaling_efficiency_{strategy}: {last[1]:.2f} (world {last[0]})")
-
+        if worlds[-1] > 1:
+            print(f"scaling_efficiency_{strategy}: {efficiency:.2f} (world {worlds[-1]})")
 
 if __name__ == "__main__":
     main()

@@ -250,7 +250,7 @@ def predicted_positions(labels: Tensor, given: Tensor | None = None, ignore_inde
     return labels.reshape(-1).ne(ignore_index).nonzero().squeeze(1)
 
 
-def padded_positions(labels: Tensor, multiple: int, ignore_index: int = -100) -> Tensor:
+def padded_positions(labels: Tensor, multiple: int, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """``predicted_positions(labels)`` padded up to a multiple of ``multiple`` indices (at most
     B * T), with the flat index of the first position that has no target.
 
@@ -272,7 +272,7 @@ def padded_positions(labels: Tensor, multiple: int, ignore_index: int = -100) ->
     return torch.cat([positions, free.expand(size - n)])
 
 
-def prediction_count(target: Tensor, ignore_index: int = -100) -> Tensor:
+def prediction_count(target: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """How many of the gathered ``target`` ids are real (not ``ignore_index``, the padding of
     ``padded_positions``), as a 0-d long tensor on their device: no wait for the host."""
     return target.ne(ignore_index).sum()

@@ -1,7 +1,8 @@
 """The GPU path's kernels, checked on the CPU (CI has no GPU; tests/jobs/test_cuda.py repeats the
 checks on one): regional compilation equals eager, SDPA's fused kernels equal its reference (math)
-path for every family that attends through it and every mask kind, and a batch with no padding
-gives the same loss with its mask left out (what ``jobs.loop.to_device`` lets the model do)."""
+path for every family that attends through it and every mask kind, a batch with no padding
+gives the same loss with its mask left out (what ``jobs.loop.to_device`` lets the model do), and a
+masked-LM model with padded positions traces whole in one graph (``train.compile: graphs``)."""
 
 from __future__ import annotations
 
