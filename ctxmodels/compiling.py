@@ -32,7 +32,11 @@ host, which bounds a small batch (BERT-base at 32 x 128: the GPU busy a third of
 masked-LM model whose predicted rows come as ``label_positions`` padded to a few fixed counts
 (``jobs.loop.to_device``, ``ctxmodels.ops.padded_positions``) has the same shapes from step to
 step, so it compiles whole in one graph (``has_static_step``): forward and backward each replay
-as one CUDA graph (``mode="reduce-overhead"``), and only the optimizer runs eager.
+as one CUDA graph (``mode="reduce-overhead"``), and only the optimizer runs eager. Fine-tuning
+takes the same step for a task model on such a backbone: ``jobs.finetune`` trims a GPU batch to its
+longest row rounded up to a multiple of 32 (a handful of lengths a run, a graph recorded for each),
+and the head reads every position while compiled (``labelled_positions_only`` would count the
+labelled rows on the device).
 """
 
 from __future__ import annotations
@@ -72,5 +76,10 @@ def has_static_step(model: nn.Module) -> bool:
     inputs as ``jobs.loop.to_device`` moves them to a GPU: its forward takes ``label_positions``
     (BERT, RoBERTa, SpanBERT, ALBERT), so no row count is found on the device and the whole model
     compiles in one graph. Other families find theirs on the device (a boolean gather) and are
-    compiled by block."""
+    compiled by block. A model that says so itself (``static_step``: a ``ctxmodels.tasks.TaskModel``
+    on one of those backbones, whose batches ``jobs.finetune`` trims to a few lengths) is taken at
+    its word."""
+    own = getattr(model, "static_step", None)
+    if own is not None:
+        return bool(own)
     return "label_positions" in inspect.signature(model.forward).parameters

@@ -38,7 +38,10 @@ sequence tasks the mean over real tokens.
 Training token classification with ``labelled_positions_only=True`` (what ``ctx finetune`` does)
 computes the head, and for BERT-family backbones the last block's output projection, feed-forward
 layer and LayerNorms (``BertModel.last_hidden_at``), only where a label sits: the loss and every
-gradient are those of the full computation, and ``logits`` holds those positions' rows.
+gradient are those of the full computation, and ``logits`` holds those positions' rows. A model
+compiled whole (``train.compile: graphs`` on one GPU, for a task model whose ``static_step`` holds)
+reads every position instead: the labelled rows' count is found on the device, a shape no graph
+keeps; the loss and gradients are the same.
 
 Shape legend:
     B  batch      K  options (multiple choice) or 2 orders (symmetric)      T  tokens
@@ -57,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ctxmodels import registry
+from ctxmodels.compiling import has_static_step
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
 from ctxmodels.ops import Dropout
@@ -178,9 +182,9 @@ def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[st
     """Tags (B, T, L) or the labelled rows alone (M, L): cross-entropy over labelled positions
     (``IGNORE_INDEX`` elsewhere) and their accuracy."""
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-    pred = logits.detach().argmax(-1)
     seen = labels != IGNORE_INDEX
-    return loss, {"token_acc": (pred[seen] == labels[seen]).float().mean() if seen.any() else logits.new_zeros(())}
+    hits = (logits.detach().argmax(-1) == labels) & seen  # no boolean gather: the same shapes every batch
+    return loss, {"token_acc": hits.sum() / seen.sum().clamp(min=1)}  # 0 where nothing is labelled
 
 
 def span_cross_entropy(logits: Tensor, start_positions: Tensor, end_positions: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -251,6 +255,11 @@ class TaskModel(nn.Module):
         if task.freeze:
             for q in self.backbone.parameters():
                 q.requires_grad_(False)
+        # Whether the training forward keeps its shapes for a fixed (B, T) batch, so the whole model
+        # compiles in one graph (``ctxmodels.compiling.has_static_step``; CUDA graphs under
+        # ``train.compile: graphs``): a masked-LM family's backbone (no row count found on the device
+        # as it runs) with no BiLSTM task model (its packed sequences read their lengths on the host).
+        self.static_step = has_static_step(pre) and self.encoder is None
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -361,7 +370,9 @@ class TaskModel(nn.Module):
                 logits = logits.view(B, -1)  # (B, K)
             elif len(kind.outputs) == 1:
                 logits = logits.squeeze(-1)  # (B,): one value per example
-        elif labelled_positions_only and kind.labelled and labels is not None:
+        elif labelled_positions_only and kind.labelled and labels is not None and not torch.compiler.is_compiling():
+            # (compiled whole, the head reads every position: the labelled rows' count is found on
+            # the device, a shape no graph keeps; the loss and gradients are the same either way)
             where = labels != IGNORE_INDEX  # (B, T)
             h = self.labelled_vectors(input_ids, attention_mask, token_type_ids, where)  # (M, D)
             logits = self.classifier(self.drop(h))  # (M, L)

@@ -171,7 +171,8 @@ class StepChecks(_Section):
     # (statistics in fp32, as Megatron-LM's default); fp32: plain autocast's (transformers' Trainer)
     residual: Literal["fp32", "bf16"] = "fp32"
     # torch.compile each Transformer block (true); "graphs": on CUDA also replayed as CUDA graphs, the
-    # whole model for BERT, RoBERTa, SpanBERT and ALBERT on one GPU (jobs.parallel.compile_scope)
+    # whole model for BERT, RoBERTa, SpanBERT and ALBERT on one GPU, pretrained or fine-tuned
+    # (jobs.parallel.compile_scope)
     compile: bool | Literal["graphs"] = False
 
     @model_validator(mode="after")

@@ -51,6 +51,12 @@ from pipelines import storage
 FORWARD_KEYS = ("input_ids", "attention_mask", "token_type_ids", "labels", "start_positions", "end_positions")
 # How each family lays out a sequence (pipelines.finetune InputStyle): where its papers read the
 # sequence's vector. Families not listed read [CLS] first, as BERT.
+# The length a batch's (.., T) columns are cut to (``task_inputs``), found on the host before the
+# batch travels (``trim_length``); on a GPU rounded up to a multiple of CUDA_LENGTH_MULTIPLE, so a
+# run takes at most task.max_len / 32 shapes: a model compiled whole keeps a graph for each (CUDA
+# graphs record one per shape) instead of one per longest row.
+TRIM_LENGTH = "_length"
+CUDA_LENGTH_MULTIPLE = 32
 NOT_BEST = -1e30  # checkpoint_score of a checkpoint that is not a new best (JSON-safe, below any score)
 INPUT_STYLES = {"xlnet": "xlnet", "gpt": "gpt", "transformer-xl": "gpt"}
 
@@ -304,10 +310,26 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
 # Worker side.
 
 
+def trim_length(attention_mask, device) -> int:
+    """Where ``task_inputs`` cuts a batch's (.., T) columns: its longest real row, on ``device``'s
+    GPU rounded up to a multiple of ``CUDA_LENGTH_MULTIPLE`` (at most T). Call it on the host mask,
+    before the batch moves: on a GPU the sum would make the host wait. On the CPU the longest row
+    itself (padding inside the batch costs little there: ``ctxmodels.bert.Packing`` skips it)."""
+    import torch
+
+    T = int(attention_mask.shape[-1])
+    longest = int(attention_mask.sum(-1).max())
+    multiple = CUDA_LENGTH_MULTIPLE if torch.device(device).type == "cuda" else 1
+    return min(T, -(-longest // multiple) * multiple)
+
+
 def task_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The model's keywords, every (.., T) column trimmed to the batch's longest real row (the
-    data stage pads to a fixed task.max_len)."""
-    length = int(batch["attention_mask"].sum(-1).max())
+    """The model's keywords, every (.., T) column trimmed to the batch's ``TRIM_LENGTH`` (found
+    on the host by ``trim_length``), else to its longest real row (the data stage pads to a fixed
+    task.max_len). The batch keeps its full width: sample digests read it whatever the device."""
+    length = batch.get(TRIM_LENGTH)
+    if length is None:
+        length = int(batch["attention_mask"].sum(-1).max())
     out = {}
     for k in FORWARD_KEYS:
         if k not in batch:
@@ -357,6 +379,7 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
     for start in range(0, n, size):
         b = {k: torch.as_tensor(v[start : start + size]).to(device) for k, v in rows.items() if k in FORWARD_KEYS}
         b["_rows"] = torch.arange(start, min(start + size, n))
+        b[TRIM_LENGTH] = trim_length(torch.as_tensor(rows["attention_mask"][start : start + size]), device)
         batches.append(b)
     got: list[tuple[np.ndarray, float, int, np.ndarray]] = []
 
@@ -465,7 +488,8 @@ class FinetuneJob(WorkerJob):
         import ray.train
 
         rows = ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=micro, drop_last=True)  # Ray seam
-        return (to_device(b, device) for b in rows)  # pinned, asynchronous copies on a GPU
+        # pinned, asynchronous copies on a GPU, each with its trim length found on the host
+        return (to_device({**b, TRIM_LENGTH: trim_length(b["attention_mask"], device)}, device) for b in rows)
 
     def freeze_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return task_inputs(batch)

@@ -178,3 +178,51 @@ def test_a_masked_lm_model_with_padded_positions_traces_whole_in_one_graph(famil
         torch._dynamo.reset()
     _assert_same(got, eager, family, "whole graph")
     assert got_metrics == pytest.approx(want_metrics, rel=1e-6)
+
+
+def test_a_task_model_has_a_static_step_on_a_masked_lm_backbone_only():
+    """``train.compile: graphs`` compiles a fine-tuning model whole where its backbone's step keeps
+    its shapes (the masked-LM families), not with a BiLSTM task model (its packed sequences read
+    their lengths on the host) nor on the other families."""
+    from ctxmodels.compiling import has_static_step
+    from ctxmodels.registry import FAMILIES
+    from tests.ctxmodels.test_tasks import tiny_task
+
+    static = {family for family in FAMILIES if has_static_step(tiny_task(family, "classification"))}
+    assert static == {"albert", "bert", "roberta", "spanbert"}
+    assert not has_static_step(tiny_task("bert", "token-classification", features="last", task_model="bilstm"))
+    assert has_static_step(tiny_task("bert", "token-classification", features="scalar-mix"))
+
+
+@pytest.mark.parametrize("family, kind", [("bert", "classification"), ("bert", "token-classification"),
+                                          ("roberta", "multiple-choice"), ("albert", "question-answering"),
+                                          ("spanbert", "regression")])
+def test_a_task_model_traces_whole_in_one_graph_for_every_trimmed_length(family, kind):
+    """A fine-tuning step compiled whole (``train.compile: graphs`` on one GPU): the forward and
+    backward trace as one graph each (``fullgraph=True``, ``aot_eager``), with ``ctx finetune``'s
+    keywords (token classification asks for the labelled positions only, which a compiled model
+    reads at every position: the same loss), give eager's loss and gradients (eager skips the
+    padding on the CPU: ``Packing``), and batches trimmed to other lengths (``jobs.finetune``
+    rounds them to a multiple of 32 on a GPU) compile once more, with dynamic sizes, then no more."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tests.ctxmodels.test_tasks import batch_for, tiny_task
+
+    model = tiny_task(family, kind).eval()  # no dropout: the same draws on both sides would need the same RNG use
+    batch = batch_for(kind)
+    inputs = dict(batch, labelled_positions_only=True) if kind == "token-classification" else batch
+    eager = _loss_and_grads(model, inputs)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    try:
+        loss, grads = _loss_and_grads(compiled, inputs)
+        got = loss, {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+        for cut in (8, 7):  # two shorter trims of the same rows (row 1 has 7 real tokens)
+            shorter = {k: (v[..., :cut] if k in ("input_ids", "attention_mask") or (k == "labels" and v.dim() > 1) else v)
+                       for k, v in inputs.items()}
+            _loss_and_grads(compiled, shorter)
+        assert counter.frame_count == 2  # static at the first length, dynamic at the second, reused at the third
+    finally:
+        torch._dynamo.reset()
+    _assert_same(got, eager, f"{family} {kind}", "whole graph")

@@ -14,7 +14,8 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
   synchronizing call; the bf16 residual stream (``train.residual: bf16``) compiles like eager and learns;
 - ``train.compile: graphs`` on one GPU (``jobs.parallel.wrap_model``): BERT, SpanBERT and ALBERT
   compiled whole, forward and backward replayed as CUDA graphs, train like eager over AdamW steps
-  whose padded position counts change.
+  whose padded position counts change; so does a fine-tuning task model on those backbones, on
+  batches cut to two trim lengths.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -324,3 +325,39 @@ def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch
     assert got == pytest.approx(eager, rel=1e-4, abs=1e-5), counts
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
+
+
+@pytest.mark.parametrize("family, kind", [("bert", "classification"), ("bert", "token-classification"),
+                                          ("albert", "regression")])
+def test_a_task_model_as_whole_cuda_graphs_fine_tunes_like_eager(family, kind):
+    """``train.compile: graphs`` for ``ctx finetune`` on one GPU: a task model on a masked-LM
+    backbone compiled whole (``TaskModel.static_step``), forward and backward replayed as CUDA
+    graphs. Four AdamW steps on batches moved as the fine-tuning loop moves them (``to_device``,
+    then ``train_inputs`` cuts them to the trim length found on the host: two lengths here, so two
+    recordings) give eager's losses and weights; token classification asks for the labelled
+    positions only, which eager computes and the compiled model reads at every position. fp32,
+    TF32 off, no dropout."""
+    import copy
+
+    import torch._dynamo
+
+    from jobs.finetune import TRIM_LENGTH, train_inputs
+    from jobs.loop import to_device
+    from jobs.parallel import ParallelPlan, wrap_model
+    from tests.ctxmodels.test_tasks import batch_for, tiny_task
+
+    model = tiny_task(family, kind).to(CUDA).eval()
+    twin = copy.deepcopy(model)
+    batch = batch_for(kind)
+    inputs = [train_inputs(to_device({**batch, TRIM_LENGTH: n}, CUDA)) for n in (10, 10, 8, 10)]
+    assert [b["input_ids"].shape[-1] for b in inputs] == [10, 10, 8, 10]
+    eager = _adamw_losses(model, inputs)
+    compiled = wrap_model(twin, ParallelPlan(compile="graphs"), CUDA)
+    assert compiled is not twin and compiled._orig_mod is twin  # whole, not by block
+    try:
+        got = _adamw_losses(compiled, inputs)
+    finally:
+        torch._dynamo.reset()
+    assert got == pytest.approx(eager, rel=1e-4, abs=1e-5)
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {kind} {name}: {m}")

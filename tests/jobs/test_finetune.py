@@ -44,6 +44,34 @@ def test_training_steps_compute_token_heads_at_labelled_positions_only():
     assert "labelled_positions_only" not in train_inputs(pairs)
 
 
+def test_a_gpu_batch_is_trimmed_to_a_multiple_of_32_found_on_the_host():
+    """On a GPU a batch's columns are cut to its longest real row rounded up to a multiple of 32 (at
+    most its width): a run takes a few lengths, which a model compiled whole keeps graphs for. The
+    length travels with the batch (``TRIM_LENGTH``), found on the host, so ``task_inputs`` reads no
+    mask on the device; the batch keeps its full width (sample digests read it). On the CPU, the
+    longest row itself."""
+    import torch
+
+    from jobs.finetune import CUDA_LENGTH_MULTIPLE, TRIM_LENGTH, task_inputs, train_inputs, trim_length
+    from jobs.loop import row_digests
+
+    assert CUDA_LENGTH_MULTIPLE == 32
+    lengths = torch.tensor([33, 5, 12])
+    mask = (torch.arange(128)[None, :] < lengths[:, None]).long()  # (3, 128), padded to task.max_len
+    assert trim_length(mask, "cpu") == 33 and trim_length(mask, "cuda") == 64 and trim_length(mask, "cuda:1") == 64
+    assert trim_length(mask[:, :40], "cuda") == 40  # never beyond the rows' width
+    assert trim_length(mask[1:], "cuda") == 32
+    options = mask[None].expand(2, 3, 128)  # (B, K, T): multiple choice
+    assert trim_length(options, "cuda") == 64
+    batch = dict(input_ids=mask * 7, attention_mask=mask, labels=torch.full((3, 128), -100), sample_id=torch.arange(3))
+    digests = row_digests(batch)
+    marked = {**batch, TRIM_LENGTH: trim_length(mask, "cuda")}
+    got = train_inputs(marked)
+    assert got["input_ids"].shape == got["labels"].shape == (3, 64) and got["labelled_positions_only"] is True
+    assert task_inputs(batch)["input_ids"].shape == (3, 33)  # no length given: the longest row
+    assert row_digests(marked) == digests
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_shipped_finetune_recipe_loads(path):
     recipe = load_finetune_recipe(path)

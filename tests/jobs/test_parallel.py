@@ -368,6 +368,13 @@ def test_compile_graphs_takes_the_whole_masked_lm_model_on_one_gpu_only():
     assert compile_scope(bert, graphs, cpu, 1) == "blocks"
     assert compile_scope(bert, blocks, cuda, 1) == "blocks"
     assert compile_scope(bert, eager, cuda, 1) is None
+    # fine-tuning: a task model on a masked-LM backbone as its backbone, on other families by block
+    from ctxmodels.tasks import TaskConfig, build_task_model
+
+    task = TaskConfig(kind="classification", num_labels=2)
+    for family, want in (("roberta", "whole graphs"), ("gpt", "block graphs")):
+        model = build_task_model(family, build_model(family, "tiny", {"vocab_size": 128})[0], task)
+        assert compile_scope(model, graphs, cuda, 1) == want, family
 
 
 def test_compiled_model_gives_the_eager_loss_and_the_original_names():
