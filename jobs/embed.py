@@ -39,6 +39,7 @@ Pooling = Literal["mean", "cls", "last"]
 POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 Engine = Literal["auto", "ray", "local"]
 ENGINES: tuple[str, ...] = ("auto", "ray", "local")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # jobs.serve_config.ModelSettings.dtype
 LOCAL_FILE_ROWS = 16384  # rows per Parquet file the local engine writes (~25 MB of 384-dim vectors)
 # A bulk job bounds its work by the pass sizes below; the server's per-request token cap protects a
 # server from one client and would only refuse a large batch of long texts here.
@@ -71,10 +72,12 @@ class Embedder:
     """Ray Data actor: one model per actor, loaded once; a pyarrow batch of (id, text) -> vectors.
 
     ``batch_size`` and ``max_batch_tokens`` bound each forward pass (``embed_now`` sorts the batch it is
-    handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor."""
+    handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor;
+    ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU)."""
 
     def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool,
-                 batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None):
+                 batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
+                 dtype: str = "auto"):
         import torch
 
         from jobs.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
@@ -82,7 +85,7 @@ class Embedder:
 
         if threads is not None:
             torch.set_num_threads(threads)
-        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens)
+        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, dtype=dtype)
         # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
         self.model = EmbeddingReplica("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
@@ -146,6 +149,7 @@ def reembed(
     started: float | None = None,
     driver_read_bytes: int = DRIVER_READ_BYTES,
     engine: Engine = "auto",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
@@ -168,7 +172,7 @@ def reembed(
     started: its start and shutdown alone take 10 s on 2 cores, ``benchmarks/embed.py --floor``); "auto"
     (the default) is "local" where there is no cluster to use (no Ray running here, no RAY_ADDRESS), the
     input is one the driver reads (at most ``driver_read_bytes``) and no ``actors`` or ``num_gpus`` were
-    asked for, else "ray".
+    asked for, else "ray". ``dtype``: the forward passes' ("auto": float16 on a GPU, float32 on the CPU).
 
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
     "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
@@ -192,6 +196,8 @@ def reembed(
         raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)
@@ -210,7 +216,7 @@ def reembed(
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
     if engine == "local":
-        _write_local(out_fs, out_path, map(Embedder(*model_args, threads=os.cpu_count() or 1), chunks), output, store)
+        _write_local(out_fs, out_path, map(Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype), chunks), output, store)
         pool = 0
     else:
         # --- Ray seam: Ray Data read -> actor pool -> write ---
@@ -227,7 +233,7 @@ def reembed(
         threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
         vectors = ds.map_batches(
             Embedder,
-            fn_constructor_args=(*model_args, threads),
+            fn_constructor_args=(*model_args, threads, dtype),
             batch_size=actor_batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=pool),

@@ -135,6 +135,8 @@ class EmbeddingReplica(TaskServing):
                 shutil.rmtree(tmp, ignore_errors=True)
         self.family, config = loaded.family, loaded.config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = serving_dtype(settings.dtype, self.device)
+        loaded.model.to(dtype=self.dtype)  # every floating weight and buffer, head included (in place, on the host)
         backbone = getattr(loaded.model, "backbone", loaded.model)
         if self.family == "elmo":
             backbone = char_ids_backbone(backbone, self.tokenizer, config.max_chars)
@@ -183,6 +185,7 @@ class EmbeddingReplica(TaskServing):
             "n_layer": self.n_hidden - 1,
             "dim": self.dim,
             "max_len": self.max_len,
+            "dtype": str(self.dtype).removeprefix("torch."),  # what the forward passes run in
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
             "registry_version": self.registry_version,
@@ -336,7 +339,7 @@ class EmbeddingReplica(TaskServing):
             with torch.inference_mode():
                 for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
                     hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)
-                    vectors = mean_pool(hidden, mask)  # (B, n*D)
+                    vectors = mean_pool(hidden.float(), mask)  # (B, n*D), summed in float32 whatever the model's dtype
                     at = [(b, items[i][1]) for b, i in enumerate(group) if items[i][2] == strategy and items[i][1] is not None]
                     if at:  # cls / last pooling: the vector at one position instead of the mean
                         rows, positions = zip(*at)
@@ -534,6 +537,19 @@ def word_means(vectors: np.ndarray, word_ids: np.ndarray, n_words: int) -> np.nd
 
     pooled, _ = pool_words(vectors[None], word_ids[None], max(n_words, 1), "mean")  # (1, n_words, W')
     return pooled[0, :n_words].astype(np.float32)
+
+
+def serving_dtype(name: str, device) -> Any:  # torch.dtype
+    """``ModelSettings.dtype`` on ``device``: "auto" is float16 on a GPU and float32 elsewhere; a
+    dtype named is taken as it is (float16 on a CPU with a warning: most CPUs emulate half products,
+    slower than float32)."""
+    import torch
+
+    if name == "auto":
+        name = "float16" if device.type == "cuda" else "float32"
+    if name == "float16" and device.type != "cuda":
+        logger.warning("dtype float16 on the CPU: most CPUs have no half products, which then run slower than float32")
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
 def _load_noting_untrained_heads(local_dir: Path):

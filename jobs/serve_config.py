@@ -38,7 +38,7 @@ import hashlib
 import ipaddress
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -108,6 +108,10 @@ class ModelSettings(BaseModel):
     batch_wait_timeout_s: float = Field(0.01, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # The weights and activations of the forward passes (vectors are float32 either way): "auto" is
+    # float16 on a GPU (TEI's and Infinity's default there: half the memory traffic, tensor cores) and
+    # float32 on the CPU; "bfloat16" also pays on a CPU with native bf16 products (AVX512-BF16, AMX).
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_ongoing_requests: int = Field(32, ge=1)  # per replica
     max_queued_requests: int = Field(64, ge=1)  # per caller (the Gateway); beyond it: 429 + Retry-After
     request_timeout_s: float | None = Field(None, gt=0)  # None: limits.request_timeout_s
