@@ -177,19 +177,19 @@ def make_step(model: nn.Module, inputs, precision: str = "fp32", ours: bool = Fa
 
 
 def our_inputs(kind: str):
-    """The keywords ``ctx finetune``'s training step gives our model (``jobs.finetune.train_inputs``):
+    """The keywords ``ctx finetune``'s training step gives our model (``jobs.finetune_inputs.train_inputs``):
     the columns cut to the batch's trim length (``our_batch``), and token classification computes
     its head and last block at the labelled positions only (except compiled whole: every position)."""
-    from jobs.finetune import train_inputs
+    from jobs.finetune_inputs import train_inputs
 
     return train_inputs
 
 
 def our_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch as ``ctx finetune``'s loop holds it: its rows padded to ``MAX_LEN`` (the data stage's
-    task.max_len) and the length its step cuts them to, found on the host (``jobs.finetune.trim_length``:
+    task.max_len) and the length its step cuts them to, found on the host (``jobs.finetune_inputs.trim_length``:
     the longest row on the CPU, rounded up to a multiple of 32 on a GPU)."""
-    from jobs.finetune import TRIM_LENGTH, trim_length
+    from jobs.finetune_inputs import TRIM_LENGTH, trim_length
 
     out = {}
     for k, v in batch.items():

@@ -23,7 +23,8 @@
 # (pretrain_b256_bf16res) and that without dropout (pretrain_b256_bf16res_nodrop); and inductor's
 # GEMM autotuning, Triton templates with fused epilogues against cuBLAS (pretrain_b256_autotune);
 # DDP and FSDP2 scaling over the machine's GPUs (scaling: benchmarks/gpu_scaling.py).
-# Logs go to $OUT/ when OUT is set.
+# Logs go to $OUT/ when OUT is set. Wheels in .gpu/whl (`make gpu-folder`: pydantic, which the
+# replica's settings need and the GPU machine's image lacks) are installed under /tmp/site first.
 set -u
 cd "$(dirname "$0")/.."
 MINILM=${1:-.gpu/minilm}
@@ -31,6 +32,10 @@ LOGS=${OUT:-/tmp/gpu-logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
+if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 DEFAULT_PARTS="machine ceilings test_cuda pretrain_b32_whole pretrain_b256_whole finetune_graphs embed"
 PARTS=${PARTS:-$DEFAULT_PARTS}  # names of the parts to run, space-separated

@@ -33,10 +33,10 @@ masked-LM model whose predicted rows come as ``label_positions`` padded to a few
 (``jobs.loop.to_device``, ``ctxmodels.ops.padded_positions``) has the same shapes from step to
 step, so it compiles whole in one graph (``has_static_step``): forward and backward each replay
 as one CUDA graph (``mode="reduce-overhead"``), and only the optimizer runs eager. Fine-tuning
-takes the same step for a task model on such a backbone: ``jobs.finetune`` trims a GPU batch to its
-longest row rounded up to a multiple of 32 (a handful of lengths a run, a graph recorded for each),
-and the head reads every position while compiled (``labelled_positions_only`` would count the
-labelled rows on the device).
+takes the same step for a task model on such a backbone: ``jobs.finetune_inputs.trim_length``
+cuts a GPU batch to its longest row rounded up to a multiple of 32 (a handful of lengths a run, a
+graph recorded for each), and the head reads every position while compiled
+(``labelled_positions_only`` would count the labelled rows on the device).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def has_static_step(model: nn.Module) -> bool:
     (BERT, RoBERTa, SpanBERT, ALBERT), so no row count is found on the device and the whole model
     compiles in one graph. Other families find theirs on the device (a boolean gather) and are
     compiled by block. A model that says so itself (``static_step``: a ``ctxmodels.tasks.TaskModel``
-    on one of those backbones, whose batches ``jobs.finetune`` trims to a few lengths) is taken at
+    on one of those backbones, whose GPU batches ``jobs.finetune_inputs.trim_length`` cuts to a few lengths) is taken at
     its word."""
     own = getattr(model, "static_step", None)
     if own is not None:

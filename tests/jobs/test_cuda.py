@@ -341,7 +341,7 @@ def test_a_task_model_as_whole_cuda_graphs_fine_tunes_like_eager(family, kind):
 
     import torch._dynamo
 
-    from jobs.finetune import TRIM_LENGTH, train_inputs
+    from jobs.finetune_inputs import TRIM_LENGTH, train_inputs
     from jobs.loop import to_device
     from jobs.parallel import ParallelPlan, wrap_model
     from tests.ctxmodels.test_tasks import batch_for, tiny_task

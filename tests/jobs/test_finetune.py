@@ -32,7 +32,7 @@ def test_training_steps_compute_token_heads_at_labelled_positions_only():
     token labels (B, T) alone; validation's keywords stay task_inputs' (full logits)."""
     import torch
 
-    from jobs.finetune import task_inputs, train_inputs
+    from jobs.finetune_inputs import task_inputs, train_inputs
 
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
     tokens = dict(input_ids=mask * 7, attention_mask=mask, labels=torch.full((2, 5), -100), _rows=torch.arange(2))
@@ -52,7 +52,7 @@ def test_a_gpu_batch_is_trimmed_to_a_multiple_of_32_found_on_the_host():
     longest row itself."""
     import torch
 
-    from jobs.finetune import CUDA_LENGTH_MULTIPLE, TRIM_LENGTH, task_inputs, train_inputs, trim_length
+    from jobs.finetune_inputs import CUDA_LENGTH_MULTIPLE, TRIM_LENGTH, task_inputs, train_inputs, trim_length
     from jobs.loop import row_digests
 
     assert CUDA_LENGTH_MULTIPLE == 32
