@@ -29,6 +29,7 @@ import numpy as np
 
 from ctxmodels.task_kinds import TASKS
 from jobs.finetune_config import LOWER_IS_BETTER, FinetuneRecipe
+from jobs.finetune_inputs import FORWARD_KEYS, TRIM_LENGTH, task_inputs, train_inputs, trim_length  # noqa: F401 (re-exported)
 from jobs.registry import resolve as resolve_model
 from jobs.tracking import record_run
 from jobs.loop import (
@@ -45,7 +46,6 @@ from jobs.loop import (
     seed_worker_rng,
     to_device,
 )
-from jobs.finetune_inputs import FORWARD_KEYS, TRIM_LENGTH, task_inputs, train_inputs, trim_length  # noqa: F401 (re-exported)
 from pipelines import storage
 
 # How each family lays out a sequence (pipelines.finetune InputStyle): where its papers read the
