@@ -295,16 +295,10 @@ def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch
     batches moved by ``to_device`` (positions padded to a multiple, then a batch padded to another
     count: a second recording of the same compiled graph) give eager's losses and weights. fp32,
     TF32 off, no dropout."""
-    import copy
-
-    import torch._dynamo
-
     from jobs.loop import LABEL_POSITIONS, model_inputs, to_device
-    from jobs.parallel import ParallelPlan, wrap_model
 
     _, model, batch = _tiny(family)
     model.to(CUDA).eval()
-    twin = copy.deepcopy(model)
     wider = dict(batch)  # about twice the targets: another padded count
     wider["labels"] = torch.where(batch["labels"] == -100, batch["input_ids"], batch["labels"])
     wider["labels"][:, 0] = -100
@@ -314,7 +308,20 @@ def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch
     assert counts[0] % 16 == 0 and counts[0] < counts[2]
     # marked dynamic on the GPU's copy, so the whole model compiles once for both counts
     assert all(0 in getattr(m[LABEL_POSITIONS], "_dynamo_weak_dynamic_indices", ()) for m in moved)
-    inputs = [model_inputs(m) for m in moved]
+    _whole_graphs_train_like_eager(model, [model_inputs(m) for m in moved], f"{family}, counts {counts}")
+
+
+def _whole_graphs_train_like_eager(model, inputs: list[dict], what: str) -> None:
+    """Four AdamW steps of ``model`` eager, and of a copy as ``train.compile: graphs`` wraps it on
+    one GPU (compiled whole: forward and backward replayed as CUDA graphs), give the same losses
+    and weights."""
+    import copy
+
+    import torch._dynamo
+
+    from jobs.parallel import ParallelPlan, wrap_model
+
+    twin = copy.deepcopy(model)
     eager = _adamw_losses(model, inputs)
     compiled = wrap_model(twin, ParallelPlan(compile="graphs"), CUDA)
     assert compiled is not twin and compiled._orig_mod is twin  # whole, not by block
@@ -322,9 +329,9 @@ def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch
         got = _adamw_losses(compiled, inputs)
     finally:
         torch._dynamo.reset()
-    assert got == pytest.approx(eager, rel=1e-4, abs=1e-5), counts
+    assert got == pytest.approx(eager, rel=1e-4, abs=1e-5), what
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {name}: {m}")
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
 
 
 @pytest.mark.parametrize("family, kind", [("bert", "classification"), ("bert", "token-classification"),
@@ -337,27 +344,12 @@ def test_a_task_model_as_whole_cuda_graphs_fine_tunes_like_eager(family, kind):
     recordings) give eager's losses and weights; token classification asks for the labelled
     positions only, which eager computes and the compiled model reads at every position. fp32,
     TF32 off, no dropout."""
-    import copy
-
-    import torch._dynamo
-
     from jobs.finetune_inputs import TRIM_LENGTH, train_inputs
     from jobs.loop import to_device
-    from jobs.parallel import ParallelPlan, wrap_model
     from tests.ctxmodels.test_tasks import batch_for, tiny_task
 
     model = tiny_task(family, kind).to(CUDA).eval()
-    twin = copy.deepcopy(model)
     batch = batch_for(kind)
     inputs = [train_inputs(to_device({**batch, TRIM_LENGTH: n}, CUDA)) for n in (10, 10, 8, 10)]
     assert [b["input_ids"].shape[-1] for b in inputs] == [10, 10, 8, 10]
-    eager = _adamw_losses(model, inputs)
-    compiled = wrap_model(twin, ParallelPlan(compile="graphs"), CUDA)
-    assert compiled is not twin and compiled._orig_mod is twin  # whole, not by block
-    try:
-        got = _adamw_losses(compiled, inputs)
-    finally:
-        torch._dynamo.reset()
-    assert got == pytest.approx(eager, rel=1e-4, abs=1e-5)
-    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{family} {kind} {name}: {m}")
+    _whole_graphs_train_like_eager(model, inputs, f"{family} {kind}")
