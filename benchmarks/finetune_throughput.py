@@ -224,7 +224,7 @@ def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], n
     return batches, ours, theirs
 
 
-def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int, compiled: bool = False) -> dict[str, list[float]]:
     """Seconds per round for each side: every batch once, the sides taking turns step by step
     (ABBA), after ``WARMUP_STEPS`` steps each. On CUDA ours' batches go through
     ``jobs.loop.to_device`` (pinned, asynchronous) as ``ctx finetune``'s do (``our_batch``: padded
@@ -236,7 +236,8 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
     inputs = {"ours": [to_device(our_batch(b), DEVICE) for b in batches],
               "transformers": [{k: v.to(DEVICE) for k, v in b.items()} for b in batches]}
     for name, step in sides.items():
-        for i in range(WARMUP_STEPS + (2 * len(batches) if cuda else 0)):  # on CUDA: every shape twice (compiling, recording graphs)
+        # on CUDA or compiled: every shape twice first (compiling, recording graphs), not in the timed steps
+        for i in range(WARMUP_STEPS + (2 * len(batches) if cuda or compiled else 0)):
             step(inputs[name][i % len(batches)])
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
@@ -270,7 +271,7 @@ def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compi
         "ours": make_step(ours, our_inputs(kind), precision, ours=not same_optimizer_step),
         "transformers": make_step(theirs, lambda b: b, precision),
     }
-    seconds = time_rounds(sides, batches, rounds)
+    seconds = time_rounds(sides, batches, rounds, compiled=compile or blocks or graphs)
     med = {name: statistics.median(s) for name, s in seconds.items()}
     ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]
     print(f"{kind}: ours {N_BATCHES * BATCH / med['ours']:,.1f} rows/s ({med['ours'] / N_BATCHES * 1e3:.0f} ms/step), "
