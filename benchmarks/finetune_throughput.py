@@ -14,7 +14,8 @@ the script checks both give the same loss (dropout off).
 Batches: real text, the way a fine-tuning run sees it. Sentences of the bundled WordNet corpus
 (``data/sample``), tokenized with MiniLM's WordPiece vocabulary, 32 rows a batch padded to the
 longest row (what ``DataCollatorWithPadding`` does for transformers, and what our loop does by
-trimming its fixed-width rows), so rows carry padding as they do in practice. Classification:
+trimming its fixed-width rows: ``jobs.finetune_inputs``, which on a GPU rounds the length up to a
+multiple of 32), so rows carry padding as they do in practice. Classification:
 sentence pairs (two consecutive sentences) with one of 4 labels; token classification: single
 sentences with one of 9 tags per token (-100 at [CLS], [SEP] and padding). Labels are random: only
 speed is measured here. Both sides see the same batches in the same order.
@@ -29,7 +30,9 @@ taking turns step by step (ABBA) so both run under the same machine load; rows/s
 rounds. The machine is shared: compare the ratios, not the absolute numbers. ``--precision bf16``
 runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), as
 ``train.precision: bf16`` trains on a CPU with AVX512-BF16 or AMX. ``--compile``: both models under
-``torch.compile`` (inductor, dynamic shapes), compiled during the warm-up steps.
+``torch.compile`` (inductor, dynamic shapes), compiled during the warm-up steps. ``--blocks`` /
+``--graphs``: ours only, as ``train.compile: true`` / ``graphs`` compiles it (``jobs.parallel.wrap_model``;
+on one GPU ``graphs`` is the whole model as CUDA graphs), every batch shape warmed up twice first.
 
 Where ours is faster (same math): nothing is computed for padding (``ctxmodels.bert.Packing``:
 token-wise layers on the real tokens, attention on groups of rows of similar length, each padded

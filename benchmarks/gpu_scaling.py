@@ -166,5 +166,6 @@ def main() -> None:
         if worlds[-1] > 1:
             print(f"scaling_efficiency_{strategy}: {efficiency:.2f} (world {worlds[-1]})")
 
+
 if __name__ == "__main__":
     main()

@@ -676,6 +676,8 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
+    from jobs.embed import DTYPES  # the names ModelSettings.dtype takes
+
     p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
     p.add_argument("--input", required=True, help="Parquet file or folder with an id and a text column (local, file://, s3://)")
     p.add_argument("--output", required=True, help="a new folder for the vectors' Parquet; one that holds files is refused")
@@ -692,7 +694,7 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
                    help="model actors, each loads the model once (default: as many as the cluster's CPUs hold, one CPU left to Ray Data)")
     p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs per actor, also its torch threads (default %(default)s)")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the forward passes' dtype, as ctx serve's: auto (default) is float16 on a GPU, float32 on the CPU")
     p.add_argument("--engine", default="auto", choices=["auto", "ray", "local"],
                    help="ray: Ray Data's actor pool; local: this process, a torch thread per core, no Ray; auto (default): local "

@@ -29,7 +29,7 @@ import numpy as np
 
 from ctxmodels.task_kinds import TASKS
 from jobs.finetune_config import LOWER_IS_BETTER, FinetuneRecipe
-from jobs.finetune_inputs import FORWARD_KEYS, TRIM_LENGTH, task_inputs, train_inputs, trim_length  # noqa: F401 (re-exported)
+from jobs.finetune_inputs import FORWARD_KEYS, TRIM_LENGTH, task_inputs, train_inputs, trim_length
 from jobs.registry import resolve as resolve_model
 from jobs.tracking import record_run
 from jobs.loop import (

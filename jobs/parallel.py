@@ -197,7 +197,6 @@ def compile_scope(model: nn.Module, plan: ParallelPlan, device: torch.device, wo
     return "whole graphs" if workers == 1 and has_static_step(model) else "block graphs"
 
 
-
 def _strip_compile(model: nn.Module) -> nn.Module:
     from torch._dynamo.eval_frame import OptimizedModule
 
