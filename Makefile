@@ -52,6 +52,17 @@ gpu-folder: $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
 	  pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
+	# Infinity and the stack it pins (transformers<5, which would clash with the image's 5.x: gpu_embed.py runs it in
+	# a child process with this first on its path). Unpacked it is 70 MB, more than the device tool carries (64 MiB
+	# with the working tree), so transformers keeps only the model folders that loading MiniLM into Infinity imports
+	# (read off sys.modules after a run) and the rest goes into one xz tarball, 4 MB; gpu.sh unpacks it.
+	rm -rf .gpu/infinity-wheels .gpu/infinity-site
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/infinity-wheels \
+	  infinity_emb==0.0.78 transformers==4.57.6 sentence-transformers==3.4.1 huggingface_hub==0.36.2 tokenizers==0.22.2
+	$(BIN)/python -m pip install -q --no-index --no-deps --no-compile --target .gpu/infinity-site .gpu/infinity-wheels/*.whl
+	cd .gpu/infinity-site/transformers/models && ls -d */ | grep -vxE '(align|auto|bark|bert|encoder_decoder|mt5|speecht5|t5)/' | xargs rm -rf
+	tar -cJf .gpu/infinity.tar.xz -C .gpu/infinity-site . && rm -rf .gpu/infinity-wheels .gpu/infinity-site
 
 clean:
 	rm -rf $(VENV) runs

