@@ -87,6 +87,7 @@ part pretrain_b256_autotune 240 $PY benchmarks/train_throughput.py --device cuda
 part scaling 400 $PY benchmarks/gpu_scaling.py --device cuda --preset base --steps 20
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part finetune_graphs 150 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --graphs --rounds 5 --threads 16 --model-dir "$MINILM"
-part embed 180 $PY benchmarks/gpu_embed.py --model-dir "$MINILM" --infinity-site /tmp/infinity-site
+# the peers' fast tokenizers on their default threads (TOKENIZERS_PARALLELISM unset), ours on its pool
+part embed 180 env -u TOKENIZERS_PARALLELISM $PY benchmarks/gpu_embed.py --model-dir "$MINILM" --infinity-site /tmp/infinity-site
 echo "=== summary"
 grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|^kernels\|host syncs\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"

@@ -7,7 +7,9 @@ What ``ctx serve`` and ``ctx embed`` run, without the server around it: ``Embedd
 the replicas' own code (texts sorted by length, cut into passes of ``--batch`` texts, each padded to
 its longest, through ``ctxmodels.bert.BertModel``, SDPA with a key-padding mask, mean-pooled over
 the real tokens and L2-normalised), in float32 and float16 (``dtype``, whose "auto" is float16 on a
-GPU). The peers, same folder, same batch size, same dtype:
+GPU), each pass replayed from a CUDA graph (``cuda_graphs``, ``ctxmodels.graphs``) and a request's
+texts tokenized on as many threads as torch has (``jobs.passes.tokenizing_pool``). The peers, same
+folder, same batch size, same dtype:
 
 - ``SentenceTransformer.encode`` (it sorts by length too), in this process;
 - Infinity's engine (``infinity_emb.AsyncEmbeddingEngine``, torch engine, the ``embed`` call its
@@ -20,9 +22,11 @@ GPU). The peers, same folder, same batch size, same dtype:
   with a line that says so. Infinity sets TF32 matrix products globally on CUDA, so its float32
   round is TF32; the float16 round is like for like.
 
-Tokenizing is inside the timed span on every side. Each dtype runs ours and sentence-transformers
-in turn, then Infinity, three rounds each, medians; every side's vectors are checked to agree with
-ours (cosine > 0.999) before timing. Not measured here: HTTP and Ray Serve (the GPU machine this
+Tokenizing is inside the timed span on every side (``gpu.sh`` leaves TOKENIZERS_PARALLELISM unset
+here, so the peers' fast tokenizers use their own threads, as they do by default). Each dtype runs
+every side once over all texts to warm up, then ours and sentence-transformers in turn, then
+Infinity, three rounds each, medians; every side's vectors are checked to agree with ours (cosine >
+0.999) before timing. Not measured here: HTTP and Ray Serve (the GPU machine this
 project borrows has no Ray; ``benchmarks/serving.py`` compares the servers on CPU).
 The last lines are ``embed_vs_sentence_transformers: X`` and ``embed_vs_infinity: X`` (float16,
 both servers' default on a GPU), after one line per dtype.
@@ -180,6 +184,11 @@ def main() -> None:
         if agree < 0.999:
             raise SystemExit("the two sides disagree: the comparison would be meaningless")
         sides = {"ours": ours.encode, "sentence-transformers": st}
+        for side in sides.values():  # every pass shape once before timing (ours records its CUDA graphs here)
+            side(items)
+        graphed = ours.replica._graphed
+        print(f"{dtype}: ours " + ("runs every pass eagerly" if graphed is None else
+                                   f"replays its passes from {len(graphed.buckets)} CUDA graphs ({graphed.recorded} recorded)"))
         seconds: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):

@@ -1,4 +1,5 @@
-"""A serving replica's compute: its one forward-pass thread, and how a batch is cut into passes.
+"""A serving replica's compute: its one forward-pass thread, how a batch is cut into passes, and its
+tokenizing threads.
 
 ``jobs.serve`` (sentence and token vectors, generation) and ``jobs.serve_tasks`` (the task routes)
 both run their passes through these; they live apart from both so neither imports the other for
@@ -8,8 +9,13 @@ them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
+from typing import Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # What a forward pass costs besides its tokens, in tokens (``token_budget_groups``). MiniLM on 2 CPU threads:
 # a pass takes ~2.3 ms plus ~0.1 ms a token, and small passes use the cores less well (8 rows of 16 tokens
@@ -81,3 +87,35 @@ async def forward(fn, *args):
     """``on_forward_thread`` for a coroutine: the event loop goes on meanwhile. Passes take turns
     anyway (``model_lock``)."""
     return await asyncio.get_running_loop().run_in_executor(_forward_executor(), fn, *args)
+
+
+def tokenizing_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor | None:
+    """Threads that tokenize a request's chunks at once, or None for one thread (the caller's).
+    Both tokenizer backends give up the GIL while they encode, so the chunks of one bulk request
+    (LangChain's 1,000 texts, ``ctx embed``'s blocks) run on as many cores as the replica was given;
+    no OpenMP runs on them (see ``on_forward_thread``)."""
+    if threads <= 1:
+        return None
+    return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ctx-tokenize")
+
+
+def ordered_map(pool: concurrent.futures.ThreadPoolExecutor | None, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+    """``fn(item)`` of each item, in order, computed on ``pool`` at most two per thread ahead of the
+    consumer (``map(fn, items)`` without a pool). When the consumer stops early (a request refused at
+    its token budget), work not yet started is cancelled."""
+    if pool is None:
+        yield from map(fn, items)
+        return
+    ahead = 2 * pool._max_workers
+    pending: collections.deque[concurrent.futures.Future] = collections.deque()
+    it = iter(items)
+    try:
+        for item in it:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()

@@ -23,7 +23,7 @@ import numpy as np
 
 from jobs.batching import Batcher
 from jobs.identity import checkpoint_version, tokenizer_hash
-from jobs.passes import forward, on_forward_thread, token_budget_groups
+from jobs.passes import forward, on_forward_thread, ordered_map, token_budget_groups, tokenizing_pool
 from jobs.serve_config import InputError, LimitError, Limits, ModelSettings
 from jobs.serve_tasks import TaskServing, read_recipe
 
@@ -33,6 +33,9 @@ DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs rea
 TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
 # Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
 CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
+# Backbones whose passes replay from CUDA graphs on a GPU (``ctxmodels.graphs``): no host sync and no
+# data-dependent shape in their forward there (the families ``has_static_step`` compiles whole).
+GRAPHED_FAMILIES = ("bert", "roberta", "spanbert", "albert")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -151,6 +154,10 @@ class EmbeddingReplica(TaskServing):
                 name, self.max_batch_tokens, self.max_len,
             )
         self.recent_passes: collections.deque = collections.deque(maxlen=1024)  # (rows, padded length) per forward pass
+        # A request's chunks tokenize on as many threads as torch has here: Ray sets those from the
+        # replica's num_cpus (``ctx embed`` from its actors' CPUs), so a GPU replica given 8 CPUs
+        # tokenizes a bulk request on 8 cores while its passes wait for nothing else.
+        self._tokenizing = tokenizing_pool(torch.get_num_threads())
         # One forward pass at a time in a replica: sentence vectors, task rows, and every model it holds.
         self.model_lock = model_lock or asyncio.Lock()
         # Texts of every queued request, shortest first, in batches across request boundaries; every
@@ -166,6 +173,30 @@ class EmbeddingReplica(TaskServing):
         self.n_hidden = len(hidden)  # n_layer + 1: index 0 is the embedding output
         self.dim = int(hidden[-1].shape[-1])
         self.widths = [int(h.shape[-1]) for h in hidden]  # per layer: AWD-LSTM's middle layers are wider
+        self._graphed = None  # sentence-vector passes replayed from CUDA graphs (features "last")
+        if self.device.type == "cuda" and self.family in GRAPHED_FAMILIES and settings.cuda_graphs:
+            self._graphed = self._graphed_passes(hidden[-1])
+
+    def _graphed_passes(self, eager_last, record: bool = True):
+        """``ctxmodels.graphs.GraphedPasses`` over the backbone's last hidden state, checked once
+        against the eager pass of ``_forward_check``; None (every pass eager, with a warning) if the
+        replay disagrees."""
+        import torch
+
+        from ctxmodels.graphs import GraphedPasses
+
+        graphed = GraphedPasses(lambda ids, mask: self.backbone.hidden_states(ids, attention_mask=mask)[-1],
+                                max_rows=self.max_batch_size, max_len=self.max_len, pad_id=self.tokenizer.padding_id,
+                                record=record)
+        ids, mask = self._pad(self._encode(["hello world"], truncate=True)[0])
+        with torch.inference_mode():
+            got = graphed(ids, mask).float()
+        want = eager_last.float()
+        if not torch.allclose(got, want, atol=0.05, rtol=0.05):  # half precision's rounding, not a wrong replay
+            logger.warning("model %s: a pass replayed from a CUDA graph differs from the eager pass (largest "
+                           "difference %.3g); every pass runs eagerly", self.name, float((got - want).abs().max()))
+            return None
+        return graphed
 
     def _forward_check(self) -> list:
         import torch
@@ -213,15 +244,16 @@ class EmbeddingReplica(TaskServing):
         return [row for chunk_ids in self._chunks(texts, truncate, self.tokenizer.ids_for_model) for row in chunk_ids]
 
     def _chunks(self, texts: list[str], truncate: bool, encode):
-        """``encode(chunk, cut)`` of each TOKENIZE_CHUNK texts in turn (its first element: the ids per
-        text), refusing a text longer than the model reads and a request over its token budget."""
+        """``encode(chunk, cut)`` of each TOKENIZE_CHUNK texts, in order, computed on the tokenizing
+        threads (its first element: the ids per text), refusing a text longer than the model reads and
+        a request over its token budget."""
         # Without truncation ask for one token more than the model reads: a row that long was cut.
         cut = self.max_len if truncate else self.max_len + 1
         budget = self.limits.max_tokens_per_request
         total = 0
-        for start in range(0, len(texts), TOKENIZE_CHUNK):
-            chunk = list(texts[start : start + TOKENIZE_CHUNK])
-            out = encode(chunk, cut)
+        starts = range(0, len(texts), TOKENIZE_CHUNK)
+        chunks = [list(texts[start : start + TOKENIZE_CHUNK]) for start in starts]
+        for start, chunk, out in zip(starts, chunks, ordered_map(self._tokenizing, lambda c: encode(c, cut), chunks)):
             chunk_ids = out[0] if isinstance(out, tuple) else out
             for j, row in enumerate(chunk_ids):
                 if len(row) > self.max_len:
@@ -290,19 +322,24 @@ class EmbeddingReplica(TaskServing):
             )
         return width
 
-    def _passes(self, rows: list[np.ndarray]):
+    def _passes(self, rows: list[np.ndarray], last_only: bool = False):
         """Forward passes over ``rows`` grouped under max_batch_size and max_batch_tokens; yields (the
         group's row indices, its hidden states (n_layer + 1 of (B, T, D)), attention mask (B, T),
-        (rows, real tokens, padded tokens))."""
+        (rows, real tokens, padded tokens)). ``last_only``: the caller reads the last state alone
+        (features "last"), which then may come from a CUDA graph's replay, as the only state given."""
         import torch
 
         for group in token_budget_groups([len(r) for r in rows], self.max_batch_size, self.max_batch_tokens):
             ids, mask = self._pad([rows[i] for i in group])  # (B, T)
             with torch.inference_mode():
-                states = self.backbone.hidden_states(ids, attention_mask=mask)
+                if last_only and self._graphed is not None:
+                    states = [self._graphed(ids, mask)]  # (B, T, D), valid until the next pass
+                else:
+                    states = self.backbone.hidden_states(ids, attention_mask=mask)
             B, T = ids.shape
             self.recent_passes.append((int(B), int(T)))
-            yield group, states, mask, (int(B), int(mask.sum()), int(B * T))
+            real = sum(len(rows[i]) for i in group)  # counted on the host: mask.sum() would wait for the device
+            yield group, states, mask, (int(B), real, int(B * T))
 
     def _token_vectors(self, rows: list[np.ndarray], layers: list[int] | None, features: str | None) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
         """float32 (T_i, len(layers)*D), or (T_i, n_combined(features)*D), per row in the given order;
@@ -335,7 +372,8 @@ class EmbeddingReplica(TaskServing):
 
         out: list[np.ndarray | None] = [None] * len(items)
         sizes = []
-        for group, states, mask, size in self._passes([row for row, _, _ in items]):
+        last_only = all(strategy == "last" for _, _, strategy in items)
+        for group, states, mask, size in self._passes([row for row, _, _ in items], last_only):
             with torch.inference_mode():
                 for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
                     hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)

@@ -15,7 +15,9 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
 - ``train.compile: graphs`` on one GPU (``jobs.parallel.wrap_model``): BERT, SpanBERT and ALBERT
   compiled whole, forward and backward replayed as CUDA graphs, train like eager over AdamW steps
   whose padded position counts change; so does a fine-tuning task model on those backbones, on
-  batches cut to two trim lengths.
+  batches cut to two trim lengths;
+- a serving replica's passes replayed from CUDA graphs (``ctxmodels.graphs``), float32 and float16,
+  equal eager passes at the real tokens, over buckets recorded, replayed, dropped and recorded again.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -353,3 +355,34 @@ def test_a_task_model_as_whole_cuda_graphs_fine_tunes_like_eager(family, kind):
     inputs = [train_inputs(to_device({**batch, TRIM_LENGTH: n}, CUDA)) for n in (10, 10, 8, 10)]
     assert [b["input_ids"].shape[-1] for b in inputs] == [10, 10, 8, 10]
     _whole_graphs_train_like_eager(model, inputs, f"{family} {kind}")
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_passes_replayed_from_cuda_graphs_equal_eager_ones(family, dtype):
+    """``ctxmodels.graphs.GraphedPasses`` as a GPU replica runs it (``ModelSettings.cuda_graphs``): the
+    last hidden state of each pass, replayed from its bucket's graph, equals the eager pass at the
+    real tokens. The passes go through five buckets, at most three kept, all in one memory pool: a
+    bucket replayed with new inputs, buckets replayed after others were recorded, and two dropped
+    buckets recorded again."""
+    from ctxmodels.graphs import GraphedPasses
+    from tests.ctxmodels.test_graphs import _batch
+
+    _, model = build_model(family, "tiny", {"vocab_size": 128}, seed=0)
+    backbone = getattr(model, "backbone", model).eval().to(CUDA, dtype)
+
+    def last(ids, mask):
+        return backbone.hidden_states(ids, attention_mask=mask)[-1]
+
+    graphed = GraphedPasses(last, max_rows=16, max_len=96, pad_id=0, max_graphs=3)
+    passes = [[7], [6], [31, 12, 5], [33, 33, 2, 20, 9], [96] * 3 + [40] * 9, [64] * 16, [7], [30, 12, 5]]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for seed, lengths in enumerate(passes):
+            ids, mask = (t.to(CUDA) for t in _batch(lengths, seed))
+            want = last(ids, mask)
+            got = graphed(ids, mask).clone()
+            real = mask.bool()
+            torch.testing.assert_close(got[real].float(), want[real].float(), atol=tol, rtol=tol,
+                                       msg=lambda m: f"{family} {dtype} pass {seed} {lengths}: {m}")
+    assert graphed.recorded == 7 and len(graphed.buckets) == 3

@@ -1,0 +1,147 @@
+"""jobs.passes: a request's chunks tokenized on the replica's threads, in order, with the same ids and
+the same refusals as on one thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from jobs.passes import ordered_map, tokenizing_pool
+
+
+def test_ordered_map_keeps_the_order_whatever_finishes_first_and_runs_on_the_pool():
+    pool = tokenizing_pool(3)
+    threads = set()
+
+    def slow_first(i: int) -> int:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.02 * (5 - i % 5))  # earlier items finish later
+        return i * i
+
+    try:
+        assert list(ordered_map(pool, slow_first, range(12))) == [i * i for i in range(12)]
+        assert threads and all(name.startswith("ctx-tokenize") for name in threads) and len(threads) > 1
+        assert tokenizing_pool(1) is None and list(ordered_map(None, str, [1, 2])) == ["1", "2"]
+    finally:
+        pool.shutdown()
+
+
+def test_ordered_map_stops_early_without_running_the_rest_and_passes_errors_on():
+    pool = tokenizing_pool(2)
+    started = []
+
+    def work(i: int) -> int:
+        started.append(i)
+        if i == 7:
+            raise ValueError("item 7")
+        time.sleep(0.01)
+        return i
+
+    try:
+        results = ordered_map(pool, work, range(1000))
+        assert [next(results) for _ in range(3)] == [0, 1, 2]
+        results.close()  # the consumer stops (a request refused at its token budget)
+        pool.shutdown(wait=True)
+        assert len(started) <= 3 + 2 * 2  # what it had asked for and at most two per thread ahead
+    finally:
+        pool.shutdown()
+    pool = tokenizing_pool(2)
+    try:
+        with pytest.raises(ValueError, match="item 7"):
+            list(ordered_map(pool, work, range(20)))
+    finally:
+        pool.shutdown()
+
+
+def test_a_replica_tokenizes_a_bulk_request_on_its_threads_with_the_same_ids_and_refusals(minilm_dir):
+    """A replica with 3 torch threads (Ray sets those from its num_cpus) tokenizes the 64-text chunks of
+    a request on 3 threads: the same ids and offsets as a one-thread replica, the same refusal of a text
+    too long (named by its index, in a late chunk) and of a request over its token budget."""
+    import torch
+
+    from jobs.replica import EmbeddingReplica
+    from jobs.serve_config import InputError, LimitError, Limits, ModelConfig
+
+    words = "the river bank was wet after the long rain fell on the quiet town".split()
+    texts = [" ".join(words[: 1 + i % len(words)]) + f" {i}" for i in range(300)]  # 5 chunks of 64
+    from pipelines.tokenizers import load_tokenizer
+
+    budget = sum(len(row) for row in load_tokenizer(minilm_dir).ids_for_model(texts, 512)) + 10  # texts, not twice
+    from jobs.passes import on_forward_thread
+
+    before = on_forward_thread(torch.get_num_threads)  # the replica reads its threads where its passes run
+    replicas = {}
+    try:
+        for threads in (1, 3):
+            on_forward_thread(torch.set_num_threads, threads)
+            replicas[threads] = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir)),
+                                                 Limits(max_tokens_per_request=budget))
+    finally:
+        on_forward_thread(torch.set_num_threads, before)
+    one, three = replicas[1], replicas[3]
+    assert one._tokenizing is None and three._tokenizing._max_workers == 3
+    submitted = []
+    submit = three._tokenizing.submit
+    three._tokenizing.submit = lambda fn, chunk: submitted.append(len(chunk)) or submit(fn, chunk)
+    ids_one, ids_three = one._encode_ids(texts, truncate=False), three._encode_ids(texts, truncate=False)
+    assert submitted == [64, 64, 64, 64, 44]
+    assert len(ids_three) == 300 and all((a == b).all() for a, b in zip(ids_one, ids_three))
+    (ids_a, offsets_a, tokens_a), (ids_b, offsets_b, tokens_b) = (r._encode(texts[:130], truncate=False) for r in (one, three))
+    assert all((a == b).all() for a, b in zip(ids_a, ids_b)) and (offsets_a, tokens_a) == (offsets_b, tokens_b)
+    assert len(tokens_b) == 130
+    long = list(texts)
+    long[250] = "bank " * 600
+    for replica in (one, three):
+        with pytest.raises(InputError, match=r"input\[250\] is longer than the 512 tokens"):
+            replica._encode_ids(long, truncate=False)
+        with pytest.raises(LimitError) as refused:
+            replica._encode_ids(texts * 2, truncate=False)
+        assert f"{budget} tokens" in str(refused.value)
+    messages = set()
+    for replica in (one, three):
+        try:
+            replica._encode_ids(texts * 2, truncate=False)
+        except LimitError as e:
+            messages.add(str(e))
+    assert len(messages) == 1  # counted over the same texts
+    three._tokenizing.shutdown()
+
+
+def test_sentence_vectors_from_bucket_padded_passes_equal_the_eager_ones_and_other_features_stay_eager(minilm_dir, caplog):
+    """What a GPU replica replays from CUDA graphs (``cuda_graphs``), run eagerly on the CPU
+    (``record=False``): the same vectors as plain passes; a strategy other than "last" reads every
+    layer and so runs eagerly; a replay that disagrees with the eager pass at start-up turns graphs off."""
+    import numpy as np
+    import torch
+
+    from ctxmodels.graphs import GraphedPasses
+    from jobs.replica import EmbeddingReplica
+    from jobs.serve_config import Limits, ModelConfig
+
+    replica = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), max_batch_size=8), Limits())
+    assert replica._graphed is None  # the CPU: every pass eager
+    words = "the river bank was wet after the long rain fell on the quiet town".split()
+    texts = [" ".join(words[: 1 + (7 * i) % len(words)]) for i in range(21)]
+    plain = np.stack(replica.embed_now(texts, normalize=True)["embeddings"])
+    last = replica._forward_check()[-1]
+    graphed = replica._graphed_passes(last, record=False)
+    assert isinstance(graphed, GraphedPasses)
+    replica._graphed = graphed
+    got = np.stack(replica.embed_now(texts, normalize=True)["embeddings"])
+    np.testing.assert_allclose(got, plain, atol=1e-5)
+    assert {R for R, _ in graphed.buckets} <= {1, 2, 4, 8} and len(graphed.buckets) >= 2
+    seen = len(graphed.buckets)
+    replica.embed_now(texts, features="sum-last-four")
+    assert len(graphed.buckets) == seen  # no bucket used: every layer was read, eagerly
+
+    def wrong(self, ids, mask):
+        return torch.zeros(*ids.shape, replica.dim)
+
+    GraphedPasses.__call__, call = wrong, GraphedPasses.__call__
+    try:
+        assert replica._graphed_passes(last, record=False) is None
+    finally:
+        GraphedPasses.__call__ = call
+    assert "differs from the eager pass" in caplog.text
