@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/serving_floor.py
 	$(BIN)/python benchmarks/bulk_floor.py
+	$(BIN)/python benchmarks/host_floor.py
 	$(BIN)/python benchmarks/embed.py
 	$(BIN)/python benchmarks/generate.py
 

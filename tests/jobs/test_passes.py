@@ -139,9 +139,15 @@ def test_sentence_vectors_from_bucket_padded_passes_equal_the_eager_ones_and_oth
     def wrong(self, ids, mask):
         return torch.zeros(*ids.shape, replica.dim)
 
-    GraphedPasses.__call__, call = wrong, GraphedPasses.__call__
+    def unrecordable(self, ids, mask):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    call = GraphedPasses.__call__
     try:
+        GraphedPasses.__call__ = wrong
+        assert replica._graphed_passes(last, record=False) is None
+        GraphedPasses.__call__ = unrecordable
         assert replica._graphed_passes(last, record=False) is None
     finally:
         GraphedPasses.__call__ = call
-    assert "differs from the eager pass" in caplog.text
+    assert "differs from the eager pass" in caplog.text and "recording a pass as a CUDA graph failed" in caplog.text
