@@ -12,7 +12,10 @@ replica's own code (``jobs.replica.EmbeddingReplica.embed_now``, all-MiniLM-L6-v
 
 1. ``tokenize``: the replica's tokenizing of the texts (``_encode_ids``: 64-text chunks, refusals
    checked), on one thread and on the replica's tokenizing pool (as many threads as torch has here:
-   ``jobs.passes.tokenizing_pool``); ``tokenize_speedup`` is the ratio.
+   ``jobs.passes.tokenizing_pool``); ``tokenize_speedup`` is the ratio. With TOKENIZERS_PARALLELISM
+   false, as ``ctx serve`` and ``ctx embed`` set it (this script sets it too unless it is set): left
+   unset, the Rust tokenizer already spreads each chunk over every core itself, and the pool gains
+   nothing over it (measured here: 0.95-1.02x).
 2. ``host_only``: ``embed_now`` with the backbone replaced by one that returns its hidden states at
    once (zeros of the right shape, made before timing), so every step but the model's arithmetic
    runs: texts/s with one tokenizing thread and with the pool. On a GPU with each pass replayed
@@ -26,10 +29,13 @@ The last lines are ``tokenize_speedup: X`` and ``host_only_texts_per_s: X`` (wit
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the ctx CLI sets it (jobs.cli._quiet_env)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -81,7 +87,7 @@ def main() -> None:
     pool = replica._tokenizing
     threads = 1 if pool is None else pool._max_workers
     print(f"{len(items)} texts, passes of at most {args.batch}, torch threads {torch.get_num_threads()}, "
-          f"tokenizing threads {threads}")
+          f"tokenizing threads {threads}, TOKENIZERS_PARALLELISM={os.environ['TOKENIZERS_PARALLELISM']}")
 
     def run(fn, tokenizing):
         replica._tokenizing = tokenizing
