@@ -73,11 +73,12 @@ class Embedder:
 
     ``batch_size`` and ``max_batch_tokens`` bound each forward pass (``embed_now`` sorts the batch it is
     handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor;
-    ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU)."""
+    ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU);
+    ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``)."""
 
     def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", cuda_graphs: bool = True):
         import torch
 
         from jobs.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
@@ -85,7 +86,8 @@ class Embedder:
 
         if threads is not None:
             torch.set_num_threads(threads)
-        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, dtype=dtype)
+        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, dtype=dtype,
+                               cuda_graphs=cuda_graphs)
         # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
         self.model = EmbeddingReplica("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
@@ -150,6 +152,7 @@ def reembed(
     driver_read_bytes: int = DRIVER_READ_BYTES,
     engine: Engine = "auto",
     dtype: str = "auto",
+    cuda_graphs: bool = True,
 ) -> dict[str, Any]:
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
@@ -173,6 +176,7 @@ def reembed(
     (the default) is "local" where there is no cluster to use (no Ray running here, no RAY_ADDRESS), the
     input is one the driver reads (at most ``driver_read_bytes``) and no ``actors`` or ``num_gpus`` were
     asked for, else "ray". ``dtype``: the forward passes' ("auto": float16 on a GPU, float32 on the CPU).
+    ``cuda_graphs``: on a GPU, each pass of a BERT-family model replayed from a CUDA graph (False: eager).
 
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
     "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
@@ -216,7 +220,8 @@ def reembed(
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
     if engine == "local":
-        _write_local(out_fs, out_path, map(Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype), chunks), output, store)
+        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs)
+        _write_local(out_fs, out_path, map(embedder, chunks), output, store)
         pool = 0
     else:
         # --- Ray seam: Ray Data read -> actor pool -> write ---
@@ -233,7 +238,7 @@ def reembed(
         threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
         vectors = ds.map_batches(
             Embedder,
-            fn_constructor_args=(*model_args, threads, dtype),
+            fn_constructor_args=(*model_args, threads, dtype, cuda_graphs),
             batch_size=actor_batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=pool),

@@ -171,7 +171,8 @@ def test_passes_run_in_the_dtype_asked_for_and_vectors_stay_float32(minilm_dir, 
     """``dtype`` (``ctx serve``'s model setting, ``ctx embed --dtype``): "auto" is float16 on a GPU
     and float32 on the CPU; a dtype named runs the model's weights and passes in it, pools in float32
     and gives float32 vectors that agree with float32's (cosine > 0.999, as TEI's and Infinity's
-    half-precision vectors do). A dtype nobody knows is refused naming the setting."""
+    half-precision vectors do). A dtype nobody knows is refused naming the setting. ``cuda_graphs``
+    (``ctx embed --no-cuda-graphs``) reaches the replica's settings."""
     import torch
     from pydantic import ValidationError
 
@@ -192,6 +193,17 @@ def test_passes_run_in_the_dtype_asked_for_and_vectors_stay_float32(minilm_dir, 
         cosine = (got * ref).sum(-1)  # both normalized
         assert cosine.min() > 0.999, (dtype, cosine)
         assert not np.array_equal(got, ref)  # the passes did run in the lower precision
+    from jobs.replica import EmbeddingReplica
+
+    asked = []
+    setup = EmbeddingReplica._setup
+    EmbeddingReplica._setup = lambda self, *args: asked.append(args[3].cuda_graphs) or setup(self, *args)
+    try:
+        for graphs in (False, True):  # ctx embed --no-cuda-graphs, and its default
+            Embedder(str(minilm_dir), None, "id", "text", "mean", True, threads=1, cuda_graphs=graphs)
+    finally:
+        EmbeddingReplica._setup = setup
+    assert asked == [False, True]
     with pytest.raises(ValidationError, match="dtype"):
         ModelConfig(uri=str(minilm_dir), dtype="fp8")
     with pytest.raises(ValueError, match="dtype 'half'"):
