@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU comparisons of issue 25, as one short run: about 9-10 minutes on an H200 for the default
-# parts (the sum of their times in separate calls there, 2026-11-27, finetune_graphs and Infinity's
-# side of embed estimated; not yet run as one: two calls of PARTS fit the device's per-call limit); each part has its own limit,
-# so one that hangs does not take the others with it.
+# parts (the sum of their times in separate calls there, 2026-11-27; finetune_graphs and Infinity's
+# side of embed estimated). Not yet run as one: two calls of PARTS fit the device's per-call limit.
+# Each part has its own limit, so one that hangs does not take the others with it.
 #
 #   bash benchmarks/gpu.sh [MINILM_DIR]
 #   PARTS="a b" bash benchmarks/gpu.sh      # the named parts only, any of those below

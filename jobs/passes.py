@@ -91,9 +91,11 @@ async def forward(fn, *args):
 
 def tokenizing_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor | None:
     """Threads that tokenize a request's chunks at once, or None for one thread (the caller's).
-    Both tokenizer backends give up the GIL while they encode, so the chunks of one bulk request
-    (LangChain's 1,000 texts, ``ctx embed``'s blocks) run on as many cores as the replica was given;
-    no OpenMP runs on them (see ``on_forward_thread``)."""
+    The Rust tokenizers (WordPiece, byte-level BPE) give up the GIL while they encode, so the chunks
+    of one bulk request (LangChain's 1,000 texts, ``ctx embed``'s blocks) run on as many cores as the
+    replica was given (1.63x for 1,000 texts on 2 cores, ``benchmarks/host_floor.py``);
+    SentencePiece's binding keeps it but runs at some 77,000 texts/s a core anyway. No OpenMP runs
+    on these threads (see ``on_forward_thread``)."""
     if threads <= 1:
         return None
     return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ctx-tokenize")
