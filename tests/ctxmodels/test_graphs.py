@@ -1,6 +1,8 @@
 """ctxmodels.graphs on the CPU (CI has no GPU; tests/jobs/test_cuda.py records and replays the graphs on
 one): a pass padded up to its bucket gives the real rows' values of the eager pass over the same
-tokens, the buckets are the documented ones, and at most ``max_graphs`` are kept."""
+tokens, the buckets are the documented ones, at most ``max_graphs`` are kept, and the recording path
+(warm-up, capture into one pool, replay on the bucket's own tensors) gives the eager values too, with
+``torch.cuda``'s graph API replaced by a stand-in that keeps a graph's semantics."""
 
 from __future__ import annotations
 
@@ -67,3 +69,77 @@ def test_at_most_max_graphs_buckets_are_kept_the_least_recently_used_dropped():
         out = graphed(ids, mask)
         assert torch.equal(out[..., 0].long(), ids)  # the caller's rows and positions, not the padding
     assert list(graphed.buckets) == [(2, 32), (1, 32)] and calls == [(1, 32), (1, 64), (2, 32), (1, 32)]
+
+
+def test_the_recording_path_replays_what_a_graph_recorded_on_its_static_inputs(monkeypatch):
+    """``record=True`` on the CPU, with ``torch.cuda``'s graph API replaced by a stand-in that keeps
+    a graph's semantics: a capture records the pass on the bucket's own input and output tensors,
+    and a replay runs it again on them, writing into the same output. Through the passes of
+    ``test_cuda``'s replay test (five buckets, three kept): every pass equals the eager one at the
+    real tokens, each recording follows two warm-up passes on a side stream, all share one pool,
+    and a bucket seen again replays without recording."""
+    _, backbone = _backbone("bert")
+    log: list[str] = []
+    capturing: list = []
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+            self.out.copy_(self.rerun())
+
+    class Capture:
+        def __init__(self, graph, pool=None):
+            self.graph, self.pool = graph, pool
+
+        def __enter__(self):
+            log.append(f"capture {self.pool}")
+            capturing.append(self.graph)
+
+        def __exit__(self, *exc):
+            capturing.pop()
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class OnStream:
+        def __init__(self, stream):
+            log.append("side stream")
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            log.append("main stream")
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool-1")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", OnStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+    def last(ids, mask):
+        out = backbone.hidden_states(ids, attention_mask=mask)[-1]
+        if capturing:  # what the graph keeps: this pass on these very tensors
+            capturing[-1].rerun = lambda: backbone.hidden_states(ids, attention_mask=mask)[-1]
+            capturing[-1].out = out
+        log.append("pass")
+        return out
+
+    graphed = GraphedPasses(last, max_rows=16, max_len=96, pad_id=0, max_graphs=3)
+    passes = [[7], [6], [31, 12, 5], [33, 33, 2, 20, 9], [96] * 3 + [40] * 9, [64] * 16, [7], [30, 12, 5]]
+    with torch.inference_mode():
+        for seed, lengths in enumerate(passes):
+            ids, mask = _batch(lengths, seed)
+            want = backbone.hidden_states(ids, attention_mask=mask)[-1]
+            log.clear()
+            got = graphed(ids, mask).clone()
+            real = mask.bool()
+            torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5, msg=lambda m: f"pass {seed}: {m}")
+            recorded = ["side stream", "pass", "pass", "main stream", "capture pool-1", "pass", "replay"]
+            assert log == (["replay"] if seed == 1 else recorded), (seed, log)
+    assert graphed.recorded == 7 and list(graphed.buckets) == [(16, 64), (1, 32), (4, 32)]
