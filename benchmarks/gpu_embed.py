@@ -14,11 +14,10 @@ folder, same batch size, same dtype:
 - ``SentenceTransformer.encode`` (it sorts by length too), in this process;
 - Infinity's engine (``infinity_emb.AsyncEmbeddingEngine``, torch engine, the ``embed`` call its
   server's ``/embeddings`` route makes), in a child process whose ``sys.path`` starts with
-  ``--infinity-site``, a folder holding ``infinity_emb`` (``gpu.sh`` installs ``.gpu/infinity``'s
-  wheel there, which ``make gpu-folder`` downloads). Its own pins (``transformers<5``) are not
-  carried to the GPU machine: 16 MB more would take the device tool's upload past its 64 MiB, so
-  there it runs on the image's transformers 5 and sentence-transformers 6 (the child prints the
-  versions). A folder with the pinned stack works too. Without the folder Infinity is skipped,
+  ``--infinity-site``: a folder holding Infinity and the stack it pins (``transformers<5``; the GPU
+  image's transformers 5 breaks Infinity's ``tokenize_lengths``, and in this process the older one
+  would replace the transformers 5 that sentence-transformers runs on). ``make gpu-folder`` packs that stack into
+  ``.gpu/infinity.tar.xz`` and ``gpu.sh`` unpacks it there. Without the folder Infinity is skipped,
   with a line that says so. Infinity sets TF32 matrix products globally on CUDA, so its float32
   round is TF32; the float16 round is like for like.
 
@@ -151,8 +150,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--infinity-site", type=Path, default=Path("/tmp/infinity-site"),
-                        help="a folder holding infinity_emb, put first on the path of Infinity's child process (gpu.sh "
-                             "installs .gpu/infinity's wheel there); Infinity is skipped when it has none")
+                        help="a folder holding infinity_emb and its pinned stack, put first on the path of Infinity's child "
+                             "process (gpu.sh unpacks .gpu/infinity.tar.xz there); Infinity is skipped when it has none")
     args = parser.parse_args()
     folder = args.model_dir
     if folder is None:
@@ -167,8 +166,8 @@ def main() -> None:
           + f", {len(items)} texts, batch {args.batch}")
     has_infinity = (args.infinity_site / "infinity_emb").is_dir()
     if not has_infinity:
-        print(f"Infinity skipped: no infinity_emb in {args.infinity_site} (`make gpu-folder` downloads its wheel into "
-              f".gpu/infinity; pip install --no-deps --target {args.infinity_site} .gpu/infinity/*.whl)")
+        print(f"Infinity skipped: no infinity_emb in {args.infinity_site} (`make gpu-folder` packs it into "
+              f".gpu/infinity.tar.xz; mkdir -p {args.infinity_site} && tar -xJf .gpu/infinity.tar.xz -C {args.infinity_site})")
     ratios: dict[str, dict[torch.dtype, float]] = {"sentence_transformers": {}, "infinity": {}}
     for dtype in (torch.float32, torch.float16):
         ours = Ours(folder, device, dtype, args.batch)

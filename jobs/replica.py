@@ -188,10 +188,9 @@ class EmbeddingReplica(TaskServing):
         graphed = GraphedPasses(lambda ids, mask: self.backbone.hidden_states(ids, attention_mask=mask)[-1],
                                 max_rows=self.max_batch_size, max_len=self.max_len, pad_id=self.tokenizer.padding_id,
                                 record=record)
-        ids, mask = self._pad(self._encode(["hello world"], truncate=True)[0])
         try:
             with torch.inference_mode():
-                got = graphed(ids, mask).float()
+                got = graphed(*self._check_inputs()).float()
         except RuntimeError as e:  # an operation CUDA graphs cannot record: serve eagerly rather than not at all
             logger.warning("model %s: recording a pass as a CUDA graph failed (%s); every pass runs eagerly", self.name, e)
             return None
@@ -202,10 +201,14 @@ class EmbeddingReplica(TaskServing):
             return None
         return graphed
 
+    def _check_inputs(self):
+        """(ids, mask) of one short text on the model's device: the start-up checks' pass."""
+        return self._pad(self._encode(["hello world"], truncate=True)[0])
+
     def _forward_check(self) -> list:
         import torch
 
-        ids, mask = self._pad(self._encode(["hello world"], truncate=True)[0])
+        ids, mask = self._check_inputs()
         with torch.inference_mode():
             hidden = self.backbone.hidden_states(ids, attention_mask=mask)
         if not all(bool(torch.isfinite(h).all()) for h in hidden):
