@@ -176,6 +176,9 @@ class EmbeddingReplica(TaskServing):
         self._graphed = None  # sentence-vector passes replayed from CUDA graphs (features "last")
         if self.device.type == "cuda" and self.family in GRAPHED_FAMILIES and settings.cuda_graphs:
             self._graphed = self._graphed_passes(hidden[-1])
+        self._task_graphed = None  # task routes' passes replayed from CUDA graphs (their logits)
+        if self._graphed is not None and self.task_config is not None:
+            self._task_graphed = self._task_graphed_passes()
 
     def _graphed_passes(self, eager_last, record: bool = True):
         """``ctxmodels.graphs.GraphedPasses`` over the backbone's last hidden state, checked once
@@ -187,19 +190,34 @@ class EmbeddingReplica(TaskServing):
 
         graphed = GraphedPasses(lambda ids, mask: self.backbone.hidden_states(ids, attention_mask=mask)[-1],
                                 max_rows=self.max_batch_size, max_len=self.max_len, pad_id=self.tokenizer.padding_id,
-                                record=record)
+                                record=record, name=f"model {self.name}")
         try:
             with torch.inference_mode():
                 got = graphed(*self._check_inputs()).float()
         except RuntimeError as e:  # an operation CUDA graphs cannot record: serve eagerly rather than not at all
             logger.warning("model %s: recording a pass as a CUDA graph failed (%s); every pass runs eagerly", self.name, e)
             return None
+        if graphed.failed is not None:  # its own check of the recording failed, and said so
+            return None
         want = eager_last.float()
-        if not torch.allclose(got, want, atol=0.05, rtol=0.05):  # half precision's rounding, not a wrong replay
+        # a padded replay against the unpadded eager pass: half precision's rounding, not a wrong replay
+        if not torch.allclose(got, want, atol=0.05, rtol=0.05):
             logger.warning("model %s: a pass replayed from a CUDA graph differs from the eager pass (largest "
                            "difference %.3g); every pass runs eagerly", self.name, float((got - want).abs().max()))
             return None
         return graphed
+
+    def _task_graphed_passes(self, record: bool = True):
+        """``GraphedPasses`` over the task model's logits, for the task routes' passes (``TaskServing
+        ._group_forward``), on a backbone whose sentence passes replay from graphs: each bucket's
+        recording is checked against its eager pass there, on the request's own rows."""
+        from ctxmodels.graphs import GraphedPasses
+        from ctxmodels.task_kinds import TASKS
+
+        return GraphedPasses(lambda ids, mask, **others: self.model(ids, attention_mask=mask, **others).logits,
+                             max_rows=self.max_batch_size, max_len=self.settings.data.max_len, pad_id=self.tokenizer.padding_id,
+                             per_token=TASKS[self.task_config.kind].reads == "tokens", record=record,
+                             name=f"model {self.name} ({self.task_config.kind})")
 
     def _check_inputs(self):
         """(ids, mask) of one short text on the model's device: the start-up checks' pass."""

@@ -112,7 +112,8 @@ class ModelSettings(BaseModel):
     # float16 on a GPU (TEI's and Infinity's default there: half the memory traffic, tensor cores) and
     # float32 on the CPU; "bfloat16" also pays on a CPU with native bf16 products (AVX512-BF16, AMX).
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    # On a GPU, sentence-vector passes of a BERT, RoBERTa, SpanBERT or ALBERT backbone replay from CUDA
+    # On a GPU, sentence-vector passes of a BERT, RoBERTa, SpanBERT or ALBERT backbone, and the task
+    # routes' passes of a model fine-tuned on one (classify, rerank, tag, answer), replay from CUDA
     # graphs, one per padded (rows, length) bucket (ctxmodels.graphs): one launch a pass instead of one a
     # kernel. False runs every pass eagerly (vLLM's enforce_eager). Ignored on the CPU.
     cuda_graphs: bool = True

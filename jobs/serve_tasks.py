@@ -602,7 +602,8 @@ def task_settings(family: str, task: Any, recipe: dict | None, model_max_len: in
 class TaskServing:
     """Task routes of one model replica; a base class of ``jobs.replica.EmbeddingReplica``, whose
     ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
-    ``max_batch_tokens``, ``recent_passes``, ``_encode`` and ``_pad`` it uses."""
+    ``max_batch_tokens``, ``recent_passes``, ``_task_graphed`` (a GPU replica's task passes as CUDA
+    graphs, or None), ``_encode`` and ``_pad`` it uses."""
 
     def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.task_config = loaded.task
@@ -670,7 +671,10 @@ class TaskServing:
             # Cut to the group's longest row: right padding past it is masked anyway.
             batch = {k: torch.from_numpy(np.stack([r[k][..., :width] for r in rows])).to(self.device) for k in rows[0]}  # (B, [K,] T)
             with torch.inference_mode():
-                logits = self.model(**batch).logits.float().cpu().numpy()
+                if self._task_graphed is not None:  # a GPU replica: the pass replays from a CUDA graph
+                    logits = self._task_graphed(**batch).float().cpu().numpy()
+                else:
+                    logits = self.model(**batch).logits.float().cpu().numpy()
             if TASKS[self.task_config.kind].reads == "tokens":
                 full = rows[0]["input_ids"].shape[-1]
                 logits = np.pad(logits, ((0, 0), (0, full - logits.shape[1]), (0, 0)), constant_values=-1e4)  # (B, L, C)

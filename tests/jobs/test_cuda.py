@@ -17,7 +17,9 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
   whose padded position counts change; so does a fine-tuning task model on those backbones, on
   batches cut to two trim lengths;
 - a serving replica's passes replayed from CUDA graphs (``ctxmodels.graphs``), float32 and float16,
-  equal eager passes at the real tokens, over buckets recorded, replayed, dropped and recorded again.
+  equal eager passes at the real tokens, over buckets recorded, replayed, dropped and recorded again;
+  so do a task model's logits (classification, token labels, answer spans, symmetric pairs) in
+  float16, each recording passing its own check against its eager pass.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -386,3 +388,34 @@ def test_passes_replayed_from_cuda_graphs_equal_eager_ones(family, dtype):
             torch.testing.assert_close(got[real].float(), want[real].float(), atol=tol, rtol=tol,
                                        msg=lambda m: f"{family} {dtype} pass {seed} {lengths}: {m}")
     assert graphed.recorded == 7 and len(graphed.buckets) == 3
+
+
+@pytest.mark.parametrize("family,kind,task", [
+    ("bert", "classification", {}),
+    ("albert", "token-classification", {}),
+    ("bert", "question-answering", {}),
+    ("roberta", "classification", {"symmetric": True}),
+], ids=["bert-classification", "albert-token-classification", "bert-question-answering", "roberta-symmetric-pairs"])
+def test_task_passes_replayed_from_cuda_graphs_equal_eager_ones(family, kind, task):
+    """A GPU replica's task routes (``EmbeddingReplica._task_graphed_passes``): a task model's logits
+    in float16, replayed from each bucket's graph, equal the eager pass's, for (B, T) and symmetric
+    (B, 2, T) inputs; every recording passed its own check against its eager pass (graphs still on)."""
+    from ctxmodels.graphs import GraphedPasses
+    from tests.ctxmodels.test_graphs import _batch, _task_model
+
+    model = _task_model(family, kind, **task).to(CUDA, torch.float16)
+    per_token = kind in ("token-classification", "question-answering")
+    graphed = GraphedPasses(lambda ids, mask, **others: model(ids, attention_mask=mask, **others).logits,
+                            max_rows=8, max_len=96, pad_id=0, per_token=per_token, max_graphs=2)
+    with torch.inference_mode():
+        for seed, lengths in enumerate([[7], [31, 12, 5], [40, 40, 33, 9, 2], [6], [30, 30, 3]]):
+            ids, mask = (t.to(CUDA) for t in _batch(lengths, seed))
+            types = torch.zeros_like(ids)
+            if task.get("symmetric"):
+                ids, mask, types = (torch.stack([x, x.flip(0)], dim=1) for x in (ids, mask, types))  # (B, 2, T)
+            want = model(ids, attention_mask=mask, token_type_ids=types).logits.float()
+            got = graphed(ids, mask, token_type_ids=types).float().clone()
+            assert got.shape == want.shape
+            real = mask.bool() if per_token else slice(None)
+            torch.testing.assert_close(got[real], want[real], atol=2e-2, rtol=2e-2, msg=lambda m: f"{family} {kind} pass {seed}: {m}")
+    assert graphed.failed is None and graphed.recorded == 5 and len(graphed.buckets) == 2  # two dropped buckets recorded again

@@ -151,3 +151,66 @@ def test_sentence_vectors_from_bucket_padded_passes_equal_the_eager_ones_and_oth
     finally:
         GraphedPasses.__call__ = call
     assert "differs from the eager pass" in caplog.text and "recording a pass as a CUDA graph failed" in caplog.text
+
+
+def test_task_routes_through_bucket_padded_passes_answer_as_eager_ones(minilm_dir, tmp_path):
+    """A GPU replica of a fine-tuned checkpoint replays its task routes' passes from CUDA graphs
+    (``_task_graphed``); on the CPU ``record=False`` runs what a replay computes, eagerly, on the
+    bucket's padded rows: /v1/classify (texts and pairs), /v1/rerank, /v1/tag and /v1/answer give
+    the eager passes' answers, through (rows, length) buckets; the CPU itself never graphs."""
+    import asyncio
+
+    import numpy as np
+    import torch
+
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+    from jobs.replica import EmbeddingReplica
+    from jobs.serve_config import Limits, ModelConfig
+
+    tasks = {
+        "pair": ("bert", TaskConfig(kind="classification", num_labels=2, labels=["no", "yes"])),
+        "ner": ("albert", TaskConfig(kind="token-classification", num_labels=3, labels=["O", "B-LOC", "I-LOC"])),
+        "qa": ("bert", TaskConfig(kind="question-answering", num_labels=1)),
+    }
+    words = "the river bank was wet after the long rain fell on the quiet town of paris".split()
+    texts = [" ".join(words[: 1 + (5 * i) % len(words)]) for i in range(13)]
+    calls = {
+        "pair": [("/v1/classify", {"texts": texts, "pairs": None, "truncate": False}),
+                 ("/v1/classify", {"texts": texts[:5], "pairs": texts[5:10], "truncate": False}),
+                 ("/v1/rerank", {"query": "where is the bank?", "texts": texts, "raw_scores": False, "return_text": False, "truncate": False})],
+        "ner": [("/v1/tag", {"texts": texts, "words": None, "scheme": None, "truncate": False})],
+        "qa": [("/v1/answer", {"questions": ["where is the bank?", "what fell?"], "contexts": [" ".join(words * 12), texts[4]], "truncate": False})],
+    }
+
+    def numbers(x):  # every float of an answer, in order, and the answer without them
+        if isinstance(x, dict):
+            pairs = [(k, numbers(v)) for k, v in sorted(x.items())]
+            return {k: v[0] for k, v in pairs}, [f for _, v in pairs for f in v[1]]
+        if isinstance(x, list):
+            pairs = [numbers(v) for v in x]
+            return [v[0] for v in pairs], [f for v in pairs for f in v[1]]
+        return (None, [x]) if isinstance(x, float) else (x, [])
+
+    for name, (family, task) in tasks.items():
+        cfg = make_config(family, "tiny", {"vocab_size": 30522})  # MiniLM's vocabulary
+        save_checkpoint(tmp_path / name, build_task_model(family, cfg, task, torch.Generator().manual_seed(1)), family, cfg,
+                        tokenizer_dir=minilm_dir, task=task)
+        replica = EmbeddingReplica(name, str(tmp_path / name), None, ModelConfig(uri=str(tmp_path / name), max_batch_size=4), Limits())
+        assert replica._task_graphed is None  # the CPU: every pass eager
+
+        async def answers():
+            return [await replica.task(route, args) for route, args in calls[name]]
+
+        eager = asyncio.run(answers())
+        replica._task_graphed = replica._task_graphed_passes(record=False)
+        graphed = asyncio.run(answers())
+        for (route, _), want, got in zip(calls[name], eager, graphed):
+            assert "error" not in got, got
+            (want_shape, want_numbers), (got_shape, got_numbers) = numbers(want["body"]), numbers(got["body"])
+            assert got_shape == want_shape, route
+            np.testing.assert_allclose(got_numbers, want_numbers, atol=1e-5, err_msg=route)
+        buckets = list(replica._task_graphed.buckets)
+        assert len(buckets) >= 2 and {key[0] for key in buckets} <= {1, 2, 4}, (name, buckets)
+        assert all(key[-1] % 32 == 0 for key in buckets)
