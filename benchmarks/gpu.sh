@@ -17,7 +17,9 @@
 # (pretrain_b32_whole, pretrain_b256_whole); a fine-tuning step, MiniLM, padded batches, bf16, as
 # `train.compile: graphs` fine-tunes on one GPU: rows cut to a multiple of 32, the whole task model
 # as CUDA graphs (finetune_graphs); MiniLM sentence embeddings, float32 and float16, the replicas'
-# `embed_now` against sentence-transformers and Infinity's engine (embed).
+# `embed_now` (its passes as CUDA graphs, and eagerly) against sentence-transformers and Infinity's
+# engine, then reranking in float16, our replica's /v1/rerank (graphs, eager) against
+# sentence-transformers' CrossEncoder on the same weights (embed).
 # Named only (the earlier sessions' steps, kept to compare against): the fine-tuning step with
 # compiled blocks (finetune); pretraining with compiled blocks at batch 32
 # (pretrain_b32_blocks), eager (pretrain_b32_eager), blocks as CUDA graphs (pretrain_b32_graphs);
@@ -88,6 +90,6 @@ part scaling 400 $PY benchmarks/gpu_scaling.py --device cuda --preset base --ste
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part finetune_graphs 150 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --graphs --rounds 5 --threads 16 --model-dir "$MINILM"
 # the peers' fast tokenizers on their default threads (TOKENIZERS_PARALLELISM unset), ours on its pool
-part embed 180 env -u TOKENIZERS_PARALLELISM $PY benchmarks/gpu_embed.py --model-dir "$MINILM" --infinity-site /tmp/infinity-site
+part embed 240 env -u TOKENIZERS_PARALLELISM $PY benchmarks/gpu_embed.py --model-dir "$MINILM" --infinity-site /tmp/infinity-site
 echo "=== summary"
-grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|^kernels\|host syncs\|embed_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"
+grep -H "speedup_vs_transformers\|^mfu\|mfu_ceiling\|gpu_busy\|^kernels\|host syncs\|embed_vs\|graphs_speedup\|rerank_vs\|passed\|failed\|error" "$LOGS"/*.log | grep -v "^.*machine.log"
