@@ -121,3 +121,27 @@ def ordered_map(pool: concurrent.futures.ThreadPoolExecutor | None, fn: Callable
     finally:
         for future in pending:
             future.cancel()
+
+
+class HostCopy:
+    """A pass's output copied to the host without waiting for the device: on a GPU the copy goes into
+    pinned memory behind the kernels already queued, and ``numpy()`` waits for that copy alone. A
+    replica reads a pass's vectors only after the next pass is queued, so the GPU runs one pass while
+    the host pads, copies and launches the next (a blocking ``.cpu()`` would leave it idle meanwhile).
+    On the CPU it is the tensor itself."""
+
+    def __init__(self, tensor) -> None:  # torch.Tensor
+        import torch
+
+        self.done = None
+        if tensor.device.type == "cuda":
+            self.host = tensor.to("cpu", non_blocking=True)  # pinned: PyTorch pins a non-blocking copy off the device
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = tensor
+
+    def numpy(self):  # np.ndarray
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()

@@ -23,7 +23,7 @@ import numpy as np
 
 from jobs.batching import Batcher
 from jobs.identity import checkpoint_version, tokenizer_hash
-from jobs.passes import forward, on_forward_thread, ordered_map, token_budget_groups, tokenizing_pool
+from jobs.passes import HostCopy, forward, on_forward_thread, ordered_map, token_budget_groups, tokenizing_pool
 from jobs.serve_config import InputError, LimitError, Limits, ModelSettings
 from jobs.serve_tasks import TaskServing, read_recipe
 
@@ -296,15 +296,24 @@ class EmbeddingReplica(TaskServing):
 
     def _pad(self, rows: list[np.ndarray]):
         """Right-padded (B, T) ids and attention mask on the model's device (ELMo needs right padding)."""
-        import torch
-
         T = max(len(r) for r in rows)
         ids = np.full((len(rows), T), self.tokenizer.padding_id, dtype=np.int64)  # (B, T); GPT-2 has no [PAD]
         mask = np.zeros((len(rows), T), dtype=np.int64)  # (B, T)
         for b, r in enumerate(rows):
             ids[b, : len(r)] = r
             mask[b, : len(r)] = 1
-        return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
+        return self._on_device(ids), self._on_device(mask)
+
+    def _on_device(self, array: np.ndarray):
+        """A host array on the model's device (the array itself on the CPU). On a GPU through pinned
+        memory, without waiting: a copy from pageable memory waits for every kernel already queued
+        (a stream synchronisation), so the next pass could not be prepared while one runs."""
+        import torch
+
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _layers(self, layers: str | list[int]) -> list[int]:
         from ctxmodels.features import resolve_layers
@@ -375,16 +384,26 @@ class EmbeddingReplica(TaskServing):
 
         out: list[np.ndarray | None] = [None] * len(rows)
         sizes = []
+
+        def take(group: list[int], copy: HostCopy) -> None:
+            hidden = copy.numpy()
+            for b, i in enumerate(group):
+                out[i] = hidden[b, : len(rows[i])]
+
+        pending = None  # the previous pass's copy, read once this pass is queued (``HostCopy``)
         for group, states, _, size in self._passes(rows):
             with torch.inference_mode():
                 if features is not None:
                     hidden = combine_layers(states, features, self.mix)  # (B, T, n*D)
                 else:
                     hidden = torch.cat([states[i] for i in layers], dim=-1)  # (B, T, L*D)
-            hidden = hidden.float().cpu().numpy()
-            for b, i in enumerate(group):
-                out[i] = hidden[b, : len(rows[i])]
+                copy = HostCopy(hidden.float())
+            if pending is not None:
+                take(*pending)
+            pending = (group, copy)
             sizes.append(size)
+        if pending is not None:
+            take(*pending)
         return out, sizes
 
     def _pool(self, items: list[tuple[np.ndarray, int | None, str]]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
@@ -397,21 +416,33 @@ class EmbeddingReplica(TaskServing):
 
         out: list[np.ndarray | None] = [None] * len(items)
         sizes = []
+
+        def take(group: list[int], copies: list[tuple[str, HostCopy]]) -> None:
+            for strategy, copy in copies:
+                vectors = copy.numpy()
+                for b, i in enumerate(group):
+                    if items[i][2] == strategy:
+                        out[i] = vectors[b]
+
+        pending = None  # the previous pass's copies, read once this pass is queued (``HostCopy``)
         last_only = all(strategy == "last" for _, _, strategy in items)
         for group, states, mask, size in self._passes([row for row, _, _ in items], last_only):
+            copies = []
             with torch.inference_mode():
                 for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
                     hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)
                     vectors = mean_pool(hidden.float(), mask)  # (B, n*D), summed in float32 whatever the model's dtype
                     at = [(b, items[i][1]) for b, i in enumerate(group) if items[i][2] == strategy and items[i][1] is not None]
                     if at:  # cls / last pooling: the vector at one position instead of the mean
-                        rows, positions = zip(*at)
-                        vectors[list(rows)] = hidden[list(rows), list(positions)]
-                    vectors = vectors.float().cpu().numpy()  # one copy off the device per pass
-                    for b, i in enumerate(group):
-                        if items[i][2] == strategy:
-                            out[i] = vectors[b]
+                        rows, positions = (self._on_device(np.array(x, dtype=np.int64)) for x in zip(*at))
+                        vectors[rows] = hidden[rows, positions].float()
+                    copies.append((strategy, HostCopy(vectors)))  # one copy off the device per pass and strategy
+            if pending is not None:
+                take(*pending)
+            pending = (group, copies)
             sizes.append((group[0], size))
+        if pending is not None:
+            take(*pending)
         return out, sizes
 
     def _stamp(self) -> dict[str, str]:

@@ -19,7 +19,8 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
 - a serving replica's passes replayed from CUDA graphs (``ctxmodels.graphs``), float32 and float16,
   equal eager passes at the real tokens, over buckets recorded, replayed, dropped and recorded again;
   so do a task model's logits (classification, token labels, answer spans, symmetric pairs) in
-  float16, each recording passing its own check against its eager pass.
+  float16, each recording passing its own check against its eager pass; a replica's passes then
+  queue without any synchronizing call but the wait for each pass's copy off the device.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -419,3 +420,53 @@ def test_task_passes_replayed_from_cuda_graphs_equal_eager_ones(family, kind, ta
             real = mask.bool() if per_token else slice(None)
             torch.testing.assert_close(got[real], want[real], atol=2e-2, rtol=2e-2, msg=lambda m: f"{family} {kind} pass {seed}: {m}")
     assert graphed.failed is None and graphed.recorded == 5 and len(graphed.buckets) == 2  # two dropped buckets recorded again
+
+
+def test_a_replicas_passes_queue_without_waiting_for_the_gpu_and_give_the_eager_vectors(tmp_path):
+    """A serving replica on the GPU (``jobs.replica.EmbeddingReplica``, a tiny BERT with a WordPiece
+    vocabulary trained here): once its buckets are recorded, its sentence-vector passes make no
+    synchronizing call but the wait for each pass's copy off the device (``jobs.passes.HostCopy``:
+    pinned inputs, graph replays, pooling and non-blocking copies otherwise), and the vectors equal
+    those of a replica with ``cuda_graphs: false``."""
+    import numpy as np
+
+    from ctxmodels.checkpoint import save_checkpoint
+    from jobs import passes
+    from jobs.replica import EmbeddingReplica
+    from jobs.serve_config import Limits, ModelConfig
+    from pipelines.sources import sample_text
+    from pipelines.tokenizers import train_tokenizer
+    from tests.conftest import REPO, corpus_texts
+
+    shard = str(REPO / "data" / "sample" / "wordnet-0000-of-0008.txt.gz")
+    tok = train_tokenizer("wordpiece", sample_text([shard], 200_000), 1000)
+    tok.save(tmp_path / "tok")
+    cfg, model = build_model("bert", "tiny", {"vocab_size": 1000}, seed=0)
+    save_checkpoint(tmp_path / "ckpt", model, "bert", cfg, tokenizer_dir=tmp_path / "tok")
+    replicas = {graphs: EmbeddingReplica("m", str(tmp_path / "ckpt"), None, ModelConfig(uri=str(tmp_path / "ckpt"), max_batch_size=8,
+                                                                                      dtype="float32", cuda_graphs=graphs), Limits())
+                for graphs in (True, False)}
+    assert replicas[True]._graphed is not None and replicas[False]._graphed is None
+    texts = corpus_texts(40)
+    items = [(r, None, "last") for r in replicas[True]._encode_ids(texts, truncate=True)]
+    replicas[True]._pool(items)  # every bucket recorded (a recording checks itself: it synchronizes)
+    wait = passes.HostCopy.numpy
+
+    def wait_allowed(self):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    torch.cuda.synchronize()
+    passes.HostCopy.numpy = wait_allowed
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, sizes = replicas[True]._pool(items)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        passes.HostCopy.numpy = wait
+    assert len(sizes) >= 5
+    want, _ = replicas[False]._pool(items)
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=1e-4)

@@ -214,3 +214,56 @@ def test_task_routes_through_bucket_padded_passes_answer_as_eager_ones(minilm_di
         buckets = list(replica._task_graphed.buckets)
         assert len(buckets) >= 2 and {key[0] for key in buckets} <= {1, 2, 4}, (name, buckets)
         assert all(key[-1] % 32 == 0 for key in buckets)
+
+
+def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_vector_is_its_own(minilm_dir, monkeypatch):
+    """A replica copies each pass's output off the device without waiting (``jobs.passes.HostCopy``)
+    and reads it only after the next pass is queued, so on a GPU the host prepares and launches pass
+    i + 1 while pass i runs. The order of launches and reads, for sentence vectors (``_pool``) and
+    token vectors (``_token_vectors``); and each text's vectors are those of a pass over it alone."""
+    import numpy as np
+    import torch
+
+    from jobs import replica as replica_module
+    from jobs.passes import HostCopy
+    from jobs.replica import EmbeddingReplica
+    from jobs.serve_config import Limits, ModelConfig
+
+    log: list[tuple[str, int]] = []
+
+    class Logged(HostCopy):
+        def __init__(self, tensor):
+            super().__init__(tensor)
+            self.index = sum(1 for what, _ in log if what == "launch") - 1  # the pass it copies
+
+        def numpy(self):
+            log.append(("read", self.index))
+            return super().numpy()
+
+    monkeypatch.setattr(replica_module, "HostCopy", Logged)
+    replica = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), max_batch_size=4), Limits())
+    passes = replica._passes
+
+    def logged(rows, last_only=False):
+        for i, one in enumerate(passes(rows, last_only)):
+            log.append(("launch", i))
+            yield one
+
+    monkeypatch.setattr(replica, "_passes", logged)
+    words = "the river bank was wet after the long rain fell on the quiet town".split()
+    rows = replica._encode_ids([" ".join(words[: 1 + (5 * i) % len(words)]) for i in range(11)], truncate=True)
+    with torch.inference_mode():
+        alone = [replica.backbone.hidden_states(torch.from_numpy(r)[None])[-1][0].numpy() for r in rows]  # (T_i, D)
+    for run in ("sentence", "token"):
+        log.clear()
+        if run == "sentence":
+            vectors, sizes = replica._pool([(r, None, "last") for r in rows])
+            want = [a.mean(axis=0) for a in alone]
+        else:
+            vectors, sizes = replica._token_vectors(rows, [replica.n_hidden - 1], None)
+            want = alone
+        n = len(sizes)
+        assert n == 3  # 11 rows, at most 4 a pass
+        assert log == [("launch", 0)] + [x for i in range(1, n) for x in (("launch", i), ("read", i - 1))] + [("read", n - 1)], run
+        for got, expected in zip(vectors, want):
+            np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=run)
