@@ -603,7 +603,7 @@ class TaskServing:
     """Task routes of one model replica; a base class of ``jobs.replica.EmbeddingReplica``, whose
     ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
     ``max_batch_tokens``, ``recent_passes``, ``_task_graphed`` (a GPU replica's task passes as CUDA
-    graphs, or None), ``_encode`` and ``_pad`` it uses."""
+    graphs, or None), ``_encode``, ``_pad`` and ``_on_device`` it uses."""
 
     def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.task_config = loaded.task
@@ -646,7 +646,8 @@ class TaskServing:
         """Each row's output in the given order, with the (rows, real tokens, padded tokens) of each
         forward pass riding on one of its rows. The rows run sorted by length in passes of at most
         max_batch_size rows and max_batch_tokens padded tokens (``jobs.passes.token_budget_groups``, as
-        the embeddings' passes), each pass padded only to its own longest row.
+        the embeddings' passes), each pass padded only to its own longest row. A pass's outputs are
+        read once the next pass is queued (``jobs.passes.HostCopy``: on a GPU it runs meanwhile).
 
         Task model: logits per row ((L,), or (T, L) padded back to the row's width with -1e4).
         Pretrained masked LM: probabilities (M, V) at each row's mask ``positions``."""
@@ -654,42 +655,65 @@ class TaskServing:
 
         sizes = [self._row_size(r) for r in rows]
         out: list[tuple[np.ndarray, tuple[int, int, int] | None]] = [None] * len(rows)  # type: ignore[list-item]
+
+        def take(group: list[int], read, size: tuple[int, int, int]) -> None:
+            for b, (i, result) in enumerate(zip(group, read())):
+                out[i] = (result, size if b == 0 else None)
+
+        pending = None  # the previous pass: read once this one is queued
         # A row of K sequences costs K x its length: the budget counts the sequences a pass really reads.
         for group in token_budget_groups([k * n for k, n in sizes], self.max_batch_size, self.max_batch_tokens):
             width = max(sizes[i][1] for i in group)
-            results, size = self._group_forward([rows[i] for i in group], width)
-            for b, i in enumerate(group):
-                out[i] = (results[b], size if b == 0 else None)
+            read, size = self._group_forward([rows[i] for i in group], width)
+            if pending is not None:
+                take(*pending)
+            pending = (group, read, size)
+        if pending is not None:
+            take(*pending)
         return out
 
-    def _group_forward(self, rows: list[dict[str, np.ndarray]], width: int) -> tuple[list[np.ndarray], tuple[int, int, int]]:
-        """One forward pass over ``rows`` padded to ``width`` tokens: their outputs (``_rows_forward``)
-        and the pass's (rows, real tokens, padded tokens)."""
+    def _group_forward(self, rows: list[dict[str, np.ndarray]], width: int):
+        """One forward pass over ``rows`` padded to ``width`` tokens, queued: (a function that reads
+        their outputs (``_rows_forward``) off the device, the pass's (rows, real tokens, padded tokens))."""
         import torch
+
+        from jobs.passes import HostCopy
 
         if self.task_config is not None:
             # Cut to the group's longest row: right padding past it is masked anyway.
-            batch = {k: torch.from_numpy(np.stack([r[k][..., :width] for r in rows])).to(self.device) for k in rows[0]}  # (B, [K,] T)
+            cols = {k: np.stack([r[k][..., :width] for r in rows]) for k in rows[0]}  # (B, [K,] T)
+            batch = {k: self._on_device(v) for k, v in cols.items()}
             with torch.inference_mode():
                 if self._task_graphed is not None:  # a GPU replica: the pass replays from a CUDA graph
-                    logits = self._task_graphed(**batch).float().cpu().numpy()
+                    copy = HostCopy(self._task_graphed(**batch).float())
                 else:
-                    logits = self.model(**batch).logits.float().cpu().numpy()
-            if TASKS[self.task_config.kind].reads == "tokens":
-                full = rows[0]["input_ids"].shape[-1]
-                logits = np.pad(logits, ((0, 0), (0, full - logits.shape[1]), (0, 0)), constant_values=-1e4)  # (B, L, C)
-            outputs, mask = list(logits), batch["attention_mask"]
+                    copy = HostCopy(self.model(**batch).logits.float())
+            full = rows[0]["input_ids"].shape[-1]
+            per_token = TASKS[self.task_config.kind].reads == "tokens"
+
+            def read() -> list[np.ndarray]:
+                logits = copy.numpy()
+                if per_token:
+                    logits = np.pad(logits, ((0, 0), (0, full - logits.shape[1]), (0, 0)), constant_values=-1e4)  # (B, L, C)
+                return list(logits)
+
+            mask = cols["attention_mask"]
+            n_seq, real = mask.size // mask.shape[-1], int(mask.sum())  # B, or B x K; counted on the host
         else:
             ids, mask = self._pad([r["input_ids"] for r in rows])  # (B, T), T = width
-            selected = torch.zeros_like(ids, dtype=torch.bool)  # (B, T)
+            selected = np.zeros(tuple(ids.shape), dtype=bool)  # (B, T)
             for b, r in enumerate(rows):
-                selected[b, torch.from_numpy(r["positions"])] = True
-            with torch.inference_mode():
-                probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, selected).float(), dim=-1).cpu().numpy()  # (N, V)
+                selected[b, r["positions"]] = True
+            with torch.inference_mode():  # (reading the selected positions waits for the device anyway)
+                probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, self._on_device(selected)).float(), dim=-1).cpu().numpy()  # (N, V)
             outputs = np.split(probs, np.cumsum([len(r["positions"]) for r in rows])[:-1])
-        n_seq = mask.numel() // mask.shape[-1]  # B, or B x K
+
+            def read() -> list[np.ndarray]:
+                return outputs
+
+            n_seq, real = len(rows), sum(len(r["input_ids"]) for r in rows)
         self.recent_passes.append((n_seq, width))
-        return outputs, (len(rows), int(mask.sum()), n_seq * width)
+        return read, (len(rows), real, n_seq * width)
 
     async def _rows_pass(self, rows: list[dict[str, np.ndarray]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
         from jobs.passes import forward

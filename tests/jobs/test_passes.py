@@ -216,14 +216,19 @@ def test_task_routes_through_bucket_padded_passes_answer_as_eager_ones(minilm_di
         assert all(key[-1] % 32 == 0 for key in buckets)
 
 
-def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_vector_is_its_own(minilm_dir, monkeypatch):
+def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_vector_is_its_own(minilm_dir, monkeypatch, tmp_path):
     """A replica copies each pass's output off the device without waiting (``jobs.passes.HostCopy``)
     and reads it only after the next pass is queued, so on a GPU the host prepares and launches pass
-    i + 1 while pass i runs. The order of launches and reads, for sentence vectors (``_pool``) and
-    token vectors (``_token_vectors``); and each text's vectors are those of a pass over it alone."""
+    i + 1 while pass i runs. The order of launches and reads, for sentence vectors (``_pool``), token
+    vectors (``_token_vectors``) and a task route's rows (``_rows_forward``); and each text's vectors
+    are those of a pass over it alone, each row's logits those of the task model over it alone."""
     import numpy as np
     import torch
 
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+    from jobs import passes as passes_module
     from jobs import replica as replica_module
     from jobs.passes import HostCopy
     from jobs.replica import EmbeddingReplica
@@ -241,6 +246,7 @@ def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_ve
             return super().numpy()
 
     monkeypatch.setattr(replica_module, "HostCopy", Logged)
+    monkeypatch.setattr(passes_module, "HostCopy", Logged)  # what the task routes import
     replica = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), max_batch_size=4), Limits())
     passes = replica._passes
 
@@ -267,3 +273,25 @@ def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_ve
         assert log == [("launch", 0)] + [x for i in range(1, n) for x in (("launch", i), ("read", i - 1))] + [("read", n - 1)], run
         for got, expected in zip(vectors, want):
             np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=run)
+
+    task = TaskConfig(kind="classification", num_labels=2, labels=["no", "yes"])
+    cfg = make_config("bert", "tiny", {"vocab_size": 30522})  # MiniLM's vocabulary
+    model = build_task_model("bert", cfg, task, torch.Generator().manual_seed(1)).eval()
+    save_checkpoint(tmp_path / "pair", model, "bert", cfg, tokenizer_dir=minilm_dir, task=task)
+    tasks = EmbeddingReplica("pair", str(tmp_path / "pair"), None, ModelConfig(uri=str(tmp_path / "pair"), max_batch_size=4), Limits())
+    group_forward = tasks._group_forward
+
+    def logged_group(group_rows, width):
+        log.append(("launch", sum(1 for what, _ in log if what == "launch")))
+        return group_forward(group_rows, width)
+
+    monkeypatch.setattr(tasks, "_group_forward", logged_group)
+    task_rows = [{"input_ids": np.pad(r, (0, 128 - len(r))), "attention_mask": np.pad(np.ones_like(r), (0, 128 - len(r))),
+                  "token_type_ids": np.zeros(128, dtype=np.int64)} for r in rows]  # right-padded to the fine-tuning width
+    log.clear()
+    results = tasks._rows_forward(task_rows)
+    n = sum(1 for _, size in results if size is not None)
+    assert n == 3 and log == [("launch", 0)] + [x for i in range(1, n) for x in (("launch", i), ("read", i - 1))] + [("read", n - 1)]
+    with torch.inference_mode():
+        for (logits, _), r in zip(results, rows):
+            np.testing.assert_allclose(logits, model(torch.from_numpy(r)[None]).logits[0].numpy(), atol=1e-5)
