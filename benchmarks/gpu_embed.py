@@ -26,7 +26,9 @@ Tokenizing is inside the timed span on every side (``gpu.sh`` leaves TOKENIZERS_
 here, so the peers' fast tokenizers use their own threads, as they do by default). Each dtype runs
 every side once over all texts to warm up, then ours and sentence-transformers in turn, then
 Infinity, three rounds each, medians; every side's vectors are checked to agree with ours (cosine >
-0.999) before timing. Not measured here: HTTP and Ray Serve (the GPU machine this
+0.999) before timing. In float16 on a GPU, one more round of ours, with graphs and without, runs
+under torch.profiler: ``gpu_busy`` is the share of it the GPU spends in kernels (low: the GPU waits
+on the host). Not measured here: HTTP and Ray Serve (the GPU machine this
 project borrows has no Ray; ``benchmarks/serving.py`` compares the servers on CPU).
 
 Then reranking (``rerank``, float16): MiniLM's backbone under a one-output head scores
@@ -295,6 +297,17 @@ def main() -> None:
                 t0 = time.perf_counter()
                 sides[name](items)
                 seconds[name].append(time.perf_counter() - t0)
+        if device.type == "cuda" and dtype == torch.float16:  # where the time goes: the GPU's share of one round
+            from train_throughput import gpu_busy
+
+            for name in ("ours", "ours, eager"):
+                try:
+                    busy, wall, table = gpu_busy(lambda batch: sides[name](batch), [items], device, steps=1)
+                except Exception as e:  # the profiler is a diagnostic: its failure must not cost the figures
+                    print(f"{dtype}: gpu_busy {name}: profiler failed: {type(e).__name__}: {e}")
+                    continue
+                print(f"{dtype}: gpu_busy {name}: {busy / wall:.2f} (kernels {busy * 1e3:.0f} ms of a {wall * 1e3:.0f} ms "
+                      f"round under the profiler, {sum(n for _, _, n in table)} launches)")
         ours = theirs = eager = None  # the GPU memory freed before the next side
         if device.type == "cuda":
             torch.cuda.empty_cache()
