@@ -102,8 +102,7 @@ class GraphedPasses:
         for name, x in inputs.items():
             b.inputs[name].fill_(self.pad_id if name == "input_ids" else 0)
             b.inputs[name][:B, ..., :T] = x
-        b.mask[..., 0] = 1  # padding rows: one real token in each of their sequences
-        b.mask[:B, ..., :T] = attention_mask
+        b.mask[B:, ..., 0] = 1  # padding rows: one real token in each of their sequences
         if not self.record:
             out = self.fn(b.ids, b.mask, **self._others(b))
         elif b.graph is None:

@@ -123,6 +123,19 @@ def ordered_map(pool: concurrent.futures.ThreadPoolExecutor | None, fn: Callable
             future.cancel()
 
 
+def one_pass_behind(queued: Iterable[T], take: Callable[[T], None]) -> None:
+    """``take`` each item of ``queued`` once the next one has been produced, the last at the end: a
+    replica's passes (``EmbeddingReplica._pool``, ``_token_vectors``, ``TaskServing._rows_forward``)
+    read a pass's output off the device (``HostCopy``) only after the next pass is queued."""
+    pending: list[T] = []
+    for item in queued:
+        if pending:
+            take(pending.pop())
+        pending.append(item)
+    for item in pending:
+        take(item)
+
+
 class HostCopy:
     """A pass's output copied to the host without waiting for the device: on a GPU the copy goes into
     pinned memory behind the kernels already queued, and ``numpy()`` waits for that copy alone. A

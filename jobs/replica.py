@@ -23,7 +23,7 @@ import numpy as np
 
 from jobs.batching import Batcher
 from jobs.identity import checkpoint_version, tokenizer_hash
-from jobs.passes import HostCopy, forward, on_forward_thread, ordered_map, token_budget_groups, tokenizing_pool
+from jobs.passes import HostCopy, forward, on_forward_thread, one_pass_behind, ordered_map, token_budget_groups, tokenizing_pool
 from jobs.serve_config import InputError, LimitError, Limits, ModelSettings
 from jobs.serve_tasks import TaskServing, read_recipe
 
@@ -385,25 +385,24 @@ class EmbeddingReplica(TaskServing):
         out: list[np.ndarray | None] = [None] * len(rows)
         sizes = []
 
-        def take(group: list[int], copy: HostCopy) -> None:
+        def queued():  # each pass's rows and its copy off the device, read one pass behind
+            for group, states, _, size in self._passes(rows):
+                with torch.inference_mode():
+                    if features is not None:
+                        hidden = combine_layers(states, features, self.mix)  # (B, T, n*D)
+                    else:
+                        hidden = torch.cat([states[i] for i in layers], dim=-1)  # (B, T, L*D)
+                    copy = HostCopy(hidden.float())
+                sizes.append(size)
+                yield group, copy
+
+        def take(queued_pass: tuple[list[int], HostCopy]) -> None:
+            group, copy = queued_pass
             hidden = copy.numpy()
             for b, i in enumerate(group):
                 out[i] = hidden[b, : len(rows[i])]
 
-        pending = None  # the previous pass's copy, read once this pass is queued (``HostCopy``)
-        for group, states, _, size in self._passes(rows):
-            with torch.inference_mode():
-                if features is not None:
-                    hidden = combine_layers(states, features, self.mix)  # (B, T, n*D)
-                else:
-                    hidden = torch.cat([states[i] for i in layers], dim=-1)  # (B, T, L*D)
-                copy = HostCopy(hidden.float())
-            if pending is not None:
-                take(*pending)
-            pending = (group, copy)
-            sizes.append(size)
-        if pending is not None:
-            take(*pending)
+        one_pass_behind(queued(), take)
         return out, sizes
 
     def _pool(self, items: list[tuple[np.ndarray, int | None, str]]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
@@ -417,32 +416,32 @@ class EmbeddingReplica(TaskServing):
         out: list[np.ndarray | None] = [None] * len(items)
         sizes = []
 
-        def take(group: list[int], copies: list[tuple[str, HostCopy]]) -> None:
+        last_only = all(strategy == "last" for _, _, strategy in items)
+
+        def queued():  # each pass's items and its copies off the device, read one pass behind
+            for group, states, mask, size in self._passes([row for row, _, _ in items], last_only):
+                copies = []
+                with torch.inference_mode():
+                    for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
+                        hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)
+                        vectors = mean_pool(hidden.float(), mask)  # (B, n*D), summed in float32 whatever the model's dtype
+                        at = [(b, items[i][1]) for b, i in enumerate(group) if items[i][2] == strategy and items[i][1] is not None]
+                        if at:  # cls / last pooling: the vector at one position instead of the mean
+                            rows, positions = (self._on_device(np.array(x, dtype=np.int64)) for x in zip(*at))
+                            vectors[rows] = hidden[rows, positions].float()
+                        copies.append((strategy, HostCopy(vectors)))  # one copy off the device per pass and strategy
+                sizes.append((group[0], size))
+                yield group, copies
+
+        def take(queued_pass: tuple[list[int], list[tuple[str, HostCopy]]]) -> None:
+            group, copies = queued_pass
             for strategy, copy in copies:
                 vectors = copy.numpy()
                 for b, i in enumerate(group):
                     if items[i][2] == strategy:
                         out[i] = vectors[b]
 
-        pending = None  # the previous pass's copies, read once this pass is queued (``HostCopy``)
-        last_only = all(strategy == "last" for _, _, strategy in items)
-        for group, states, mask, size in self._passes([row for row, _, _ in items], last_only):
-            copies = []
-            with torch.inference_mode():
-                for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
-                    hidden = combine_layers(states, strategy, self.mix)  # (B, T, n*D)
-                    vectors = mean_pool(hidden.float(), mask)  # (B, n*D), summed in float32 whatever the model's dtype
-                    at = [(b, items[i][1]) for b, i in enumerate(group) if items[i][2] == strategy and items[i][1] is not None]
-                    if at:  # cls / last pooling: the vector at one position instead of the mean
-                        rows, positions = (self._on_device(np.array(x, dtype=np.int64)) for x in zip(*at))
-                        vectors[rows] = hidden[rows, positions].float()
-                    copies.append((strategy, HostCopy(vectors)))  # one copy off the device per pass and strategy
-            if pending is not None:
-                take(*pending)
-            pending = (group, copies)
-            sizes.append((group[0], size))
-        if pending is not None:
-            take(*pending)
+        one_pass_behind(queued(), take)
         return out, sizes
 
     def _stamp(self) -> dict[str, str]:

@@ -651,25 +651,23 @@ class TaskServing:
 
         Task model: logits per row ((L,), or (T, L) padded back to the row's width with -1e4).
         Pretrained masked LM: probabilities (M, V) at each row's mask ``positions``."""
-        from jobs.passes import token_budget_groups
+        from jobs.passes import one_pass_behind, token_budget_groups
 
         sizes = [self._row_size(r) for r in rows]
         out: list[tuple[np.ndarray, tuple[int, int, int] | None]] = [None] * len(rows)  # type: ignore[list-item]
 
-        def take(group: list[int], read, size: tuple[int, int, int]) -> None:
+        def queued():  # each pass's rows, its reader and its size, read one pass behind
+            # A row of K sequences costs K x its length: the budget counts the sequences a pass really reads.
+            for group in token_budget_groups([k * n for k, n in sizes], self.max_batch_size, self.max_batch_tokens):
+                width = max(sizes[i][1] for i in group)
+                yield (group, *self._group_forward([rows[i] for i in group], width))
+
+        def take(queued_pass) -> None:
+            group, read, size = queued_pass
             for b, (i, result) in enumerate(zip(group, read())):
                 out[i] = (result, size if b == 0 else None)
 
-        pending = None  # the previous pass: read once this one is queued
-        # A row of K sequences costs K x its length: the budget counts the sequences a pass really reads.
-        for group in token_budget_groups([k * n for k, n in sizes], self.max_batch_size, self.max_batch_tokens):
-            width = max(sizes[i][1] for i in group)
-            read, size = self._group_forward([rows[i] for i in group], width)
-            if pending is not None:
-                take(*pending)
-            pending = (group, read, size)
-        if pending is not None:
-            take(*pending)
+        one_pass_behind(queued(), take)
         return out
 
     def _group_forward(self, rows: list[dict[str, np.ndarray]], width: int):
