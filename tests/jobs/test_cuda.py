@@ -20,7 +20,9 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
   equal eager passes at the real tokens, over buckets recorded, replayed, dropped and recorded again;
   so do a task model's logits (classification, token labels, answer spans, symmetric pairs) in
   float16, each recording passing its own check against its eager pass; a replica's passes then
-  queue without any synchronizing call but the wait for each pass's copy off the device.
+  queue without any synchronizing call but the wait for each pass's copy off the device;
+- ``train.unpad: true``: a fine-tuning step on the real tokens only, attention over nested jagged
+  tensors (FlashAttention's variable-length kernel), equals the padded step, fp32 and bf16.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -470,3 +472,44 @@ def test_a_replicas_passes_queue_without_waiting_for_the_gpu_and_give_the_eager_
     assert len(sizes) >= 5
     want, _ = replicas[False]._pool(items)
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert"])
+@pytest.mark.parametrize("kind", ["classification", "token-classification"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_unpadded_steps_on_cuda_equal_padded_ones_and_take_a_fused_kernel(family, kind, precision):
+    """``train.unpad: true`` on a GPU (``ctxmodels.bert.JaggedPacking``): a fine-tuning step on the
+    real tokens only, attention over nested jagged tensors, gives the padded step's loss and
+    gradients (fp32: 1e-4; bf16 autocast: within its rounding), its attention in a fused kernel
+    (FlashAttention's variable-length one in bf16), not SDPA's math path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ctxmodels.registry import make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+    from jobs import parallel
+    from tests.ctxmodels.test_bert import lengths_mask, random_lengths
+
+    cfg = make_config(family, "tiny", {"dropout": 0.0, "attn_dropout": 0.0, "d_model": 64, "n_head": 4})
+    model = build_task_model(family, cfg, TaskConfig(kind=kind, num_labels=5), torch.Generator().manual_seed(0)).to(CUDA).train()
+    B, T = 16, 48
+    mask = lengths_mask(random_lengths(B, T, seed=3), T)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, cfg.vocab_size, (B, T), generator=g).masked_fill(mask == 0, cfg.pad_token_id)
+    labels = (torch.randint(0, 5, (B, T), generator=g).masked_fill(mask == 0, -100) if kind == "token-classification"
+              else torch.randint(0, 5, (B,), generator=g))
+    batch = _on({"input_ids": ids, "attention_mask": mask, "labels": labels}, CUDA)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cuda", enabled=False)
+    with autocast:
+        padded = _loss_and_grads(model, batch)
+        assert parallel.skip_padding(model, True, CUDA) is None and model.backbone.jagged
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            unpadded = _loss_and_grads(model, batch)
+    tol = {"fp32": 1e-4, "bf16": 3e-2}[precision]
+    torch.testing.assert_close(unpadded[0], padded[0], rtol=tol, atol=tol)
+    scale = max(float(g.abs().max()) for g in padded[1].values())
+    for name, grad in padded[1].items():
+        assert float((unpadded[1][name] - grad).abs().max()) <= tol * scale, f"{family} {kind} {precision} {name}"
+    kernels = {e.key for e in prof.key_averages()}
+    assert any("flash" in k.lower() or "fmha" in k.lower() or "attention" in k.lower() for k in kernels), sorted(kernels)[:40]
+    if precision == "bf16":
+        assert any("flash" in k.lower() for k in kernels), sorted(kernels)[:40]

@@ -546,3 +546,26 @@ def test_train_residual_bf16_lowers_bert_layernorms_only_where_the_step_runs_bf1
     assert lower_residual(bert, "bf16", "bf16") is None and all(m.low_precision_output for m in norms)
     _, gpt = build_model("gpt", "tiny", {"vocab_size": 128}, seed=0)  # torch's nn.LayerNorm: nothing to lower
     assert "outputs stay float32" in lower_residual(gpt, "bf16", "bf16")
+
+
+def test_train_unpad_skips_padding_in_bert_family_encoders_on_cuda_only_and_needs_eager_steps():
+    """``train.unpad: true`` switches a BERT-family encoder to jagged attention on CUDA (CPU steps
+    skip padding with length groups anyway), says so where a family has no such encoder, and is
+    refused beside ``train.compile`` (unpadded shapes change with every batch)."""
+    from ctxmodels.registry import build_model, make_config
+    from ctxmodels.tasks import TaskConfig, build_task_model
+    from jobs.config import RecipeError
+    from jobs.finetune_config import load_finetune_recipe
+    from jobs.parallel import skip_padding
+
+    task = build_task_model("roberta", make_config("roberta", "tiny", {}), TaskConfig(kind="classification", num_labels=2))
+    assert skip_padding(task, False, torch.device("cuda")) is None and task.backbone.jagged is False
+    assert skip_padding(task, True, torch.device("cpu")) is None and task.backbone.jagged is False
+    assert skip_padding(task, True, torch.device("cuda")) is None and task.backbone.jagged is True
+    _, gpt = build_model("gpt", "tiny", {"vocab_size": 128}, seed=0)
+    assert "has no BERT, RoBERTa or SpanBERT encoder" in skip_padding(gpt, True, torch.device("cuda"))
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "tiny-pairs.yaml"
+    assert load_finetune_recipe(recipe, ["train.unpad=true"]).train.unpad is True
+    for compile_ in ("true", "graphs"):
+        with pytest.raises(RecipeError, match="train.unpad: true needs train.compile: false"):
+            load_finetune_recipe(recipe, ["train.unpad=true", f"train.compile={compile_}"])
