@@ -590,6 +590,27 @@ def test_jagged_attention_changes_no_loss_logit_or_gradient(family, kind, attn_d
         torch.testing.assert_close(jagged_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert"])
+def test_jagged_pretraining_step_equals_the_length_groups_one(family):
+    """A padded pretraining step (masked LM; BERT's next-sentence head, SpanBERT's span-boundary
+    head) with jagged attention equals the CPU's unpadded step on length groups: loss and every
+    gradient (``train.unpad`` is a key of every job's train section)."""
+    from ctxmodels.registry import build_model
+    from tests.ctxmodels.test_compiling import _loss_and_grads, _padded
+    from tests.ctxmodels.test_flops import family_batch
+
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128, "dropout": 0.0, "attn_dropout": 0.0}, seed=0)
+    batch = _padded(family_batch(family, cfg)[0])
+    model.train()
+    groups = _loss_and_grads(model, batch)
+    model.backbone.jagged = True
+    jagged = _loss_and_grads(model, batch)
+    torch.testing.assert_close(jagged[0], groups[0], atol=1e-5, rtol=1e-5)
+    assert jagged[1].keys() == groups[1].keys() and groups[1]
+    for name, grad in groups[1].items():
+        torch.testing.assert_close(jagged[1][name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_jagged_packing_offsets_and_lengths_are_the_sequences():
     packing = bert.JaggedPacking(lengths_mask([3, 1, 5], 5))
     assert packing.offsets.tolist() == [0, 3, 4, 9] and (packing.min_len, packing.max_len) == (1, 5)
