@@ -181,7 +181,7 @@ class StepChecks(_Section):
     unpad: bool = False
 
     @model_validator(mode="after")
-    def _check_residual(self) -> "StepChecks":
+    def _check_step(self) -> "StepChecks":
         if self.residual == "bf16" and self.precision != "bf16":
             raise ValueError("train.residual: bf16 needs train.precision: bf16 (the residual stream is only "
                              "lowered under bf16 autocast)")
