@@ -537,6 +537,7 @@ def test_skipping_padding_changes_no_loss_logit_or_gradient(family, kind, attn_d
         torch.testing.assert_close(skipped_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # SDPA's CPU path for jagged tensors
 @pytest.mark.parametrize("family", ["bert", "roberta", "spanbert"])
 @pytest.mark.parametrize("kind", ["token-classification", "classification", "question-answering"])
 @pytest.mark.parametrize("attn_dropout", [0.0, 1e-6])
@@ -590,6 +591,7 @@ def test_jagged_attention_changes_no_loss_logit_or_gradient(family, kind, attn_d
         torch.testing.assert_close(jagged_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # SDPA's CPU path for jagged tensors
 @pytest.mark.parametrize("family", ["bert", "roberta", "spanbert"])
 def test_jagged_pretraining_step_equals_the_length_groups_one(family):
     """A padded pretraining step (masked LM; BERT's next-sentence head, SpanBERT's span-boundary
@@ -623,6 +625,7 @@ def test_jagged_packing_offsets_and_lengths_are_the_sequences():
 @pytest.mark.parametrize("rows", ["random", "full"])
 @pytest.mark.parametrize("skip_padding", [True, False, "jagged"])
 @pytest.mark.parametrize("attn_dropout", [0.0, 1e-6])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_labelled_positions_only_changes_no_loss_logit_or_gradient(family, rows, skip_padding, attn_dropout):
     """Token classification trained on its labelled positions only (the last block and the head
     computed there, BertModel.last_hidden_at; other families read the full states) gives the full
