@@ -415,12 +415,14 @@ class Unpadded:
     def __init__(self, attention_mask: Tensor):
         B, T = attention_mask.shape
         lengths = attention_mask.ne(0).sum(dim=1)  # (B,)
-        if not bool(lengths.all()):
-            empty = lengths.eq(0).nonzero().squeeze(1).tolist()
+        self.host_lengths = lengths.tolist()  # the one wait for the device, where the mask is on a GPU
+        if min(self.host_lengths) == 0:
+            empty = [i for i, n in enumerate(self.host_lengths) if n == 0]
             raise ValueError(f"attention_mask rows {empty} have no real token: every sequence needs one ([CLS])")
         self.batch, self.seq_len = B, T
         self.lengths = lengths
-        self.keep = attention_mask.reshape(-1).nonzero().squeeze(1)  # (N,) flat indices into B * T
+        # (N,) flat indices into B * T; N known on the host, so finding them does not wait again
+        self.keep = torch.nonzero_static(attention_mask.reshape(-1), size=sum(self.host_lengths)).squeeze(1)
         # (B,): where each sequence's first real token sits among the packed rows; its other real
         # tokens follow it in order
         self.starts = torch.cumsum(lengths, dim=0) - lengths
@@ -450,16 +452,14 @@ class JaggedPacking(Unpadded):
     FlashAttention's variable-length kernel (``cu_seqlens``, with attention dropout); elsewhere
     its reference path (the CPU tests check it equals the padded layout).
 
-    Building it waits for the device (for where the real tokens are, and for the lengths, which
-    the kernel takes as host integers), so it is for eager steps; compiled and graph-captured
-    steps keep the padded layout.
+    Building it waits for the device once (for the lengths, which the kernel takes as host
+    integers), so it is for eager steps; compiled and graph-captured steps keep the padded layout.
     """
 
     def __init__(self, attention_mask: Tensor):
         super().__init__(attention_mask)
         self.offsets = torch.cat([self.starts, self.starts[-1:] + self.lengths[-1:]])  # (B + 1,)
-        lengths = self.lengths.tolist()
-        self.max_len, self.min_len = max(lengths), min(lengths)
+        self.max_len, self.min_len = max(self.host_lengths), min(self.host_lengths)
 
     def _jagged(self, x: Tensor) -> Tensor:
         """(N, H, Dh) -> (B, H, j, Dh), a nested jagged tensor over the sequences."""

@@ -22,7 +22,8 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
   float16, each recording passing its own check against its eager pass; a replica's passes then
   queue without any synchronizing call but the wait for each pass's copy off the device;
 - ``train.unpad: true``: a fine-tuning step on the real tokens only, attention over nested jagged
-  tensors (FlashAttention's variable-length kernel), equals the padded step, fp32 and bf16.
+  tensors (FlashAttention's variable-length kernel), equals the padded step, fp32 and bf16, and
+  finding a batch's sequences waits for the GPU once.
 No Ray: jobs.parallel and ctxmodels only.
 """
 
@@ -513,3 +514,25 @@ def test_unpadded_steps_on_cuda_equal_padded_ones_and_take_a_fused_kernel(family
     assert any("flash" in k.lower() or "fmha" in k.lower() or "attention" in k.lower() for k in kernels), sorted(kernels)[:40]
     if precision == "bf16":
         assert any("flash" in k.lower() for k in kernels), sorted(kernels)[:40]
+
+
+def test_an_unpadded_batch_waits_for_the_gpu_once_to_find_its_sequences():
+    """``JaggedPacking`` on a CUDA mask: one synchronizing call (the lengths, which the kernel takes
+    as host integers); its real tokens' places are found without another (``nonzero_static``)."""
+    import warnings
+
+    from ctxmodels.bert import JaggedPacking
+    from tests.ctxmodels.test_bert import lengths_mask, random_lengths
+
+    mask = lengths_mask(random_lengths(16, 48, seed=3), 48).to(CUDA)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            packing = JaggedPacking(mask)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    assert packing.keep.tolist() == mask.reshape(-1).nonzero().squeeze(1).tolist()
