@@ -527,14 +527,18 @@ def test_skipping_padding_changes_no_loss_logit_or_gradient(family, kind, attn_d
         out.loss.backward()
         return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
-    skipped, skipped_grads = step(True)
-    plain, plain_grads = step(False)
-    torch.testing.assert_close(skipped.loss, plain.loss, atol=1e-5, rtol=1e-5)
     real = mask.bool() if kind == "token-classification" else slice(None)  # padding's logits are read by no one
-    torch.testing.assert_close(skipped.logits[real], plain.logits[real], atol=1e-5, rtol=1e-5)
-    assert skipped_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(skipped_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_same_step(step(True), step(False), real)
+
+
+def assert_same_step(got, want, real) -> None:
+    """Two steps' (output, gradients) agree to 1e-5: the loss, the logits at ``real``, every gradient."""
+    (out, grads), (ref, ref_grads) = got, want
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[real], ref.logits[real], atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(ref_grads) > 0
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # SDPA's CPU path for jagged tensors
@@ -579,16 +583,9 @@ def test_jagged_attention_changes_no_loss_logit_or_gradient(family, kind, attn_d
         return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     answers = torch.stack([mask[i].nonzero()[int(torch.randint(0, int(mask[i].sum()), (1,), generator=g))] * 2 for i in range(Bn)]).squeeze(1)
-    jagged, jagged_grads = step(True)
-    plain, plain_grads = step(False)
-    torch.testing.assert_close(jagged.loss, plain.loss, atol=1e-5, rtol=1e-5)
-    real = mask.bool() if kind == "token-classification" else slice(None)  # padding's logits are read by no one
-    if kind == "question-answering":  # (B, T, 2) start and end logits: compared at real tokens
-        real = mask.bool()
-    torch.testing.assert_close(jagged.logits[real], plain.logits[real], atol=1e-5, rtol=1e-5)
-    assert jagged_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(jagged_grads[name], grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # padding's logits are read by no one; answer spans' (B, T, 2) logits are compared at real tokens
+    real = mask.bool() if kind in ("token-classification", "question-answering") else slice(None)
+    assert_same_step(step(True), step(False), real)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # SDPA's CPU path for jagged tensors
