@@ -745,8 +745,9 @@ class BertModel(nn.Module):
         # GPU either check would wait for the device, and under torch.compile it would break the
         # graph: there padding is skipped only when asked (``jagged``), in eager passes.
         on_cpu = attention_mask is not None and attention_mask.device.type == "cpu"
-        capturing = attention_mask is not None and attention_mask.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        eager = attention_mask is not None and not torch.compiler.is_compiling() and not capturing
+        # (is_compiling first: under torch.compile the capture check is never traced)
+        eager = attention_mask is not None and not torch.compiler.is_compiling() and not (
+            attention_mask.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if attention_mask is not None and not (on_cpu and eager and bool(attention_mask.all())):
             if eager and self.jagged:
                 packing = JaggedPacking(attention_mask)

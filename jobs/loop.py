@@ -1141,6 +1141,7 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
     if rank == 0 and t.precision != precision:
         print(f"warning: train.precision is {t.precision!r}, but {device} has no native bf16 products (it takes a GPU, "
               "or a CPU with AVX512-BF16 or AMX): the step runs in fp32")
+    # each applies its train setting to the model and says where it changes nothing
     for warning in (parallel.lower_residual(model, t.residual, precision), parallel.skip_padding(model, t.unpad, device)):
         if rank == 0 and warning is not None:
             print(warning)
