@@ -68,6 +68,14 @@ DEFAULT_EXCLUDES = EXCLUDES  # the older name
 # The exit code of `ctx submit` / `ctx jobs logs --follow` for a job's end (2 is the CLI's own
 # errors). Keyed by Ray's JobStatus values (a str Enum: JobStatus.FAILED == "FAILED").
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+
+# How long a stopped job has to end before Ray kills it. `ctx jobs stop` is Ray's stop: SIGTERM to
+# the driver, then SIGKILL RAY_JOB_STOP_WAIT_TIME_S later, 3 s unless set where the job's supervisor
+# runs, which is in the job's runtime_env. A ctx driver ends on SIGTERM through its `finally` blocks:
+# the run lock released (waiting up to ``runlock.RELEASE_WAIT_S`` for S3), temporary folders removed,
+# its Ray Train run told to stop. 3 s cuts that short on a busy node, and a lock killed with its
+# driver blocks the next run until it goes stale. 30 s is what Kubernetes gives a pod.
+STOP_GRACE_S = 30
 TERMINAL = set(EXIT_CODES)
 LOST_CONTACT = 4  # the head stopped answering while following: the job's end is unknown
 
@@ -215,11 +223,14 @@ def submission_id(ctx_args: list[str], address: str, root: Path) -> str:
 
 def job_runtime_env(working_dir: str | Path, env_vars: dict[str, str] | None = None, excludes: list[str] | None = None) -> dict:
     """Ray's runtime_env of a ctx job. PYTHONUNBUFFERED: a job's stdout is a file, which Python
-    would otherwise flush only every few KB, so `ctx jobs logs` would lag the run by minutes."""
+    would otherwise flush only every few KB, so `ctx jobs logs` would lag the run by minutes.
+    RAY_JOB_STOP_WAIT_TIME_S: a stopped driver's time to clean up (``STOP_GRACE_S``). ``env_vars``
+    add to these and win."""
+    defaults = {"PYTHONUNBUFFERED": "1", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}
     return {
         "working_dir": str(working_dir),
         "excludes": EXCLUDES + list(excludes or []),
-        "env_vars": {"PYTHONUNBUFFERED": "1", **{str(k): str(v) for k, v in (env_vars or {}).items()}},
+        "env_vars": {**defaults, **{str(k): str(v) for k, v in (env_vars or {}).items()}},
     }
 
 

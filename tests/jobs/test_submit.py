@@ -51,9 +51,6 @@ def ray_head():
         "RAY_AUTH_TOKEN": token,
         "OMP_NUM_THREADS": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
-        # `ctx jobs stop` sends SIGTERM, then SIGKILL after this many seconds (default 3): a loaded
-        # test machine needs longer for the driver to release its run lock.
-        "RAY_JOB_STOP_WAIT_TIME_S": "20",
         "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
         # Ray 2.60's head drains for up to 30 s on SIGTERM while anything holds a lease; the
         # teardown has nothing to drain and would wait that out (30 s of every suite run).
@@ -209,6 +206,26 @@ def test_a_dropped_log_stream_loses_neither_the_log_nor_the_exit_code(ray_head, 
     rc = follow_job(_client(address, token, DroppingClient), sid, out, poll_s=0.5)
     assert rc == 0, out.getvalue()
     assert "usage: ctx" in out.getvalue() and f"job {sid} SUCCEEDED" in out.getvalue()
+
+
+def test_a_stopped_job_has_time_to_clean_up(ray_head, client_env):
+    """`ctx jobs stop`: Ray sends SIGTERM, then SIGKILL RAY_JOB_STOP_WAIT_TIME_S later (3 s by default;
+    this head leaves it unset). A job whose SIGTERM handler takes 6 s, as a driver releasing its run
+    lock on a busy node or through a slow S3 may, finishes it: ctx jobs carry STOP_GRACE_S."""
+    from jobs.submit import STOP_GRACE_S, stop_job
+
+    address, token = ray_head
+    client = _client(address, token)
+    script = ("import signal, sys, time\n"
+              "def bye(*_):\n    time.sleep(6)\n    print('cleaned up', flush=True)\n    sys.exit(143)\n"
+              "signal.signal(signal.SIGTERM, bye)\nprint('ready', flush=True)\ntime.sleep(600)")
+    sid = submit_when_ready(client, entrypoint=shlex.join([sys.executable, "-c", script]), runtime_env=job_runtime_env(REPO))
+    _wait_for(lambda: "ready" in client.get_job_logs(sid), "the job to start")
+    assert STOP_GRACE_S > 6
+    assert stop_job(client, sid, io.StringIO()) == 0
+    assert _wait_status(client, sid, lambda s: s == JobStatus.STOPPED) == JobStatus.STOPPED
+    # a line of its own: the log's first line quotes the script
+    _wait_for(lambda: "cleaned up" in client.get_job_logs(sid).splitlines(), "the handler's last line", timeout_s=15)
 
 
 def test_a_stream_that_breaks_midway_is_replaced_without_repeating_lines(ray_head, client_env):
