@@ -1,11 +1,13 @@
-"""The `ctx` commands the README and docs/ show are real: each parses with the CLI's own parser, and
-each recipe, serving config and schedule such a command names loads with its overrides. A flag or a
-recipe key renamed in the code fails here, not in the terminal of a user copying the docs. (The
-manifests' commands are checked in tests/infra/test_manifests.py.)"""
+"""The README and docs/ are true to the code. The `ctx` commands they show are real: each parses with
+the CLI's own parser, and each recipe, serving config and schedule such a command names loads with
+its overrides. The code they name (`jobs.loop.run_worker`, `ctxmodels.bert.JaggedPacking` ...)
+exists. A flag, a recipe key or a function renamed in the code fails here, not in the terminal of a
+user copying the docs. (The manifests' commands are checked in tests/infra/test_manifests.py.)"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 import shlex
@@ -117,3 +119,36 @@ def test_the_search_finds_a_command_split_over_lines_and_chained(tmp_path, monke
     monkeypatch.setattr(sys.modules[__name__], "DOCS", [doc])
     assert shown_commands() == [("doc.md:3", "pretrain --config c.yaml --set a=1"), ("doc.md:5", "jobs list"),
                                 ("doc.md:5", "jobs status ID")]
+
+
+def named_code() -> list[tuple[str, str]]:
+    """(document, dotted name) for every `ctxmodels.` / `pipelines.` / `jobs.` / `benchmarks.` name the
+    docs put in backticks, a call's arguments left off."""
+    pattern = re.compile(r"`((?:ctxmodels|pipelines|jobs|benchmarks)\.[A-Za-z_][A-Za-z0-9_.]*?)\.?(?:\([^`]*\))?`")
+    return sorted({(doc.name, m.group(1)) for doc in DOCS for m in pattern.finditer(doc.read_text())})
+
+
+def _resolve(name: str):
+    """The object a dotted name names: the longest importable module prefix, then attributes."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(name)
+
+
+def test_every_module_function_and_class_the_docs_name_exists():
+    names = named_code()
+    assert len(names) >= 60, names  # the README and docs/ARCHITECTURE.md name some eighty
+    failures = []
+    for where, name in names:
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as e:
+            failures.append(f"{where}: `{name}` -> {type(e).__name__}: {e}")
+    assert not failures, "\n".join(failures)
