@@ -71,6 +71,19 @@ def describe(m: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+FIT_THREAD = "ctx-fit"  # the thread ``run_with_progress`` waits in
+
+
+def fit_running() -> bool:
+    """Whether a ``run_with_progress`` thread is still inside Ray Train's ``fit``: only after the
+    caller was interrupted (SIGTERM, Ctrl-C) while it ran. That thread waits in ``ray.get``, which
+    nothing but the run's end releases (not ``ray.shutdown``), and which takes the GIL every so often
+    to check for signals: a process that finalizes Python around it crashes (SIGSEGV in
+    ``PyGILState_Ensure``) instead of exiting with its status. ``jobs.cli.main`` ends such a process
+    without finalizing."""
+    return any(t.name == FIT_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enabled: bool = True, label: str = "pretrain") -> Any:
     """Run ``fit`` in a thread and render the board's latest metrics until it returns; ``label``
     opens each line (the command: pretrain, finetune)."""
@@ -82,7 +95,7 @@ def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enable
         except BaseException as e:  # re-raised in the caller's thread
             box["error"] = e
 
-    thread = threading.Thread(target=target, name="ctx-fit", daemon=True)
+    thread = threading.Thread(target=target, name=FIT_THREAD, daemon=True)
     thread.start()
     if enabled and not sys.stdout.isatty():  # job logs, CI: one plain line per logged step
         shown = -1

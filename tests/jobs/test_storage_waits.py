@@ -208,6 +208,39 @@ def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tm
     assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
 
 
+def test_a_command_interrupted_inside_fit_exits_with_its_status_without_finalizing(tmp_path):
+    """SIGTERM's SystemExit(143) reaching ``jobs.cli.main`` while the fit thread still waits (here on
+    an event, standing in for ``ray.get``): the status is 143, the atexit handlers ran, and the
+    process ended without finalizing Python (which, around a thread inside ``ray.get``, crashed with
+    SIGSEGV in some stops): a ``__del__`` that finalization would run never prints."""
+    script = f"""
+import atexit, sys, threading
+sys.path.insert(0, {str(REPO)!r})
+from jobs import cli
+from jobs.progress import FIT_THREAD
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+keep = Finalized()
+
+def command(args):
+    threading.Thread(target=threading.Event().wait, name=FIT_THREAD, daemon=True).start()
+    atexit.register(print, "atexit ran", flush=True)
+    try:
+        raise SystemExit(143)  # what exit_on_sigterm's handler raises
+    finally:
+        print("finally ran", flush=True)
+
+cli.build_parser = lambda: type("Parser", (), {{"parse_args": lambda self, argv: type("Args", (), {{"run": staticmethod(command)}})()}})()
+sys.exit(cli.main([]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143, done.stderr
+    assert done.stdout.splitlines() == ["finally ran", "atexit ran"], done.stdout + done.stderr
+
+
 def test_pretrain_in_process_says_so_within_2_s_and_gives_up_at_the_deadline(closed_port, tmp_path, monkeypatch):
     """The same wait timed inside the process: from calling ``pretrain`` to the first line, and to
     the StorageError."""
