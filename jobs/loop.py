@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -865,10 +866,18 @@ def init_ray(verbose: bool = False, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     quiet = {} if verbose else {"log_to_driver": False, "logging_level": "ERROR"}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(**quiet)
-    else:
-        ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **quiet)
+    try:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(**quiet)
+        else:
+            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **quiet)
+    except SystemExit as e:
+        # SIGTERM while Ray starts: ray.init's own handler, in place for the call, raises
+        # SystemExit(15) (6 of 10 SIGTERMs timed after the tokenizer, local Ray); the shell's 143
+        # as everywhere else
+        if e.code == signal.SIGTERM:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     exit_on_sigterm()  # ray.init put its own SIGTERM handler in place
     if not verbose:
         quiet_ray_data()
@@ -880,7 +889,6 @@ def exit_on_sigterm() -> None:
     By default SIGTERM kills the process with the lock still held; after ``ray.init`` Ray's C++ failure
     handler has it, which lets Python's handler run and then ends the process with a status of its own
     (15, or an abort's 134), so it is set again after ``ray.init``. Only the main thread can set it."""
-    import signal
     import threading
 
     if threading.current_thread() is threading.main_thread():
