@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = int(args.run(args) or 0)
     except SystemExit as e:  # SIGTERM (exit_on_sigterm: 143), or a command's own exit
-        if not (_fit_left_running() and isinstance(e.code, int)):
+        if not (isinstance(e.code, int) and _leave_without_finalizing(e.code)):
             raise
         status = e.code
     except Exception as e:
@@ -791,24 +791,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ctx: error: {e}", file=sys.stderr)
             return 2
         raise
-    if _fit_left_running():
+    if _leave_without_finalizing(status):
         _exit_without_finalizing(status)
     return status
 
 
-def _fit_left_running() -> bool:
-    """A training command interrupted while Ray Train's ``fit`` ran (``jobs.progress.fit_running``)."""
-    progress = sys.modules.get("jobs.progress")  # not imported: no fit ran
-    return progress is not None and progress.fit_running()
+INTERRUPTED = (130, 128 + 15)  # Ctrl-C (_interrupted), SIGTERM (exit_on_sigterm)
+
+
+def _leave_without_finalizing(status: int) -> bool:
+    """A command interrupted while connected to Ray, or while Ray Train's ``fit`` ran
+    (``jobs.progress.fit_running``): threads of the driver may be waiting inside Ray's C++ calls."""
+    progress, ray = sys.modules.get("jobs.progress"), sys.modules.get("ray")  # not imported: neither ran
+    if progress is not None and progress.fit_running():
+        return True
+    return status in INTERRUPTED and ray is not None and ray.is_initialized()
 
 
 def _exit_without_finalizing(status: int) -> None:
     """End the process with ``status`` once the `finally` blocks have run (the run lock released,
-    temporary folders removed), leaving the thread that waits in ``fit`` where it is. Exiting the
-    usual way, Python finalizes around that thread, which then crashes taking the GIL for its next
-    signal check: a stopped driver ended with SIGSEGV instead of 143 in 4 of 26 stops timed during
-    Ray Train's start (``jobs.progress.fit_running``). The atexit handlers still run (``ray.shutdown``:
-    a Ray started here stops; logging flushes); then ``os._exit``."""
+    temporary folders removed), leaving the thread that waits in ``fit`` (and any other inside Ray's
+    calls) where it is. Exiting the usual way, Python finalizes around that thread, which then
+    crashes taking the GIL for its next signal check: a stopped driver ended with SIGSEGV instead of
+    143 in 4 of 26 stops timed during Ray Train's start (``jobs.progress.fit_running``). The atexit
+    handlers still run (``ray.shutdown``: a Ray started here stops; logging flushes); then
+    ``os._exit``."""
     import atexit
 
     sys.stdout.flush()

@@ -208,16 +208,23 @@ def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tm
     assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
 
 
-def test_a_command_interrupted_inside_fit_exits_with_its_status_without_finalizing(tmp_path):
-    """SIGTERM's SystemExit(143) reaching ``jobs.cli.main`` while the fit thread still waits (here on
-    an event, standing in for ``ray.get``): the status is 143, the atexit handlers ran, and the
-    process ended without finalizing Python (which, around a thread inside ``ray.get``, crashed with
-    SIGSEGV in some stops): a ``__del__`` that finalization would run never prints."""
+@pytest.mark.parametrize("waiting, ends, finalizes", [
+    ("fit", "sigterm", False),  # the fit thread (jobs.progress.FIT_THREAD) still waits
+    ("ray", "sigterm", False),  # connected to Ray: its threads may be inside its calls
+    ("ray", "ctrl-c", False),
+    ("ray", "status 1", True),  # not interrupted: Python exits as usual
+])
+def test_a_command_interrupted_inside_ray_exits_with_its_status_without_finalizing(waiting, ends, finalizes):
+    """SIGTERM's SystemExit(143), or Ctrl-C's status 130, reaching ``jobs.cli.main`` while the fit
+    thread still waits (here on an event, standing in for ``ray.get``) or while connected to Ray (a
+    stand-in ``ray`` module): the status is the command's, the `finally` blocks and atexit handlers
+    ran, and the process ended without finalizing Python (which, around a thread inside
+    ``ray.get``, crashed with SIGSEGV in some stops): a ``__del__`` that finalization would run never
+    prints. A command that ends otherwise finalizes as usual."""
     script = f"""
-import atexit, sys, threading
+import atexit, sys, threading, types
 sys.path.insert(0, {str(REPO)!r})
 from jobs import cli
-from jobs.progress import FIT_THREAD
 
 class Finalized:
     def __del__(self):
@@ -226,10 +233,16 @@ class Finalized:
 keep = Finalized()
 
 def command(args):
-    threading.Thread(target=threading.Event().wait, name=FIT_THREAD, daemon=True).start()
+    if {waiting!r} == "fit":
+        from jobs.progress import FIT_THREAD
+        threading.Thread(target=threading.Event().wait, name=FIT_THREAD, daemon=True).start()
+    else:
+        sys.modules["ray"] = types.SimpleNamespace(is_initialized=lambda: True)
     atexit.register(print, "atexit ran", flush=True)
     try:
-        raise SystemExit(143)  # what exit_on_sigterm's handler raises
+        if {ends!r} == "sigterm":
+            raise SystemExit(143)  # what exit_on_sigterm's handler raises
+        return 130 if {ends!r} == "ctrl-c" else 1  # ctrl-c: what _interrupted returns
     finally:
         print("finally ran", flush=True)
 
@@ -237,8 +250,8 @@ cli.build_parser = lambda: type("Parser", (), {{"parse_args": lambda self, argv:
 sys.exit(cli.main([]))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 143, done.stderr
-    assert done.stdout.splitlines() == ["finally ran", "atexit ran"], done.stdout + done.stderr
+    assert done.returncode == {"sigterm": 143, "ctrl-c": 130, "status 1": 1}[ends], done.stderr
+    assert done.stdout.splitlines() == ["finally ran", "atexit ran"] + ["finalized"] * finalizes, done.stdout + done.stderr
 
 
 def test_pretrain_in_process_says_so_within_2_s_and_gives_up_at_the_deadline(closed_port, tmp_path, monkeypatch):
