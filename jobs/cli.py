@@ -778,6 +778,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError)
 
 
+INTERRUPTED = (130, 128 + 15)  # the statuses of Ctrl-C (_interrupted) and SIGTERM (exit_on_sigterm)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -794,9 +797,6 @@ def main(argv: list[str] | None = None) -> int:
     if _leave_without_finalizing(status):
         _exit_without_finalizing(status)
     return status
-
-
-INTERRUPTED = (130, 128 + 15)  # Ctrl-C (_interrupted), SIGTERM (exit_on_sigterm)
 
 
 def _leave_without_finalizing(status: int) -> bool:

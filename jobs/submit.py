@@ -68,16 +68,16 @@ DEFAULT_EXCLUDES = EXCLUDES  # the older name
 # The exit code of `ctx submit` / `ctx jobs logs --follow` for a job's end (2 is the CLI's own
 # errors). Keyed by Ray's JobStatus values (a str Enum: JobStatus.FAILED == "FAILED").
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+TERMINAL = set(EXIT_CODES)
+LOST_CONTACT = 4  # the head stopped answering while following: the job's end is unknown
 
 # How long a stopped job has to end before Ray kills it. `ctx jobs stop` is Ray's stop: SIGTERM to
 # the driver, then SIGKILL RAY_JOB_STOP_WAIT_TIME_S later, 3 s unless set where the job's supervisor
 # runs, which is in the job's runtime_env. A ctx driver ends on SIGTERM through its `finally` blocks:
-# the run lock released (waiting up to ``runlock.RELEASE_WAIT_S`` for S3), temporary folders removed,
-# its Ray Train run told to stop. 3 s cuts that short on a busy node, and a lock killed with its
-# driver blocks the next run until it goes stale. 30 s is what Kubernetes gives a pod.
+# the run lock released (waiting up to ``runlock.RELEASE_WAIT_S`` for S3), temporary folders removed.
+# 3 s cuts that short on a busy node, and a lock killed with its driver blocks the next run until it
+# goes stale. 30 s is what Kubernetes gives a pod.
 STOP_GRACE_S = 30
-TERMINAL = set(EXIT_CODES)
-LOST_CONTACT = 4  # the head stopped answering while following: the job's end is unknown
 
 
 class SubmitError(RuntimeError):
