@@ -220,11 +220,11 @@ def test_a_stopped_job_has_time_to_clean_up(ray_head, client_env):
               "def bye(*_):\n    time.sleep(6)\n    print('cleaned up', flush=True)\n    sys.exit(143)\n"
               "signal.signal(signal.SIGTERM, bye)\nprint('ready', flush=True)\ntime.sleep(600)")
     sid = submit_when_ready(client, entrypoint=shlex.join([sys.executable, "-c", script]), runtime_env=job_runtime_env(REPO))
-    _wait_for(lambda: "ready" in client.get_job_logs(sid), "the job to start")
+    # lines of their own: the log's first line quotes the script, words and all
+    _wait_for(lambda: "ready" in client.get_job_logs(sid).splitlines(), "the job to set its handler")
     assert STOP_GRACE_S > 6
     assert stop_job(client, sid, io.StringIO()) == 0
     assert _wait_status(client, sid, lambda s: s == JobStatus.STOPPED) == JobStatus.STOPPED
-    # a line of its own: the log's first line quotes the script
     _wait_for(lambda: "cleaned up" in client.get_job_logs(sid).splitlines(), "the handler's last line", timeout_s=15)
 
 
