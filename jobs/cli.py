@@ -33,6 +33,10 @@ def _quiet_env(verbose: bool) -> None:
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from jobs.submit import QUIET_RAY_ENV
+
+        for name, value in QUIET_RAY_ENV.items():  # a local Ray's processes inherit them
+            os.environ.setdefault(name, value)
         import logging
 
         logging.getLogger("ray").setLevel(logging.ERROR)

@@ -79,6 +79,15 @@ LOST_CONTACT = 4  # the head stopped answering while following: the job's end is
 # goes stale. 30 s is what Kubernetes gives a pod.
 STOP_GRACE_S = 30
 
+# Ray's settings that keep its own lines off a command's console without --verbose, in the
+# environment of every process that could print them (``jobs.cli`` sets them for a local Ray, which
+# inherits the driver's environment; ``job_runtime_env`` for a job's processes on a cluster). Ray
+# Data kills its tokenizing actors when training stops with data left, and the task the actor had
+# queued pushes "(raylet) Task MapWorker(...).submit failed. There are infinite retries remaining
+# ... killed by `ray.kill`" to the driver: at the end of every run that stops before its stream
+# does. A failure that exhausts its retries still raises.
+QUIET_RAY_ENV = {"RAY_enable_output_error_log_if_still_retry": "0"}
+
 
 class SubmitError(RuntimeError):
     """A submission that must not go ahead (address, token, files); the message says what to do."""
@@ -221,12 +230,13 @@ def submission_id(ctx_args: list[str], address: str, root: Path) -> str:
     return f"ctx-{command}-{h.hexdigest()[:16]}"
 
 
-def job_runtime_env(working_dir: str | Path, env_vars: dict[str, str] | None = None, excludes: list[str] | None = None) -> dict:
+def job_runtime_env(working_dir: str | Path, env_vars: dict[str, str] | None = None, excludes: list[str] | None = None,
+                    verbose: bool = False) -> dict:
     """Ray's runtime_env of a ctx job. PYTHONUNBUFFERED: a job's stdout is a file, which Python
     would otherwise flush only every few KB, so `ctx jobs logs` would lag the run by minutes.
-    RAY_JOB_STOP_WAIT_TIME_S: a stopped driver's time to clean up (``STOP_GRACE_S``). ``env_vars``
-    add to these and win."""
-    defaults = {"PYTHONUNBUFFERED": "1", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}
+    RAY_JOB_STOP_WAIT_TIME_S: a stopped driver's time to clean up (``STOP_GRACE_S``). Unless the
+    command is ``verbose``, ``QUIET_RAY_ENV``. ``env_vars`` add to these and win."""
+    defaults = {"PYTHONUNBUFFERED": "1", "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S), **({} if verbose else QUIET_RAY_ENV)}
     return {
         "working_dir": str(working_dir),
         "excludes": EXCLUDES + list(excludes or []),
@@ -272,7 +282,8 @@ def submit(
     info = _job_info(client, sid)
     if info is None:
         try:
-            submit_when_ready(client, entrypoint=entrypoint, runtime_env=job_runtime_env(root, env_vars, excludes), submission_id=sid,
+            submit_when_ready(client, entrypoint=entrypoint, runtime_env=job_runtime_env(root, env_vars, excludes, verbose="--verbose" in ctx_args),
+                              submission_id=sid,
                               metadata={"ctx": shlex.join(ctx_args)[:1000]})
             print(f"submitted {sid}: {entrypoint}", file=out, flush=True)
         except RuntimeError as e:

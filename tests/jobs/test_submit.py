@@ -319,6 +319,7 @@ def test_pretraining_job_retried_submit_attaches_and_one_writer_per_run(ray_head
     assert main(["jobs", "logs", sid, "--follow"]) == 0
     followed = capsys.readouterr().out
     assert "done: {" in followed and "'step': 3" in followed and f"job {sid} SUCCEEDED" in followed, followed
+    assert "(raylet)" not in followed, followed  # Ray's retry lines stay off the job's log (jobs.submit.QUIET_RAY_ENV)
 
     # Submitted again after it finished: it says so and starts nothing.
     assert main(["submit", "--", *args]) == 0
