@@ -115,7 +115,10 @@ def run_with_progress(fit: Callable[[], Any], board: Any, max_steps: int, enable
                 latest = ray.get(board.get.remote())
                 if latest:
                     bar.update(task, completed=latest["step"], description=describe(latest))
-    thread.join()
+    # Timed joins only: a signal the OS hands to another thread runs its Python handler when the main
+    # thread next wakes, which an untimed join does not do before Ray Train returns
+    while thread.is_alive():
+        thread.join(timeout=0.5)
     if "error" in box:
         raise box["error"]
     return box.get("result")
