@@ -208,6 +208,91 @@ def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tm
     assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.5, 1.0])
+def test_sigterm_while_ray_starts_exits_143_and_leaves_no_process_of_its_ray(tmp_path, after_s):
+    """SIGTERM while `ray.init` starts the local Ray (``after_s`` after its raylet appears): status
+    143, and within 8 s no process of that Ray is left. Before ``jobs.loop.init_ray`` stopped what
+    it had started, the raylet died of SIGKILL and its DashboardAgent and RuntimeEnvAgent stayed a
+    minute, reporting it to a GCS that was gone (4 of 6 such stops)."""
+    cmd = Command(["pretrain", "--config", "configs/bert-tiny.yaml", "--no-progress", "--set", "data.input=data/sample/wordnet-0000-of-0008.txt.gz",
+                   "--set", "tokenizer.sample_chars=100000", "--set", f"output_dir={tmp_path / 'runs'}"])
+    end = time.monotonic() + 120
+    while not any("raylet" in c for c in descendants(cmd.proc.pid).values()):
+        assert cmd.proc.poll() is None and time.monotonic() < end, f"no raylet started:\n{cmd.stderr}"
+        time.sleep(0.02)
+    time.sleep(after_s)
+    started = descendants(cmd.proc.pid)
+    cmd.proc.send_signal(signal.SIGTERM)
+    assert cmd.finish(30) == 143, cmd.stderr
+    assert not (tmp_path / "runs" / "bert-tiny" / "LOCK.json").exists()
+    end = time.monotonic() + 8
+    while (alive := [p for p in started if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()]) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
+
+
+def test_sigterm_whose_handler_runs_in_an_at_fork_hook_of_ray_init_still_ends_the_command():
+    """ray.init starts Ray's processes with Popen; a SIGTERM whose handler runs in the parent's
+    at-fork hooks raises SystemExit where Python drops it ("Exception ignored in: _releaseLock"),
+    and the command went on to train. ``init_ray`` raises it once ray.init returns: status 143.
+    The stand-in ``ray.init`` sets Ray's handler and forks once; an at-fork hook signals there."""
+    script = f"""
+import os, signal, subprocess, sys, types
+sys.path.insert(0, {str(REPO)!r})
+os.environ["RAY_ADDRESS"] = "stand-in"  # a cluster's: no local processes to stop
+from jobs import loop
+
+state = {{"forking": False, "up": False}}
+
+def ray_init(**options):
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init sets for its call
+    state["forking"] = True
+    subprocess.run(["true"], preexec_fn=lambda: None)  # Ray starts its processes with a preexec_fn: at-fork hooks run
+    state["forking"] = False
+    state["up"] = True
+
+def signal_after_fork():
+    if state["forking"]:
+        state["forking"] = False
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this hook returns
+
+os.register_at_fork(after_in_parent=signal_after_fork)
+sys.modules["ray"] = types.SimpleNamespace(is_initialized=lambda: state["up"], init=ray_init)
+loop.init_ray(verbose=True)
+print("went on", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and "went on" not in done.stdout, done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_sigterm_that_lands_on_another_thread_ends_the_wait_for_ray_train():
+    """The OS gives a process's SIGTERM to any of its threads; Python runs its handler in the main
+    thread once that wakes. ``run_with_progress`` (no progress board, as with --no-progress) waits
+    for the fit thread in timed joins, so SIGTERM sent to the fit thread itself still ends the
+    command at once with 143. With one untimed join it waited until Ray Train returned."""
+    script = f"""
+import signal, sys, threading
+sys.path.insert(0, {str(REPO)!r})
+from jobs.loop import exit_on_sigterm
+from jobs.progress import FIT_THREAD, run_with_progress
+
+exit_on_sigterm()
+
+def to_the_fit_thread():
+    fit = next(t for t in threading.enumerate() if t.name == FIT_THREAD)
+    signal.pthread_kill(fit.ident, signal.SIGTERM)
+
+threading.Timer(0.5, to_the_fit_thread).start()
+run_with_progress(threading.Event().wait, board=None, max_steps=1, enabled=False)  # a fit that never returns
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143, done.stderr
+    assert time.monotonic() - started < 20  # the import of ray and torch, then half a second
+
+
 @pytest.mark.parametrize("waiting, ends, finalizes", [
     ("fit", "sigterm", False),  # the fit thread (jobs.progress.FIT_THREAD) still waits
     ("ray", "sigterm", False),  # connected to Ray: its threads may be inside its calls
