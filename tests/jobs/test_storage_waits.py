@@ -185,6 +185,14 @@ def descendants(pid: int) -> dict[int, str]:
     return below
 
 
+def assert_gone_within(started: dict[int, str], seconds: float) -> None:
+    """Every process in ``started`` (``descendants``' answer) has exited within ``seconds``."""
+    end = time.monotonic() + seconds
+    while (alive := [p for p in started if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()]) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
+
+
 @pytest.mark.slow
 def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tmp_path):
     """SIGTERM once Ray Train runs (after ray.init, whose own SIGTERM handler ended the process with 15
@@ -202,10 +210,7 @@ def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tm
     assert cmd.finish(30) == 143, cmd.stderr
     assert "Traceback" not in cmd.stderr
     assert not (tmp_path / "runs" / "bert-tiny" / "LOCK.json").exists()
-    end = time.monotonic() + 15
-    while (alive := [p for p in started if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()]) and time.monotonic() < end:
-        time.sleep(0.5)
-    assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
+    assert_gone_within(started, 15)
 
 
 @pytest.mark.slow
@@ -226,10 +231,7 @@ def test_sigterm_while_ray_starts_exits_143_and_leaves_no_process_of_its_ray(tmp
     cmd.proc.send_signal(signal.SIGTERM)
     assert cmd.finish(30) == 143, cmd.stderr
     assert not (tmp_path / "runs" / "bert-tiny" / "LOCK.json").exists()
-    end = time.monotonic() + 8
-    while (alive := [p for p in started if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/cmdline").read_bytes()]) and time.monotonic() < end:
-        time.sleep(0.5)
-    assert alive == [], f"left running: {[started[p][:120] for p in alive]}"
+    assert_gone_within(started, 8)
 
 
 def test_sigterm_whose_handler_runs_in_an_at_fork_hook_of_ray_init_still_ends_the_command():
