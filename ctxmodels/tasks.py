@@ -74,6 +74,10 @@ READS: dict[str, str] = {
     "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first",
     "xlnet": "summary", "gpt": "last", "transformer-xl": "last", "elmo": "features", "awd-lstm": "concat-pool",
 }
+# Families whose token_type_ids are not sentence segments, so the segment ids of fine-tuning inputs
+# ([CLS] a [SEP] b [SEP] gives b type 1) are not given to them: RoBERTa has one type (its HF
+# tokenizer gives zeros).
+NO_SEGMENTS = ("roberta",)
 # ULMFiT's classifier (sec. 4): a hidden layer of 50; its first block's dropout is the task's (or the
 # family's, 0.4), the second's this one (fastai's ULMFiT classifier: dropouts 0.4 and 0.1).
 CONCAT_POOL_HIDDEN, CONCAT_POOL_DROPOUT = 50, 0.1
@@ -279,8 +283,12 @@ class TaskModel(nn.Module):
             chars = chars * (attention_mask != 0)[..., None]
         return chars
 
+    def _segments(self, token_type_ids: Tensor | None) -> Tensor | None:
+        return None if self.family in NO_SEGMENTS else token_type_ids
+
     def _states(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None) -> list[Tensor]:
         x = self._inputs(input_ids, attention_mask)
+        token_type_ids = self._segments(token_type_ids)
         if self.task.freeze:
             with torch.no_grad():
                 return [s.detach() for s in self.backbone.hidden_states(x, attention_mask, token_type_ids)]
@@ -306,7 +314,7 @@ class TaskModel(nn.Module):
         backbone with ``last_hidden_at`` computes its last block at those positions alone."""
         fast = getattr(self.backbone, "last_hidden_at", None)
         if fast is not None and self.reads != "features" and not self.task.freeze:
-            return fast(input_ids, attention_mask, token_type_ids, where)
+            return fast(input_ids, attention_mask, self._segments(token_type_ids), where)
         return self.token_vectors(input_ids, attention_mask, token_type_ids)[where]
 
     def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
@@ -314,7 +322,7 @@ class TaskModel(nn.Module):
         if self.reads == "first":
             fast = getattr(self.backbone, "first_token_state", None)
             if fast is not None and not self.task.freeze:
-                first = fast(input_ids, attention_mask, token_type_ids)  # only [CLS] runs the last block
+                first = fast(input_ids, attention_mask, self._segments(token_type_ids))  # only [CLS] runs the last block
             else:
                 first = self._states(input_ids, attention_mask, token_type_ids)[-1][:, 0]
             return torch.tanh(self.backbone.pooler(first))  # (B, D)

@@ -215,6 +215,25 @@ def test_roberta_classification_head_equals_transformers(tmp_path, caplog):
         torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["classification", "token-classification", "question-answering"])
+def test_pair_segment_ids_reach_bert_but_not_roberta(kind):
+    """Fine-tuning inputs give a pair's second text segment 1 (``pipelines.finetune``). BERT reads
+    it; RoBERTa has one segment row (a 1 used to fail with IndexError), so it reads the pair as
+    HF's tokenizer gives it: without segments."""
+    b = batch_for(kind)
+    segments = (torch.arange(T) >= 5).long().expand(B, T) * b["attention_mask"]
+    for family, preset in (("roberta", "tiny"), ("bert", "tiny")):
+        cfg = make_config(family, preset, {"vocab_size": V})
+        model = build_task_model(family, cfg, TaskConfig(kind=kind, num_labels=3), torch.Generator().manual_seed(0)).eval()
+        with torch.no_grad():
+            with_segments = model(**b, token_type_ids=segments).logits
+            without = model(**b).logits
+        if family == "bert":
+            assert not torch.allclose(with_segments, without)
+        else:
+            torch.testing.assert_close(with_segments, without, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Learning and checkpoints
 
