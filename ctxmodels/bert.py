@@ -8,9 +8,15 @@ Papers:
 - Joshi et al. "SpanBERT: Improving Pre-training by Representing and Predicting Spans", TACL 2020
   (arXiv:1907.10529): span masking (``pipelines.spans``) plus the Span Boundary Objective head
   (``SBOHead``, on when ``cfg.sbo``), no NSP. SpanBERT is a set of presets here (registry "spanbert").
+- Lample, Conneau. "Cross-lingual Language Model Pretraining", NeurIPS 2019 (XLM): the same
+  post-LayerNorm encoder with a language embedding in place of the segment one
+  (``type_vocab_size`` = number of languages, ``token_type_ids`` = language ids; 0 rows for a
+  monolingual model, which has none), a prediction layer without the dense + LayerNorm transform
+  (``mlm_transform=False``), and positions given per token (``position_ids``: translation LM
+  restarts them at the second sentence). XLM is a set of presets here (registry "xlm").
 
-Reference checked for parity: Hugging Face ``transformers`` ``BertModel`` / ``BertForPreTraining`` and
-``RobertaForMaskedLM`` (tests/ctxmodels/test_hf.py copies weights both ways and compares every
+Reference checked for parity: Hugging Face ``transformers`` ``BertModel`` / ``BertForPreTraining``,
+``RobertaForMaskedLM`` and ``XLMWithLMHeadModel`` (tests/ctxmodels/test_hf.py copies weights both ways and compares every
 layer's hidden states and the head logits), and the real ``all-MiniLM-L6-v2`` checkpoint. The SBO
 head was read against facebookresearch/SpanBERT ``pretraining/fairseq/models/pair_bert.py``
 (``BertPairTargetPredictionHead``); there is no HF class to compare it with.
@@ -77,7 +83,9 @@ class BertConfig:
     n_head: int  # attention heads; must divide d_model
     d_ff: int  # inner size of the feed-forward sub-layer (4 * d_model in the paper)
     max_seq_len: int  # rows of the position table (RoBERTa: usable length + pad_token_id + 1)
-    type_vocab_size: int = 2  # segment A/B embeddings; 1 for RoBERTa (no sentence pairs)
+    # Segment A/B embeddings; 1 for RoBERTa (no sentence pairs). XLM: one row per language, 0 for a
+    # model without language embeddings (one language, or HF's use_lang_emb=False): ids are ignored.
+    type_vocab_size: int = 2
     dropout: float = 0.1  # on embeddings and on each sub-layer output before the residual add
     attn_dropout: float = 0.1  # on attention probabilities
     layer_norm_eps: float = 1e-12  # BERT's TF value; RoBERTa (fairseq) uses 1e-5
@@ -87,12 +95,14 @@ class BertConfig:
     init_std: float = 0.02  # std of the normal init of every weight matrix and embedding
     nsp: bool = True  # whether the pretraining model has the next-sentence-prediction head
     sbo: bool = False  # whether it has SpanBERT's span-boundary head (then sbo_* batch columns are read)
+    mlm_transform: bool = True  # MLM head's dense + activation + LayerNorm before the decoder; XLM has none
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "d_ff", "max_seq_len", "type_vocab_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BertConfig.{name} must be a positive integer, got {value!r}")
+            least = 0 if name == "type_vocab_size" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"BertConfig.{name} must be an integer >= {least}, got {value!r}")
         if self.d_model % self.n_head != 0:
             raise ValueError(
                 f"BertConfig.d_model ({self.d_model}) must be divisible by BertConfig.n_head ({self.n_head})"
@@ -119,7 +129,7 @@ class BertConfig:
             )
         if self.activation not in get_args(Activation):
             raise ValueError(f"BertConfig.activation must be one of {get_args(Activation)}, got {self.activation!r}")
-        for name in ("nsp", "sbo"):
+        for name in ("nsp", "sbo", "mlm_transform"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BertConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -147,14 +157,15 @@ def activation_fn(name: Activation) -> Callable[[Tensor], Tensor]:
 
 
 class BertEmbeddings(nn.Module):
-    """word + position + segment embeddings, then LayerNorm and dropout."""
+    """word + position + segment (XLM: language) embeddings, then LayerNorm and dropout."""
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.cfg = cfg
         self.word = Embedding(cfg.vocab_size, cfg.d_model)  # ops.Embedding: CPU gradient buffer reused
         self.position = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
+        # None: no segment / language table (XLM with one language); token_type_ids are then ignored.
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.ln = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.drop = Dropout(cfg.dropout)
 
@@ -172,17 +183,28 @@ class BertEmbeddings(nn.Module):
         not_pad = input_ids.ne(self.cfg.pad_token_id).long()  # (B, T)
         return torch.cumsum(not_pad, dim=1) * not_pad + self.cfg.pad_token_id  # (B, T)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None, keep: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, keep: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
         """(B, T, D); with ``keep`` (N,), indices into the B * T positions (``Packing.keep``): (N, D),
-        those tokens only (a padded batch's padding is never embedded)."""
-        positions = self.position_ids(input_ids)  # (T,) or (B, T)
+        those tokens only (a padded batch's padding is never embedded). ``position_ids`` (B, T):
+        each token's row of the position table (XLM's translation LM restarts them at the second
+        sentence); None: counted from the start of the row (RoBERTa: from ``pad_token_id + 1``)."""
+        if position_ids is None:
+            positions = self.position_ids(input_ids)  # (T,) or (B, T)
+        else:
+            if position_ids.shape != input_ids.shape:
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; input_ids has {tuple(input_ids.shape)}")
+            positions = position_ids  # (B, T); rows beyond the table fail in the lookup below
         if keep is not None:
             T = input_ids.shape[1]
             input_ids = input_ids.reshape(-1)[keep]  # (N,)
             positions = keep % T if positions.dim() == 1 else positions.reshape(-1)[keep]  # (N,)
             token_type_ids = None if token_type_ids is None else token_type_ids.reshape(-1)[keep]  # (N,)
         x = self.word(input_ids) + self.position(positions)  # (B, T, D) or (N, D)
-        if token_type_ids is None:
+        if self.token_type is None:
+            pass  # no segment / language table: ids are ignored, as HF XLM ignores langs without one
+        elif token_type_ids is None:
             x = x + self.token_type.weight[0]  # segment 0 everywhere, without a (B, T) lookup
         else:
             x = x + self.token_type(token_type_ids)
@@ -683,7 +705,11 @@ class BertModel(nn.Module):
         init_bert_weights(self, cfg.init_std, generator)
 
     def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> list[Tensor]:
         """``n_layer + 1`` tensors (B, T, D); index 0 is the embedding output after LayerNorm.
 
@@ -693,7 +719,7 @@ class BertModel(nn.Module):
         """
         # Batches padded to their longest row (packing): the embeddings, projections, feed-forward
         # layers and LayerNorms run on the (N, D) real tokens only; attention on length groups.
-        x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids)
+        x, attn_mask, packing = self._embed(input_ids, attention_mask, token_type_ids, position_ids)
         out = [x if packing is None else packing.unpack(x)]
         for block in self.layers:
             x = block(x, attn_mask, packing)
@@ -736,7 +762,9 @@ class BertModel(nn.Module):
             x = block(x, attn_mask, packing)
         return self.layers[-1].at_rows(x, attn_mask, packing, rows)
 
-    def _embed(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None):
+    def _embed(
+        self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None, position_ids: Tensor | None = None
+    ):
         """(embedding output, attention mask for SDPA or None, Packing, JaggedPacking or None);
         the output is (N, D), the real tokens only, with a packing, else (B, T, D)."""
         attn_mask, packing = None, None
@@ -757,16 +785,20 @@ class BertModel(nn.Module):
                 attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T), broadcast over H and queries
                 packing = Packing(attention_mask) if on_cpu and eager and self.skip_padding else None
         keep = None if packing is None else packing.keep
-        return self.embeddings(input_ids, token_type_ids, keep), attn_mask, packing  # (N or B, (T,) D), ...
+        return self.embeddings(input_ids, token_type_ids, keep, position_ids), attn_mask, packing  # (N or B, (T,) D), ...
 
     def pool(self, last_hidden: Tensor) -> Tensor:
         return torch.tanh(self.pooler(last_hidden[:, 0]))  # (B, D) from the [CLS] / <s> position
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Returns (last hidden state (B, T, D), pooled output (B, D))."""
-        last = self.hidden_states(input_ids, attention_mask, token_type_ids)[-1]
+        last = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)[-1]
         return last, self.pool(last)
 
 
@@ -777,6 +809,7 @@ class BertModel(nn.Module):
 
 class MLMHead(nn.Module):
     """dense + activation + LayerNorm, then the decoder tied to the word embeddings, plus a bias.
+    XLM's prediction layer (``cfg.mlm_transform`` False) is the decoder and bias alone.
 
     The decoder weight is not a parameter of the head: ``forward`` receives the word-embedding
     matrix, so the state dict holds it once (nothing to re-tie when loading).
@@ -784,12 +817,16 @@ class MLMHead(nn.Module):
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
-        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
-        self.act = activation_fn(cfg.activation)
-        self.ln = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        if cfg.mlm_transform:
+            self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+            self.act = activation_fn(cfg.activation)
+            self.ln = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.has_transform = cfg.mlm_transform
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
     def transform(self, h: Tensor) -> Tensor:
+        if not self.has_transform:
+            return h  # (..., D): XLM decodes the last hidden state as it is
         return self.ln(self.act(self.dense(h)))  # (..., D)
 
     def forward(self, h: Tensor, word_embeddings: Tensor) -> Tensor:
@@ -848,10 +885,14 @@ class BertForPreTraining(nn.Module):
             init_bert_weights(self.sbo, cfg.init_std, generator)
 
     def mlm_logits(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Full vocabulary logits (B, T, V) at every position: for inference and tests."""
-        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]
+        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)[-1]
         return self.mlm(last, self.backbone.embeddings.word.weight)
 
     def nsp_logits(
@@ -897,6 +938,7 @@ class BertForPreTraining(nn.Module):
         sbo_right: Tensor | None = None,
         sbo_pos: Tensor | None = None,
         label_positions: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> PretrainOutput:
         """``sbo_left``/``sbo_right``/``sbo_pos`` (B, T), read where ``labels != -100``: positions of
         the tokens just before / after the token's span and its 0-based position in the span
@@ -904,7 +946,8 @@ class BertForPreTraining(nn.Module):
         ``label_positions`` (N,): where ``labels != -100``, as flat indices found on the host
         (``ops.predicted_positions``; ``jobs.loop.to_device`` on a GPU, padded to a few fixed
         counts by ``ops.padded_positions``: padding rows count in no loss or metric); found here
-        when None."""
+        when None. ``position_ids`` (B, T): XLM's translation LM (``pipelines.xlm``); None counts
+        positions from each row's start."""
         if labels is None and next_sentence_label is None:
             raise ValueError(
                 "BertForPreTraining.forward needs labels (MLM) and/or next_sentence_label (NSP); "
@@ -920,7 +963,7 @@ class BertForPreTraining(nn.Module):
                 "sbo_left/sbo_right/sbo_pos given but "
                 + ("this model has no SBO head (config.sbo is False)" if self.sbo is None else "labels is missing")
             )
-        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids)[-1]  # (B, T, D)
+        last = self.backbone.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)[-1]  # (B, T, D)
         metrics: dict[str, Tensor] = {}
         losses: list[Tensor] = []
 
@@ -967,6 +1010,10 @@ class BertForPreTraining(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 _ROBERTA = dict(type_vocab_size=1, pad_token_id=1, position_style="roberta", layer_norm_eps=1e-5, nsp=False)
+# XLM (Lample & Conneau 2019; facebookresearch/XLM): no NSP, no MLM transform, d_ff = 4 * d_model
+# (HF XLM fixes it), type_vocab_size = languages with an embedding (0: none). The three large
+# presets have the shapes of the released xlm-mlm-en-2048, xlm-mlm-xnli15-1024 and xlm-mlm-100-1280.
+_XLM = dict(nsp=False, mlm_transform=False)
 
 PRESETS: dict[str, BertConfig] = {
     "tiny": BertConfig(vocab_size=8000, d_model=64, n_layer=2, n_head=2, d_ff=256, max_seq_len=128),
@@ -981,5 +1028,15 @@ PRESETS: dict[str, BertConfig] = {
     ),
     "roberta-large": BertConfig(
         vocab_size=50265, d_model=1024, n_layer=24, n_head=16, d_ff=4096, max_seq_len=514, **_ROBERTA
+    ),
+    "xlm-tiny": BertConfig(vocab_size=8000, d_model=64, n_layer=2, n_head=2, d_ff=256, max_seq_len=128, type_vocab_size=0, **_XLM),
+    "xlm-en-2048": BertConfig(
+        vocab_size=30145, d_model=2048, n_layer=12, n_head=16, d_ff=8192, max_seq_len=512, type_vocab_size=0, **_XLM
+    ),
+    "xlm-xnli15-1024": BertConfig(
+        vocab_size=95000, d_model=1024, n_layer=12, n_head=8, d_ff=4096, max_seq_len=512, type_vocab_size=15, **_XLM
+    ),
+    "xlm-100-1280": BertConfig(
+        vocab_size=200000, d_model=1280, n_layer=16, n_head=16, d_ff=5120, max_seq_len=512, type_vocab_size=0, **_XLM
     ),
 }

@@ -90,7 +90,8 @@ def _bert(
         c.add(mm(R, D, D))  # output projection
         c.add(mm(R, F, D))  # feed-forward in
         c.add(mm(R, D, F))  # feed-forward out
-    c.add(mm(N, D, D))  # MLM transform
+    if cfg.mlm_transform:  # XLM decodes the last hidden state as it is
+        c.add(mm(N, D, D))  # MLM transform
     c.add(mm(N, cfg.vocab_size, D))  # decoder tied to the word embeddings
     if cfg.sbo:
         c.add(mm(N, D, 3 * D))  # SBO fc1 over [left; right; position]
@@ -228,6 +229,7 @@ FAMILY_FLOPS: dict[str, tuple[Callable[..., None], Callable[[int, int], int]]] =
     "roberta": (_bert, lambda B, T: round(MLM_FRACTION * B * T)),
     "spanbert": (_bert, lambda B, T: round(MLM_FRACTION * B * T)),
     "albert": (_albert, lambda B, T: round(MLM_FRACTION * B * T)),
+    "xlm": (_bert, lambda B, T: round(MLM_FRACTION * B * T)),
     "gpt": (_gpt, lambda B, T: B * (T - 1)),
     "transformer-xl": (_transformer_xl, lambda B, T: B * (T - 1)),
     "xlnet": (_xlnet, lambda B, T: B * math.ceil(T / PLM_PARTIAL_K)),

@@ -1,6 +1,6 @@
 """Import and export Hugging Face folders (config.json + safetensors weights) for every family
-transformers has: BERT, RoBERTa, ALBERT, GPT (``openai-gpt`` and ``gpt2``) and XLNet; pretraining
-models and the fine-tuned task heads of ``ctxmodels.tasks``.
+transformers has: BERT, RoBERTa, ALBERT, GPT (``openai-gpt`` and ``gpt2``), XLNet and XLM;
+pretraining models and the fine-tuned task heads of ``ctxmodels.tasks``.
 
 Only safetensors are read: a folder holding only ``pytorch_model.bin`` (a pickle) is refused, so
 loading a downloaded folder never runs code from it.
@@ -37,6 +37,10 @@ logits, checked by tests/ctxmodels/test_hf_heads.py):
   the last position, which is the last real token because XLNet's tokenizer pads on the left.
   Ours pads on the right and reads the last real token: per example the same logits.
   QA is ``XLNetForQuestionAnsweringSimple`` (start/end logits), not the beam-search head.
+- XLM: ``XLMWithLMHeadModel`` (our ``token_type_ids`` are its ``langs``), ``XLMForTokenClassification``
+  and ``XLMForQuestionAnsweringSimple``. Its sequence heads (``XLMSequenceSummary``: a projection
+  of the first token, no pooler) have no equal among ours; a causal, sinusoidal or adaptive-softmax
+  XLM is refused on import.
 - SpanBERT exports as BERT (same backbone and heads), without its span-boundary pretraining head.
 - Never exported: feature-based task models (layer mixes, BiLSTMs); ELMo and Transformer-XL
   (transformers 5 has neither).
@@ -82,6 +86,7 @@ class Weights:
     load_only: list[Row] = field(default_factory=list)  # loaded when present, never written (the class lacks it)
     tied: dict[str, str] = field(default_factory=dict)  # HF copies of tied tensors -> what they equal
     skip: tuple[str, ...] = ()  # suffixes of HF buffers that older checkpoints saved
+    unmatched: tuple[str, ...] = ()  # prefixes of our tensors the class has no counterpart of (XLM's pooler)
 
 
 @dataclass(frozen=True)
@@ -651,6 +656,101 @@ def xlnet_weights(cfg: XLNetConfig, head: Head) -> Weights:
 
 
 # ----------------------------------------------------------------------------------------------
+# XLM (Lample & Conneau 2019): our BERT with XLM's presets (``ctxmodels.bert``) -> XLMModel's names.
+# HF's language table (``lang_embeddings``) exists only with n_langs > 1 and use_lang_emb; ours is
+# the segment table, and a model without one has type_vocab_size 0. HF's feed-forward layer is
+# always 4 * emb_dim wide. XLM has no pooler: sequence heads (XLMSequenceSummary, a projection of
+# the first token without tanh) are not ours, so only token heads convert.
+# ----------------------------------------------------------------------------------------------
+
+XLM_BACKBONE: list[Row] = [  # our BertModel (under "backbone.") -> HF XLMModel (under "transformer.")
+    ("embeddings.word.weight", "embeddings.weight", "copy"),
+    ("embeddings.position.weight", "position_embeddings.weight", "copy"),
+    *linear("embeddings.ln", "layer_norm_emb"),
+    ("layers.{i}.attn.qkv.weight", tuple(f"attentions.{{i}}.{n}_lin.weight" for n in "qkv"), "copy"),
+    ("layers.{i}.attn.qkv.bias", tuple(f"attentions.{{i}}.{n}_lin.bias" for n in "qkv"), "copy"),
+    *linear("layers.{i}.attn.proj", "attentions.{i}.out_lin"),
+    *linear("layers.{i}.ln1", "layer_norm1.{i}"),
+    *linear("layers.{i}.ffn.fc_in", "ffns.{i}.lin1"),
+    *linear("layers.{i}.ffn.fc_out", "ffns.{i}.lin2"),
+    *linear("layers.{i}.ln2", "layer_norm2.{i}"),
+]
+XLM_LANGS: list[Row] = [("embeddings.token_type.weight", "lang_embeddings.weight", "copy")]
+
+XLM_TASKS = {
+    "xlm": {
+        "token-classification": "XLMForTokenClassification",
+        "question-answering": "XLMForQuestionAnsweringSimple",
+    },
+}
+
+
+def xlm_config_from_hf(hf: dict, where: str) -> BertConfig:
+    for key, ours_only in (("sinusoidal_embeddings", False), ("causal", False), ("asm", False), ("is_encoder", True)):
+        if hf.get(key, ours_only) != ours_only:
+            raise ValueError(f"{where}: config.json {key}={hf[key]!r} is not supported (only {ours_only!r}): our XLM is "
+                             "a bidirectional encoder with learned positions and a full-softmax prediction layer")
+    for key in ("emb_dim", "n_layers", "n_heads"):
+        if key not in hf:
+            raise ValueError(f"{where}: config.json has no {key!r} (needed for an XLM model)")
+    vocab = hf.get("vocab_size", hf.get("n_words"))
+    if vocab is None:
+        raise ValueError(f"{where}: config.json has no 'vocab_size' (or 'n_words')")
+    n_langs = int(hf.get("n_langs", 1))
+    pad = hf.get("pad_token_id", hf.get("pad_index", 2))
+    try:
+        return BertConfig(
+            vocab_size=vocab, d_model=hf["emb_dim"], n_layer=hf["n_layers"], n_head=hf["n_heads"], d_ff=4 * hf["emb_dim"],
+            max_seq_len=hf.get("max_position_embeddings", 512),
+            type_vocab_size=n_langs if n_langs > 1 and hf.get("use_lang_emb", True) else 0,
+            dropout=hf.get("dropout", 0.1), attn_dropout=hf.get("attention_dropout", 0.1),
+            layer_norm_eps=hf.get("layer_norm_eps", 1e-12), pad_token_id=2 if pad is None else pad,
+            activation="gelu" if hf.get("gelu_activation", True) else "relu", init_std=hf.get("init_std", 0.02),
+            nsp=False, mlm_transform=False,
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: config.json gives an invalid model: {e}") from e
+
+
+def xlm_config_to_hf(cfg: BertConfig) -> dict:
+    problems = []
+    if cfg.mlm_transform:
+        problems.append("mlm_transform is True (XLM's prediction layer has no dense + LayerNorm transform)")
+    if cfg.d_ff != 4 * cfg.d_model:
+        problems.append(f"d_ff={cfg.d_ff} (HF XLM's feed-forward layer is 4 * d_model = {4 * cfg.d_model})")
+    if cfg.position_style != "absolute":
+        problems.append(f"position_style={cfg.position_style!r} (XLM counts positions from 0)")
+    if cfg.activation not in ("gelu", "relu"):
+        problems.append(f"activation={cfg.activation!r} (XLM has exact gelu or relu)")
+    if cfg.type_vocab_size == 1:
+        problems.append("type_vocab_size=1 (HF XLM has no language table for one language: use 0)")
+    if cfg.sbo or cfg.nsp:
+        problems.append("a span-boundary or next-sentence head (XLM has neither)")
+    if problems:
+        raise ValueError("this model does not fit XLMWithLMHeadModel: " + "; ".join(problems))
+    return {
+        "model_type": "xlm", "vocab_size": cfg.vocab_size, "emb_dim": cfg.d_model, "n_layers": cfg.n_layer,
+        "n_heads": cfg.n_head, "max_position_embeddings": cfg.max_seq_len, "n_langs": max(cfg.type_vocab_size, 1),
+        "use_lang_emb": cfg.type_vocab_size > 1, "dropout": cfg.dropout, "attention_dropout": cfg.attn_dropout,
+        "gelu_activation": cfg.activation == "gelu", "sinusoidal_embeddings": False, "causal": False, "asm": False,
+        "is_encoder": True, "layer_norm_eps": cfg.layer_norm_eps, "init_std": cfg.init_std,
+        "embed_init_std": cfg.init_std, "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": True,
+    }
+
+
+def xlm_weights(cfg: BertConfig, head: Head) -> Weights:
+    rows = XLM_BACKBONE + (XLM_LANGS if cfg.type_vocab_size else [])
+    backbone = under(expand(rows, cfg.n_layer), "backbone.", "transformer.")
+    skip = ("position_ids",)  # a non-persistent buffer, once saved
+    if head == "pretraining":
+        return Weights("XLMWithLMHeadModel", "transformer", backbone, optional=[("mlm.bias", "pred_layer.proj.bias", "copy")],
+                       tied={"pred_layer.proj.weight": "transformer.embeddings.weight"}, skip=skip, unmatched=("backbone.pooler.",))
+    task = TASKS[head]  # a token head: _check_task_export and task_kind_of allow no other
+    return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + linear(task.head, task.head), skip=skip,
+                   unmatched=("backbone.pooler.",))
+
+
+# ----------------------------------------------------------------------------------------------
 # The registry: our family -> its converter. ELMo and Transformer-XL have no transformers 5 class.
 # SpanBERT is a BERT: it exports as model_type "bert" (its span-boundary head, which HF lacks, is
 # left out) and reads no model_type of its own, since HF's SpanBERT folders say "bert".
@@ -663,6 +763,7 @@ CONVERTERS: dict[str, Converter] = {
     "albert": Converter(("albert",), albert_config_from_hf, albert_config_to_hf, albert_weights, ALBERT_TASKS),
     "gpt": Converter(("openai-gpt", "gpt2"), gpt_config_from_hf, gpt_config_to_hf, gpt_weights, GPT_TASKS),
     "xlnet": Converter(("xlnet",), xlnet_config_from_hf, xlnet_config_to_hf, xlnet_weights, XLNET_TASKS),
+    "xlm": Converter(("xlm",), xlm_config_from_hf, xlm_config_to_hf, xlm_weights, XLM_TASKS),
 }
 
 
@@ -787,7 +888,7 @@ def load_weights(model: nn.Module, weights: Weights, tensors: dict[str, Tensor],
         log.warning("%s: ignoring %d tensors we do not use: %s", where, len(ignored), ignored[:10])
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
-    return sorted(result.missing_keys)
+    return sorted(k for k in result.missing_keys if not k.startswith(weights.unmatched))
 
 
 def hf_tensors(model: nn.Module, weights: Weights, n_head: int) -> dict[str, Tensor]:

@@ -37,6 +37,12 @@ FAMILIES: dict[str, FamilySpec] = {
     ),
     # SpanBERT is BERT pretrained with span masking and the span boundary objective (its own head).
     "spanbert": FamilySpec(config_cls=bert.BertConfig, pretraining_cls=bert.BertForPreTraining, presets={n: dataclasses.replace(bert.PRESETS[n], sbo=True, nsp=False) for n in ("tiny", "base", "large")}),
+    # XLM is BERT with a language embedding and no MLM transform (XLM's MLM and TLM).
+    "xlm": FamilySpec(
+        config_cls=bert.BertConfig,
+        pretraining_cls=bert.BertForPreTraining,
+        presets={name: bert.PRESETS["xlm-" + name] for name in ("tiny", "en-2048", "xnli15-1024", "100-1280")},
+    ),
     "elmo": FamilySpec(config_cls=elmo.ElmoConfig, pretraining_cls=elmo.ElmoForPreTraining, presets=dict(elmo.PRESETS)),
     "gpt": FamilySpec(config_cls=gpt.GPTConfig, pretraining_cls=gpt.GPTForPreTraining, presets=dict(gpt.PRESETS)),
     "albert": FamilySpec(config_cls=albert.AlbertConfig, pretraining_cls=albert.AlbertForPreTraining, presets=dict(albert.PRESETS)),

@@ -71,13 +71,13 @@ IGNORE_INDEX = -100
 # Where each family reads a sequence's vector: "first" ([CLS] through the pooler), "summary"
 # (XLNet: last token, dense + tanh), "last" (the last real token as it is).
 READS: dict[str, str] = {
-    "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first",
+    "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first", "xlm": "first",
     "xlnet": "summary", "gpt": "last", "transformer-xl": "last", "elmo": "features", "awd-lstm": "concat-pool",
 }
 # Families whose token_type_ids are not sentence segments, so the segment ids of fine-tuning inputs
 # ([CLS] a [SEP] b [SEP] gives b type 1) are not given to them: RoBERTa has one type (its HF
-# tokenizer gives zeros).
-NO_SEGMENTS = ("roberta",)
+# tokenizer gives zeros), and XLM's table holds languages (every token reads language 0's row).
+NO_SEGMENTS = ("roberta", "xlm")
 # ULMFiT's classifier (sec. 4): a hidden layer of 50; its first block's dropout is the task's (or the
 # family's, 0.4), the second's this one (fastai's ULMFiT classifier: dropouts 0.4 and 0.1).
 CONCAT_POOL_HIDDEN, CONCAT_POOL_DROPOUT = 50, 0.1

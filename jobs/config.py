@@ -314,7 +314,7 @@ class TeacherSection(_Section):
         return self
 
 
-DISTILL_FAMILIES = ("bert", "roberta", "spanbert")  # ctxmodels.distill: BertForPreTraining's families
+DISTILL_FAMILIES = ("bert", "roberta", "spanbert", "xlm")  # ctxmodels.distill: BertForPreTraining's families
 
 
 class RecipeBase(_Section):

@@ -35,7 +35,7 @@ TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token bu
 CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 # Backbones whose passes replay from CUDA graphs on a GPU (``ctxmodels.graphs``): no host sync and no
 # data-dependent shape in their forward there (the families ``has_static_step`` compiles whole).
-GRAPHED_FAMILIES = ("bert", "roberta", "spanbert", "albert")
+GRAPHED_FAMILIES = ("bert", "roberta", "spanbert", "albert", "xlm")
 
 
 # ----------------------------------------------------------------------------- loading

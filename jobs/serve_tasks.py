@@ -54,13 +54,13 @@ from jobs.serve_config import InputError, LimitError, Limits
 
 # --------------------------------------------------------------------------------------- what serves what
 
-MLM_FAMILIES = ("bert", "roberta", "spanbert", "albert")  # pretrained with a masked-LM head
+MLM_FAMILIES = ("bert", "roberta", "spanbert", "albert", "xlm")  # pretrained with a masked-LM head
 LM_FAMILIES = ("gpt", "transformer-xl", "xlnet", "awd-lstm")  # pretrained to predict the next token (XLNet: any order)
 # Families whose generation reads each new token once (decode_step: GPT's key-value cache, Transformer-XL's
 # memory, AWD-LSTM's LSTM state). XLNet reads the prompt bidirectionally (only the placeholder is hidden), so every new token
 # changes the states of all earlier ones: nothing computed for a step can be reused by the next.
 CACHED_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
-MLM_HEAD = {"bert": "mlm", "roberta": "mlm", "spanbert": "mlm", "albert": "mlm_head"}  # the head's module name
+MLM_HEAD = {"bert": "mlm", "roberta": "mlm", "spanbert": "mlm", "albert": "mlm_head", "xlm": "mlm"}  # the head's module name
 EMBEDDING_ROUTES = ("/v1/embeddings", "/v1/token-embeddings")
 NEEDS: dict[str, str] = {
     "/v1/classify": "a fine-tuned classification or regression checkpoint (ctx finetune)",

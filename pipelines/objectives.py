@@ -129,7 +129,7 @@ OBJECTIVES: dict[str, Objective] = {
     # BERT / RoBERTa: dynamic MLM masking of packed FULL-SENTENCES rows.
     "mlm": Objective(
         rows="packed", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM, places_mask=True,
-        families={"bert": {"nsp": False}, "roberta": {"nsp": False}, "albert": {"sop": False}},
+        families={"bert": {"nsp": False}, "roberta": {"nsp": False}, "albert": {"sop": False}, "xlm": {"nsp": False}},
     ),
     # BERT: sentence pairs, MLM + next-sentence prediction.
     "nsp": Objective(

@@ -138,7 +138,7 @@ def test_the_masked_lm_families_have_a_static_step_and_the_others_not():
     from ctxmodels.registry import FAMILIES
 
     static = {family for family in FAMILIES if has_static_step(_tiny(family)[1])}
-    assert static == {"albert", "bert", "roberta", "spanbert"}
+    assert static == {"albert", "bert", "roberta", "spanbert", "xlm"}
 
 
 @pytest.mark.parametrize("family", ["bert", "spanbert", "albert"])
@@ -189,7 +189,7 @@ def test_a_task_model_has_a_static_step_on_a_masked_lm_backbone_only():
     from tests.ctxmodels.test_tasks import tiny_task
 
     static = {family for family in FAMILIES if has_static_step(tiny_task(family, "classification"))}
-    assert static == {"albert", "bert", "roberta", "spanbert"}
+    assert static == {"albert", "bert", "roberta", "spanbert", "xlm"}
     assert not has_static_step(tiny_task("bert", "token-classification", features="last", task_model="bilstm"))
     assert has_static_step(tiny_task("bert", "token-classification", features="scalar-mix"))
 

@@ -23,9 +23,9 @@ from ctxmodels.registry import build_model
 from tests.ctxmodels.test_flops import family_batch
 
 
-def _teacher(n_layer: int = 4):
-    cfg, model = build_model("bert", "tiny", {"vocab_size": 128, "n_layer": n_layer, "nsp": False}, seed=0)
-    batch, _ = family_batch("bert", cfg)
+def _teacher(n_layer: int = 4, family: str = "bert"):
+    cfg, model = build_model(family, "tiny", {"vocab_size": 128, "n_layer": n_layer, "nsp": False}, seed=0)
+    batch, _ = family_batch(family, cfg)
     return model, batch
 
 
@@ -76,8 +76,9 @@ def test_the_student_starts_from_exactly_the_chosen_teacher_layers():
         init_student(teacher, [0, 4])
 
 
-def test_a_student_of_every_layer_matches_its_teacher_exactly():
-    teacher, batch = _teacher(2)
+@pytest.mark.parametrize("family", ["bert", "xlm"])  # XLM: no MLM transform in the soft targets' head
+def test_a_student_of_every_layer_matches_its_teacher_exactly(family):
+    teacher, batch = _teacher(2, family)
     teacher.eval()
     distiller = Distiller(init_student(teacher, [0, 1]), teacher, DistillWeights(sentence=1.0)).eval()
     out = distiller(**batch)

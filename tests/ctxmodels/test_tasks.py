@@ -216,14 +216,15 @@ def test_roberta_classification_head_equals_transformers(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("kind", ["classification", "token-classification", "question-answering"])
-def test_pair_segment_ids_reach_bert_but_not_roberta(kind):
+def test_pair_segment_ids_reach_bert_but_not_roberta_or_xlm(kind):
     """Fine-tuning inputs give a pair's second text segment 1 (``pipelines.finetune``). BERT reads
-    it; RoBERTa has one segment row (a 1 used to fail with IndexError), so it reads the pair as
-    HF's tokenizer gives it: without segments."""
+    it; RoBERTa has one segment row (a 1 used to fail with IndexError) and XLM's rows are
+    languages, so both read the pair as HF's tokenizers give it to them: without segments."""
     b = batch_for(kind)
     segments = (torch.arange(T) >= 5).long().expand(B, T) * b["attention_mask"]
-    for family, preset in (("roberta", "tiny"), ("bert", "tiny")):
-        cfg = make_config(family, preset, {"vocab_size": V})
+    for family, preset in (("roberta", "tiny"), ("xlm", "tiny"), ("bert", "tiny")):
+        overrides = {"vocab_size": V, "type_vocab_size": 3} if family == "xlm" else {"vocab_size": V}
+        cfg = make_config(family, preset, overrides)
         model = build_task_model(family, cfg, TaskConfig(kind=kind, num_labels=3), torch.Generator().manual_seed(0)).eval()
         with torch.no_grad():
             with_segments = model(**b, token_type_ids=segments).logits
