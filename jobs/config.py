@@ -126,6 +126,36 @@ class DataSection(_Section):
     # How long one storage operation of training (a shard read, a checkpoint upload, a metrics
     # write) retries through transient errors before it gives up: rides out an endpoint restart.
     retry_deadline_s: float = Field(DEFAULT_RETRY_DEADLINE_S, ge=1)
+    # XLM (pipelines.languages): the language of each data.input entry, in order (its index is the
+    # language id, the model's language embedding row); eval_input, if given, lists one entry per
+    # language too. Languages are sampled with q_i ~ p_i^language_alpha (XLM: 0.5; 1 = as stored).
+    languages: list[str] | None = None
+    language_alpha: float = Field(0.5, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check_languages(self) -> "DataSection":
+        if self.languages is None:
+            return self
+        names = self.languages
+        if not names or any(not isinstance(n, str) or not n.strip() for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"languages: distinct, non-empty names, one per data.input entry; got {names}")
+        for key in ("input", "eval_input"):
+            value = getattr(self, key)
+            if key == "eval_input" and value is None:
+                continue
+            if not isinstance(value, list) or len(value) != len(names):
+                raise ValueError(f"{key}: with data.languages, a list of {len(names)} entries (one per language, "
+                                 f"in the order of {names}); got {value!r}")
+        return self
+
+
+def language_model_fields(data: DataSection) -> dict[str, Any]:
+    """Model fields that data.languages implies: a language embedding row per language (XLM);
+    one language has none (HF XLM's n_langs=1)."""
+    if data.languages is None:
+        return {}
+    n = len(data.languages)
+    return {"type_vocab_size": n if n > 1 else 0}
 
 
 # Which objectives each family trains with, and the model fields an objective implies (applied
@@ -362,6 +392,13 @@ class Recipe(RecipeBase):
         for key, value in supported[self.data.objective].items():
             if self.model.overrides.get(key, value) != value:
                 raise ValueError(f"model.{key}: objective {self.data.objective!r} needs {key}={value}")
+        if self.data.languages is not None:
+            if self.model.family != "xlm":
+                raise ValueError(f"data.languages: only family 'xlm' has language embeddings, not {self.model.family!r}")
+            for key, value in language_model_fields(self.data).items():
+                if self.model.overrides.get(key, value) != value:
+                    raise ValueError(f"model.{key}: data.languages lists {len(self.data.languages)} language(s), "
+                                     f"which needs {key}={value}")
         if self.teacher is not None:
             if self.model.init is not None:
                 raise ValueError("model.init: a distillation's student starts from teacher.init; remove model.init")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ctxmodels.registry import FAMILIES
-from jobs.config import Recipe, RecipeError, model_overrides_with_vocab
+from jobs.config import Recipe, RecipeError, language_model_fields, model_overrides_with_vocab
 from jobs.registry import ModelVersion, resolve
 from jobs.tracking import record_run
 from jobs.loop import (  # noqa: F401 (re-exported: lr_factor, param_groups, model_inputs, row_digests)
@@ -42,6 +42,7 @@ from jobs.loop import (  # noqa: F401 (re-exported: lr_factor, param_groups, mod
 )
 from pipelines import storage
 from pipelines.dataset import StreamSpec, build_dataset, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files, vocab_info
+from pipelines.languages import keep_fractions, sampling_probs
 from pipelines.masking import MlmConfig
 from pipelines.objectives import Objective, objective
 from pipelines.permutation import PlmConfig
@@ -121,7 +122,39 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print, key: str = "mode
     return uri, tok, version
 
 
-def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri: str | None = None) -> StreamSpec:
+def language_shards(store: storage.Store, entries: list[str]) -> tuple[list[str], tuple[int, ...]]:
+    """(shards, language id of each) for data.languages' inputs: entry i's files are language i."""
+    shards: list[str] = []
+    languages: list[int] = []
+    for i, entry in enumerate(entries):
+        for uri in store.list_files(entry):
+            if uri in shards:
+                raise RecipeError(f"data.input: {uri} is listed for two languages (entries {languages[shards.index(uri)]} and {i})")
+            shards.append(uri)
+            languages.append(i)
+    return shards, tuple(languages)
+
+
+def language_keep(store: storage.Store, recipe: Recipe, shards: list[str], languages: tuple[int, ...], log) -> tuple[float, ...]:
+    """Each language's share of rows an epoch keeps, for XLM's q_i ~ p_i^alpha (``pipelines.languages``),
+    with p from the stored bytes of each language's shards."""
+    names = recipe.data.languages
+    sizes = np.zeros(len(names))
+    np.add.at(sizes, np.asarray(languages), np.asarray(store.file_sizes(shards), dtype=np.float64))
+    if not np.all(sizes > 0):
+        empty = [names[i] for i in np.flatnonzero(sizes <= 0)]
+        raise RecipeError(f"data.input: the shards of language(s) {empty} are empty")
+    q, keep = sampling_probs(sizes, recipe.data.language_alpha), keep_fractions(sizes, recipe.data.language_alpha)
+    log("data: languages " + ", ".join(
+        f"{n} (id {i}, {sizes[i] / sizes.sum():.1%} of the bytes, sampled {q[i]:.1%}, an epoch keeps {keep[i]:.1%} of its rows)"
+        for i, n in enumerate(names)))
+    return tuple(float(k) for k in keep)
+
+
+def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri: str | None = None,
+                languages: tuple[int, ...] = (), keep: tuple[float, ...] = ()) -> StreamSpec:
+    """``languages``/``keep``: XLM's language id of each shard and the share of each language's
+    rows an epoch keeps (``StreamSpec.shard_languages`` / ``language_keep``)."""
     d = recipe.data
     preset = FAMILIES[recipe.model.family].presets[recipe.model.preset]
     return StreamSpec(
@@ -149,6 +182,8 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         strict=d.strict,
         max_record_chars=d.max_record_chars,
         run_uri=run_uri,
+        shard_languages=tuple(languages),
+        language_keep=tuple(keep),
     )
 
 
@@ -180,9 +215,14 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
 
 def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
     store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
-    shards = store.list_files(recipe.data.input)
+    if recipe.data.languages:  # XLM: each input entry is one language's shards
+        shards, languages = language_shards(store, recipe.data.input)
+        eval_shards, eval_languages = language_shards(store, recipe.data.eval_input) if recipe.data.eval_input else ([], ())
+    else:
+        shards, languages = store.list_files(recipe.data.input), ()
+        eval_shards, eval_languages = (store.list_files(recipe.data.eval_input) if recipe.data.eval_input else []), ()
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
-    eval_shards = store.list_files(recipe.data.eval_input) if recipe.data.eval_input else []
+    keep = language_keep(store, recipe, shards, languages, log) if languages else ()
     run = run_uri(recipe)
     if recipe.teacher is not None:  # distillation: the teacher's weights and tokenizer, checked before Ray starts
         init = warm_start_source(recipe, workdir, log, key="teacher.init")
@@ -208,7 +248,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     # run_uri: the data stage drops the samples committed by the run's latest checkpoint, read
     # each time the stream starts (so also after Ray Train restarts failed workers), and writes
     # each shard's data report under the run.
-    spec = stream_spec(recipe, shards, first_epoch, run_uri=run)
+    spec = stream_spec(recipe, shards, first_epoch, run_uri=run, languages=languages, keep=keep)
     dataset = build_dataset(spec, tok_dir)
     result = fit(
         train_loop_per_worker,
@@ -221,6 +261,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
             "init_checkpoint": init[0] if init else None,
             "shard_keys": shard_keys(shards),
             "eval_shards": eval_shards,
+            "eval_languages": list(eval_languages),
             "predicted_per_row": objective(spec.objective).predicted(recipe.data.seq_len, spec),
         },
         name=recipe.name, output_dir=recipe.output_dir, store=store, scaling=recipe.scaling,
@@ -313,14 +354,16 @@ def train_batches(config: dict[str, Any], micro: int, device, label_positions: b
     return (to_device(b, device, label_positions) for b in shard.iter_torch_batches(batch_size=micro, drop_last=True))
 
 
-def eval_batches(recipe: Recipe, shards: list[str], tok_dir: Path, rows: int, device) -> list[dict[str, Any]]:
+def eval_batches(recipe: Recipe, shards: list[str], tok_dir: Path, rows: int, device,
+                 languages: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """The held-out batches of ``data.eval_input``: at most ``data.eval_max_samples`` samples in
     batches of ``rows`` (the training micro-batch, so memory models keep their batch size), built
     by the same NumPy pipeline as training, masked as epoch ``EVAL_EPOCH``: identical at every
-    evaluation, on every worker and on every rerun."""
+    evaluation, on every worker and on every rerun. ``languages``: XLM's language of each shard
+    (every row of them kept: evaluation reads the held-out text as it is)."""
     import torch
 
-    spec = stream_spec(recipe, shards)
+    spec = stream_spec(recipe, shards, languages=languages)
     n = max(1, recipe.data.eval_max_samples // rows)
     out = []
     for b in local_batches(spec, load_tokenizer(tok_dir), batch_size=rows, epoch=EVAL_EPOCH, max_batches=n):
@@ -383,7 +426,7 @@ class PretrainJob(WorkerJob):
             self.model_cfg, model = warm_start_model(config["init_checkpoint"], storage.Store.of(recipe.data))
         else:
             overrides = model_overrides_with_vocab(recipe, config["vocab_size"])
-            for key, value in self.obj.families[recipe.model.family].items():
+            for key, value in {**self.obj.families[recipe.model.family], **language_model_fields(recipe.data)}.items():
                 overrides.setdefault(key, value)  # e.g. packed single-segment MLM: no NSP head to train
             self.model_cfg, model = build_model(recipe.model.family, recipe.model.preset, overrides, seed=recipe.train.seed)
         seed_worker_rng(recipe.train.seed, rank)  # dropout
@@ -418,7 +461,8 @@ class PretrainJob(WorkerJob):
 
     def held_out(self, micro: int, device) -> bool:
         if self.config.get("eval_shards"):
-            self.eval_batches = eval_batches(self.recipe, self.config["eval_shards"], self.tok_dir, micro, device)
+            self.eval_batches = eval_batches(self.recipe, self.config["eval_shards"], self.tok_dir, micro, device,
+                                             tuple(self.config.get("eval_languages", ())))
         return bool(self.eval_batches)
 
     def interval_extras(self, metrics: dict[str, Any], world: int) -> None:

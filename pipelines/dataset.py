@@ -61,6 +61,7 @@ from pipelines.permutation import PlmConfig
 from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform, mix64, stable_hash64
 from pipelines.datareport import write_shard_report
+from pipelines.languages import kept_rows
 from pipelines.sources import Format, ReadStats, iter_documents
 from pipelines.spans import NgramConfig, SpanConfig
 from pipelines.streams import StreamBatcher
@@ -101,6 +102,11 @@ class StreamSpec:
     tokenize_actors: int = 1
     strict: bool = False  # fail at the first bad record instead of counting it (pipelines.sources)
     max_record_chars: int = 1_000_000  # longer records are rejected as bad data
+    # XLM (pipelines.languages): the language id of each shard, in the order of ``shards`` (its
+    # packed rows carry it as token_type_ids), and the share of each language's rows an epoch
+    # keeps (alpha sampling). Empty: one language, every row kept.
+    shard_languages: tuple[int, ...] = ()
+    language_keep: tuple[float, ...] = ()
     # The run this stream feeds. Its latest committed checkpoint holds the data position
     # (pipelines.position): samples listed there are dropped when the stream starts. Each shard's
     # read/used/rejected counts go to <run_uri>/data_reports/ (pipelines.datareport).
@@ -110,6 +116,13 @@ class StreamSpec:
 
 # ---------------------------------------------------------------------------------------------
 # The objectives (pipelines.objectives): stage 1 rows and stage 2 transform of each.
+
+
+def shard_language(spec: StreamSpec, uri: str) -> int | None:
+    """The language id of shard ``uri`` (``StreamSpec.shard_languages``), None without languages."""
+    if not spec.shard_languages:
+        return None
+    return spec.shard_languages[spec.shards.index(uri)]
 
 
 def row_kind(spec: StreamSpec) -> RowKind:
@@ -269,10 +282,14 @@ def _sentence_ids(tok: Tokenizer, docs: list[str]) -> list[list[np.ndarray]]:
 
 
 def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """Packed rows of one shard, in shard order, with their sample ids."""
+    """Packed rows of one shard, in shard order, with their sample ids. A shard of a language
+    (XLM) gives its rows the language id as ``token_type_ids`` and keeps the epoch's share of them
+    (``pipelines.languages``); the ids of the rest are not reused."""
     vocab = vocab_info(tok, spec.objective)
     packer = Packer(spec.seq_len, vocab.cls_id, vocab.sep_id, vocab.pad_id)
     index = 0
+    language = shard_language(spec, uri)
+    keep = spec.language_keep[language] if language is not None and spec.language_keep else 1.0
 
     def emit(block: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         nonlocal index
@@ -281,7 +298,14 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
             return None
         ids = (np.int64(key) << np.int64(32)) | (index + np.arange(n, dtype=np.int64))
         index += n
-        return {**block, "sample_id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
+        out = {**block, "sample_id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
+        if language is None:
+            return out
+        out["token_type_ids"] = np.full_like(block["input_ids"], language)  # (n, T)
+        rows = kept_rows(spec.seed, epoch, ids, keep)  # (n,)
+        if not rows.all():
+            out = {k: v[rows] for k, v in out.items()}
+        return out if len(out["input_ids"]) else None
 
     for docs in _documents(uri, spec, stats):
         out = emit(packer.add(_sentence_ids(tok, docs)))

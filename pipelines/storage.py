@@ -451,6 +451,17 @@ class Store:
             out.extend(scheme + p for p in files)
         return sorted(dict.fromkeys(out))
 
+    def file_sizes(self, uris: list[str]) -> list[int]:
+        """Stored bytes of each file of ``uris`` (one listing request per file, retried)."""
+        sizes = []
+        for uri in uris:
+            fs, path = self.filesystem(uri)
+            info = self.retry(lambda: fs.get_file_info(path), f"stat {uri}")
+            if info.type != pafs.FileType.File:
+                raise StorageError(f"{uri!r} is not a file")
+            sizes.append(int(info.size))
+        return sizes
+
     def _walk(self, fs: pafs.FileSystem, root: str, uri: str) -> list[str]:
         sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
         infos = self.retry(lambda: fs.get_file_info(sel), f"list {uri}")

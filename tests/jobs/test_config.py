@@ -59,6 +59,40 @@ def test_bad_keys_and_values_are_named(override, key):
     assert key in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.family=bert"], "data.languages: only family 'xlm' has language embeddings, not 'bert'"),
+        (["data.languages=[en, fr]"], "data.input: with data.languages, a list of 2 entries"),
+        (["data.languages=[en, fr]", "data.input=[a, b]"], "data.eval_input: with data.languages, a list of 2 entries"),
+        (["data.languages=[en, en]", "data.input=[a, b]", "data.eval_input=null"], "data.languages: distinct"),
+        (["model.type_vocab_size=1"], "model.type_vocab_size: data.languages lists 1 language(s), which needs type_vocab_size=0"),
+        (["data.language_alpha=0"], "data.language_alpha"),
+    ],
+)
+def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, message):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(REPO / "configs" / "xlm-tiny.yaml", overrides)
+    assert message in str(e.value)
+    two = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.languages=[en, fr]", "data.input=[a, b]", "data.eval_input=[c, d]"])
+    assert two.data.languages == ["en", "fr"] and two.data.language_alpha == 0.5
+
+
+def test_language_shards_give_each_entry_its_language_and_refuse_a_shard_in_two(tmp_path):
+    from jobs.train import language_shards
+    from pipelines import storage
+
+    for name in ("en/a.txt", "en/b.txt", "fr/c.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    store = storage.Store()
+    shards, langs = language_shards(store, [str(tmp_path / "fr"), str(tmp_path / "en")])
+    assert [Path(s).name for s in shards] == ["c.txt", "a.txt", "b.txt"] and langs == (0, 1, 1)
+    assert store.file_sizes(shards) == [2, 2, 2]
+    with pytest.raises(RecipeError, match="listed for two languages"):
+        language_shards(store, [str(tmp_path / "en"), str(tmp_path / "en" / "a.txt")])
+
+
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")

@@ -44,6 +44,7 @@ OBJECTIVE_METRIC = {
     "transformer-xl": "lm_loss",
     "xlnet": "plm_loss",
     "awd-lstm": "lm_loss",
+    "xlm": "mlm_loss",
 }
 RECIPES = {"awd-lstm": "ulmfit-tiny"}  # configs/<family>-tiny.yaml otherwise
 
@@ -60,6 +61,43 @@ def test_tiny_recipe_pretrains_and_loss_falls(ray_session, tmp_path, family):
     losses = [m["loss"] for m in result.history]
     assert all(np.isfinite(losses)) and all(OBJECTIVE_METRIC[family] in m for m in result.history), losses
     assert losses[-1] < losses[0] - 0.3, (family, losses)
+
+
+def test_xlm_pretrains_on_two_languages_and_trains_both_language_rows(ray_session, tmp_path):
+    """data.languages through `ctx pretrain`: English (a tenth of a shard) and a second language
+    (the same text spelt backwards, a third of that), alpha sampling logged, a language embedding
+    per language in the checkpoint, both rows trained (30 steps cover both shards: the stream
+    reads whole shards one after the other), and the loss falls."""
+    import gzip
+
+    import torch
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from ctxmodels.registry import new_model
+
+    with gzip.open(REPO / SHARD, "rt") as f:
+        lines = f.read().split("\n")[:-1]
+    english, backwards = tmp_path / "en" / "english.txt.gz", tmp_path / "xx" / "backwards.txt.gz"
+    for path, text in ((english, lines[: len(lines) // 10]),
+                       (backwards, [" ".join(w[::-1] for w in line.split(" ")) for line in lines[: len(lines) // 30]])):
+        path.parent.mkdir()
+        with gzip.open(path, "wt") as f:
+            f.write("\n".join(text).strip() + "\n")
+    overrides = [o for o in SHORT if not o.startswith("data.input=")] + [
+        f"output_dir={tmp_path}", f"data.input=[{english}, {backwards}]", "data.eval_input=null", "data.languages=[en, xx]",
+        "model.family=xlm", "tokenizer.kind=sentencepiece-bpe",
+    ]
+    lines_logged: list[str] = []
+    result = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", overrides), progress=False, log=lines_logged.append)
+    languages = next(line for line in lines_logged if line.startswith("data: languages"))
+    assert "en (id 0" in languages and "xx (id 1" in languages and "an epoch keeps 100.0% of its rows" in languages, languages
+    losses = [m["loss"] for m in result.history]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+    ckpt = load_checkpoint(result.checkpoint_uri)
+    assert ckpt.family == "xlm" and ckpt.config.type_vocab_size == 2 and not ckpt.config.mlm_transform
+    table = ckpt.model.backbone.embeddings.token_type.weight
+    start = new_model("xlm", ckpt.config, seed=0).backbone.embeddings.token_type.weight  # train.seed 0: the initial weights
+    assert torch.all((table - start).abs().amax(dim=1) > 1e-3), "a language row was never trained"
 
 
 def test_ray_stream_rows_are_whole_batches_delivered_in_block_order(ray_session, tmp_path):

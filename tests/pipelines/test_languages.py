@@ -1,0 +1,98 @@
+"""XLM's language sampling (pipelines.languages) and language-tagged packed rows (pipelines.dataset).
+
+There is no second language in data/: the tests write one, the sample corpus with every word
+spelt backwards, a quarter of its size. Its rows must carry language id 1, and the epoch's kept
+rows must follow q_i ~ p_i^alpha."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.dataset import StreamSpec, local_batches, pack_shard, shard_keys
+from pipelines.languages import keep_fractions, kept_rows, sampling_probs
+from pipelines.masking import MlmConfig
+from pipelines.sources import sample_text
+from pipelines.tokenizers import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+ENGLISH = str(REPO / "data" / "sample" / "wordnet-0000-of-0008.txt.gz")
+
+
+def test_sampling_probs_are_xlm_formula():
+    n = np.array([900.0, 90.0, 10.0])
+    p = n / n.sum()
+    np.testing.assert_allclose(sampling_probs(n, 1.0), p)
+    q = sampling_probs(n, 0.5)
+    np.testing.assert_allclose(q, np.sqrt(p) / np.sqrt(p).sum())
+    assert q[2] > p[2] and q[0] < p[0]  # small languages up, large ones down
+    np.testing.assert_allclose(sampling_probs(n, 1e-9), np.full(3, 1 / 3), atol=1e-6)  # alpha -> 0: uniform
+    for bad in ([], [1.0, 0.0], [[1.0, 2.0]]):
+        with pytest.raises(ValueError, match="positive numbers"):
+            sampling_probs(bad, 0.5)
+    with pytest.raises(ValueError, match="alpha"):
+        sampling_probs([1.0, 2.0], 1.5)
+
+
+def test_kept_rows_give_each_language_its_share():
+    """Keep fractions applied to the rows of each language: the kept proportions are q (to 1%),
+    the smallest language keeps all of its rows, and each epoch keeps other rows."""
+    sizes = np.array([60_000, 12_000, 3_000])
+    keep = keep_fractions(sizes, 0.5)
+    assert keep[2] == 1.0 and np.all(keep[:2] < 1)
+    kept = np.array([kept_rows(7, 0, np.arange(n, dtype=np.int64) + (i << 32), keep[i]).sum() for i, n in enumerate(sizes)])
+    np.testing.assert_allclose(kept / kept.sum(), sampling_probs(sizes, 0.5), atol=0.01)
+    ids = np.arange(60_000, dtype=np.int64)
+    a, b = kept_rows(7, 0, ids, keep[0]), kept_rows(7, 1, ids, keep[0])
+    np.testing.assert_array_equal(a, kept_rows(7, 0, ids, keep[0]))  # keyed: the same again
+    assert (a != b).mean() > 0.2  # another epoch, other rows
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(english shard, "backwards" shard, tokenizer over both)."""
+    root = tmp_path_factory.mktemp("langs")
+    with gzip.open(ENGLISH, "rt") as f:
+        lines = f.read().split("\n")
+    quarter = lines[: len(lines) // 4]
+    backwards = root / "xx" / "backwards-0000.txt.gz"
+    backwards.parent.mkdir()
+    with gzip.open(backwards, "wt") as f:
+        f.write("\n".join(" ".join(w[::-1] for w in line.split(" ")) for line in quarter).strip("\n") + "\n")
+    tok = train_tokenizer("wordpiece", sample_text([ENGLISH, str(backwards)], 600_000), 3000)
+    return ENGLISH, str(backwards), tok
+
+
+def test_packed_rows_carry_their_language_and_keep_their_ids(corpus):
+    english, backwards, tok = corpus
+    shards = (english, backwards)
+    plain = StreamSpec(shards=shards, seq_len=64)
+    tagged = StreamSpec(shards=shards, seq_len=64, seed=3, shard_languages=(0, 1), language_keep=(0.5, 1.0))
+    for uri, key, lang, share in zip(shards, shard_keys(shards), (0, 1), (0.5, 1.0)):
+        every = {k: np.concatenate([b[k] for b in pack_shard(tok, uri, key, 0, plain)]) for k in ("sample_id", "input_ids")}
+        rows = {k: np.concatenate([b[k] for b in pack_shard(tok, uri, key, 0, tagged)]) for k in ("sample_id", "input_ids", "token_type_ids")}
+        assert np.all(rows["token_type_ids"] == lang)
+        where = np.searchsorted(every["sample_id"], rows["sample_id"])  # kept rows keep their ids and tokens
+        np.testing.assert_array_equal(every["sample_id"][where], rows["sample_id"])
+        np.testing.assert_array_equal(every["input_ids"][where], rows["input_ids"])
+        assert abs(len(rows["sample_id"]) / len(every["sample_id"]) - share) < 0.05
+        np.testing.assert_array_equal(rows["sample_id"], every["sample_id"][kept_rows(3, 0, every["sample_id"], share)])
+
+
+def test_masked_batches_keep_the_language_ids(corpus):
+    english, backwards, tok = corpus
+    spec = StreamSpec(shards=(backwards, english), seq_len=64, shard_languages=(1, 0), language_keep=(1.0, 0.3),
+                      mlm=MlmConfig(mlm_probability=0.15), shuffle_files=False)
+    seen = set()
+    for b in local_batches(spec, tok, batch_size=32, epoch=0, max_batches=200):
+        assert "token_type_ids" in b and (b["labels"] != -100).any()
+        shard = b["sample_id"] >> 32
+        for key, lang in zip(shard_keys(spec.shards), (1, 0)):
+            rows = shard == key
+            assert np.all(b["token_type_ids"][rows] == lang)
+            if rows.any():
+                seen.add(lang)
+    assert seen == {0, 1}
