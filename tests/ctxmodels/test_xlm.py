@@ -144,3 +144,17 @@ def test_import_and_export_refuse_what_xlm_cannot_be(tmp_path):
         _, model = build_model("xlm", "tiny", overrides, seed=0)
         with pytest.raises(ValueError, match=why):
             export_hf_folder(model, "xlm", tmp_path / "out")
+
+
+@pytest.mark.parametrize(("preset", "n_langs"), [("en-2048", 1), ("xnli15-1024", 15), ("100-1280", 100)])
+def test_presets_have_the_released_models_parameters(preset, n_langs):
+    """Our large presets hold as many weights as transformers' XLMWithLMHeadModel of the released
+    model's config (built on the meta device: no memory), less the pooler XLM lacks."""
+    cfg = make_config("xlm", preset)
+    hf_config = transformers.XLMConfig(vocab_size=cfg.vocab_size, emb_dim=cfg.d_model, n_layers=cfg.n_layer,
+                                       n_heads=cfg.n_head, n_langs=n_langs, use_lang_emb=cfg.type_vocab_size > 0)
+    with torch.device("meta"):
+        ours = new_model("xlm", cfg, seed=0)
+        ref = transformers.XLMWithLMHeadModel(hf_config)
+    pooler = sum(p.numel() for p in ours.backbone.pooler.parameters())
+    assert sum(p.numel() for p in ours.parameters()) - pooler == sum(p.numel() for p in ref.parameters())
