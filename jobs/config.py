@@ -107,7 +107,7 @@ class DataSection(_Section):
     text_field: str = "text"  # where JSON/Parquet records keep their text
     seq_len: int = Field(128, ge=8)
     # How samples are built and what the model predicts; FAMILY_OBJECTIVES says which a family takes.
-    objective: Literal["mlm", "nsp", "sop", "span", "clm", "clm-stream", "plm", "bilm"] = "mlm"
+    objective: Literal["mlm", "nsp", "sop", "span", "clm", "clm-stream", "plm", "bilm", "tlm"] = "mlm"
     mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)  # also the span / n-gram masking budget
     whole_word_mask: bool = False  # mlm, nsp
     span_geometric_p: float = Field(0.2, gt=0.0, le=1.0)  # span: span length in words ~ Geo(p), max 10
@@ -129,17 +129,22 @@ class DataSection(_Section):
     # XLM (pipelines.languages): the language of each data.input entry, in order (its index is the
     # language id, the model's language embedding row); eval_input, if given, lists one entry per
     # language too. Languages are sampled with q_i ~ p_i^language_alpha (XLM: 0.5; 1 = as stored).
+    # objective tlm: the languages the parallel JSONL records name ({"en": ..., "fr": ...}); the
+    # inputs are then any shards of such records, every pair kept.
     languages: list[str] | None = None
     language_alpha: float = Field(0.5, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check_languages(self) -> "DataSection":
+        if self.objective == "tlm" and (self.languages is None or len(self.languages) < 2):
+            raise ValueError(f"languages: the translation LM (objective tlm) reads records that name two of "
+                             f"data.languages; list at least two, got {self.languages}")
         if self.languages is None:
             return self
         names = self.languages
         if not names or any(not isinstance(n, str) or not n.strip() for n in names) or len(set(names)) != len(names):
             raise ValueError(f"languages: distinct, non-empty names, one per data.input entry; got {names}")
-        for key in ("input", "eval_input"):
+        for key in ("input", "eval_input") if self.objective != "tlm" else ():
             value = getattr(self, key)
             if key == "eval_input" and value is None:
                 continue

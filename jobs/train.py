@@ -85,7 +85,8 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     t = recipe.tokenizer
     log(f"tokenizer: training {t.kind} (vocab {t.vocab_size}) on up to {t.sample_chars:,} characters of the corpus")
     t0 = time.perf_counter()
-    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store)
+    parallel = tuple(recipe.data.languages or ()) if recipe.data.objective == "tlm" else ()
+    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store, translations=parallel)
     tok = train_tokenizer(t.kind, texts, t.vocab_size, lowercase=t.lowercase)
     local = workdir / "tokenizer"
     tok.save(local)
@@ -184,6 +185,7 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         run_uri=run_uri,
         shard_languages=tuple(languages),
         language_keep=tuple(keep),
+        language_names=tuple(d.languages or ()) if d.objective == "tlm" else (),
     )
 
 
@@ -215,7 +217,7 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
 
 def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
     store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
-    if recipe.data.languages:  # XLM: each input entry is one language's shards
+    if recipe.data.languages and recipe.data.objective != "tlm":  # XLM's MLM: each input entry is one language's shards
         shards, languages = language_shards(store, recipe.data.input)
         eval_shards, eval_languages = language_shards(store, recipe.data.eval_input) if recipe.data.eval_input else ([], ())
     else:

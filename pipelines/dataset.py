@@ -9,12 +9,15 @@
                                                by (seed, epoch, sample_id)
       -> Ray Train: get_dataset_shard("train")
 
-Stage 1 builds one of four kinds of rows:
+Stage 1 builds one of five kinds of rows:
 
 * ``packed``: RoBERTa FULL-SENTENCES rows ``[CLS] ... [SEP]`` (``pipelines.packing``): whole
   sentences up to ``seq_len``, [SEP] between documents, right-padded;
   ``sample_id = shard_key << 32 | index of the row in the shard``;
 * ``nsp-pairs`` / ``sop-pairs``: BERT / ALBERT sentence pairs (``pipelines.pairs``). ``sample_id`` as above;
+* ``translations``: XLM's translation pairs ``[CLS] a [SEP] [CLS] b [SEP]``, one per record of a
+  parallel JSONL shard, each half with its language and positions from 0 (``pipelines.languages``);
+  ``sample_id`` as above;
 * ``stream``: stream-ordered batches (``pipelines.streams``) for models with memory: row r of a
   batch continues row r of the previous batch of its *block*. Documents are joined by [SEP].
 
@@ -61,8 +64,8 @@ from pipelines.permutation import PlmConfig
 from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform, mix64, stable_hash64
 from pipelines.datareport import write_shard_report
-from pipelines.languages import kept_rows
-from pipelines.sources import Format, ReadStats, iter_documents
+from pipelines.languages import kept_rows, tlm_rows
+from pipelines.sources import Format, ReadStats, iter_documents, iter_translations
 from pipelines.spans import NgramConfig, SpanConfig
 from pipelines.streams import StreamBatcher
 from pipelines.tokenizers import ROLES, Tokenizer, load_tokenizer
@@ -107,6 +110,7 @@ class StreamSpec:
     # keeps (alpha sampling). Empty: one language, every row kept.
     shard_languages: tuple[int, ...] = ()
     language_keep: tuple[float, ...] = ()
+    language_names: tuple[str, ...] = ()  # "tlm": data.languages, the field names of parallel records
     # The run this stream feeds. Its latest committed checkpoint holds the data position
     # (pipelines.position): samples listed there are dropped when the stream starts. Each shard's
     # read/used/rejected counts go to <run_uri>/data_reports/ (pipelines.datareport).
@@ -330,6 +334,20 @@ def pair_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
             yield block
 
 
+def translation_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """XLM's translation-LM rows of one parallel shard, chunk by chunk, with their sample ids."""
+    vocab = vocab_info(tok, spec.objective)
+    index = 0
+    chunks = iter_translations(uri, spec.language_names, store=spec.store, stats=stats, strict=spec.strict,
+                               max_record_chars=spec.max_record_chars)
+    for chunk in chunks:
+        ids = tok.encode_batch([t for _, a, _, b in chunk for t in (a, b)])  # one native call per chunk
+        pairs = [(la, ids[2 * k], lb, ids[2 * k + 1]) for k, (la, _, lb, _) in enumerate(chunk)]
+        sample_ids = (np.int64(key) << np.int64(32)) | (index + np.arange(len(pairs), dtype=np.int64))
+        index += len(pairs)
+        yield tlm_rows(pairs, spec.seq_len, spec.seed, epoch, sample_ids, vocab.cls_id, vocab.sep_id, vocab.pad_id)
+
+
 def stream_block_id(key: int, epoch: int, block_index: int) -> int:
     """63-bit id of a block of stream-ordered batches: stable across runs, workers and rows per batch."""
     h = mix64(np.array([(int(key) << 32) | (int(epoch) & 0xFFFFFFFF)], dtype=np.uint64))
@@ -480,6 +498,8 @@ def shard_rows(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
         return pack_shard(tok, uri, key, epoch, spec, stats)
     if kind in ("nsp-pairs", "sop-pairs"):
         return pair_shard(tok, uri, key, epoch, spec, kind, stats)
+    if kind == "translations":
+        return translation_shard(tok, uri, key, epoch, spec, stats)
     raise ValueError(f"shard_rows: rows of kind {kind!r} are not independent samples")
 
 

@@ -56,3 +56,64 @@ def kept_rows(seed: int, epoch: int, sample_ids: np.ndarray, keep: float) -> np.
     if keep >= 1.0:
         return np.ones(len(sample_ids), dtype=bool)
     return keyed_uniform(seed, epoch, np.asarray(sample_ids, dtype=np.int64), 1, STREAM_LANG)[:, 0] < keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Translation language modelling (TLM, sec. 3.3): a sentence and its translation in one row, each
+# with its own language and positions counted from its own start, masked as MLM; a masked word of
+# one language can then be read off its translation.
+
+STREAM_SWAP = 0x54534B  # the keyed stream of which sentence of a pair comes first ("TSK")
+
+
+def translation_lengths(len_a: np.ndarray, len_b: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths (N,), (N,) of two sentences cut to fit ``budget`` tokens together, longest first:
+    a sentence shorter than half keeps all of its tokens, else each gets half (BERT's pair rule,
+    cutting at the end)."""
+    la, lb = np.asarray(len_a, dtype=np.int64), np.asarray(len_b, dtype=np.int64)
+    over = la + lb > budget
+    half = budget // 2
+    a_cap = np.where(lb >= budget - half, half, budget - lb)  # b long: a gets half; else what b leaves
+    a = np.where(over, np.minimum(la, np.maximum(a_cap, budget - lb)), la)
+    b = np.where(over, np.minimum(lb, budget - a), lb)
+    return a, b
+
+
+def tlm_rows(
+    pairs: list[tuple[int, np.ndarray, int, np.ndarray]], seq_len: int, seed: int, epoch: int, sample_ids: np.ndarray,
+    cls_id: int, sep_id: int, pad_id: int,
+) -> dict[str, np.ndarray]:
+    """Rows ``[CLS] a [SEP] [CLS] b [SEP]`` of translation pairs ``(lang, ids, lang, ids)``: as XLM
+    wraps each sentence in ``</s>``, each half starts at position 0 with its own ``[CLS]``, and
+    ``token_type_ids`` holds each half's language. Which sentence comes first is a keyed coin per
+    sample (XLM trains both directions). int64 (N, seq_len) ``input_ids``, ``attention_mask``,
+    ``token_type_ids``, ``position_ids`` (0 at padding), plus ``sample_id`` and ``epoch`` (N,)."""
+    n = len(pairs)
+    if seq_len < 6:
+        raise ValueError(f"a translation row needs seq_len >= 6 (two [CLS] ... [SEP] halves), got {seq_len}")
+    sample_ids = np.asarray(sample_ids, dtype=np.int64)
+    swap = keyed_uniform(seed, epoch, sample_ids, 1, STREAM_SWAP)[:, 0] < 0.5  # (N,)
+    first = [(p[2], p[3], p[0], p[1]) if s else p for p, s in zip(pairs, swap)]
+    len_a, len_b = translation_lengths([len(p[1]) for p in first], [len(p[3]) for p in first], seq_len - 4)
+    input_ids = np.full((n, seq_len), pad_id, dtype=np.int64)  # (N, T)
+    for k, (_, a, _, b) in enumerate(first):  # one copy per half; the columns below are vectorised
+        la, lb = int(len_a[k]), int(len_b[k])
+        input_ids[k, 1 : 1 + la] = a[:la]
+        input_ids[k, 3 + la : 3 + la + lb] = b[:lb]
+    col = np.arange(seq_len)[None, :]  # (1, T)
+    second = (2 + len_a)[:, None]  # (N, 1): where the second half's [CLS] sits
+    end = (4 + len_a + len_b)[:, None]  # (N, 1): one past the last [SEP]
+    rows = np.arange(n)
+    input_ids[rows, 0] = input_ids[rows, 2 + len_a] = cls_id
+    input_ids[rows, 1 + len_a] = input_ids[rows, 3 + len_a + len_b] = sep_id
+    real = col < end  # (N, T)
+    langs = np.where(col < second, np.array([p[0] for p in first])[:, None], np.array([p[2] for p in first])[:, None])
+    positions = np.where(col < second, col, col - second)  # (N, T): each half from 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": real.astype(np.int64),
+        "token_type_ids": np.where(real, langs, 0).astype(np.int64),
+        "position_ids": np.where(real, positions, 0).astype(np.int64),
+        "sample_id": sample_ids,
+        "epoch": np.full(n, int(epoch), dtype=np.int64),
+    }

@@ -33,7 +33,7 @@ from pipelines.masking import MlmConfig, VocabInfo, mask_tokens
 from pipelines.permutation import PlmConfig, plm_targets
 from pipelines.spans import NgramConfig, SpanConfig, ngram_mask, span_mask
 
-RowKind = Literal["packed", "nsp-pairs", "sop-pairs", "stream"]
+RowKind = Literal["packed", "nsp-pairs", "sop-pairs", "stream", "translations"]
 
 
 class MaskingSettings(Protocol):
@@ -145,6 +145,11 @@ OBJECTIVES: dict[str, Objective] = {
     "span": Objective(
         rows="packed", transform=_span, predicted=lambda T, s: round(T * s.span.mask_ratio),
         main_loss="mlm_loss", token_metrics=SPAN_LM, places_mask=True, families={"spanbert": {"sbo": True, "nsp": False}},
+    ),
+    # XLM: translation LM, a sentence and its translation in one row (data.languages names them).
+    "tlm": Objective(
+        rows="translations", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM,
+        places_mask=True, families={"xlm": {"nsp": False}},
     ),
     # GPT: next token, independent rows.
     "clm": Objective(rows="packed", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM, families={"gpt": {}}),

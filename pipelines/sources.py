@@ -7,6 +7,8 @@ Formats (picked by suffix, or forced by ``fmt``):
   group, which is harmless for packed objectives.
 - ``.jsonl`` / ``.json`` (+ ``.gz``): one JSON object per line; the document is ``record[text_field]``.
 - ``.parquet``: the document is column ``text_field``, read row group by row group.
+- Parallel text (XLM's translation LM, ``iter_translations``): JSONL records holding one sentence
+  in each of two languages under the languages' names, ``{"en": "...", "fr": "..."}``.
 
 A shard is read as a stream of document chunks, so a multi-GB shard never sits in memory whole.
 
@@ -177,6 +179,61 @@ def iter_documents(
         for doc in docs:
             chunk.append(doc)
             if len(chunk) >= chunk_docs:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+
+Translation = tuple[int, str, int, str]  # (language id, sentence, language id, its translation)
+
+
+def iter_translations(
+    uri: str,
+    languages: tuple[str, ...],
+    chunk_pairs: int = 2048,
+    store: Store = Store(),
+    stats: ReadStats | None = None,
+    strict: bool = False,
+    max_record_chars: int = MAX_RECORD_CHARS,
+) -> Iterator[list[Translation]]:
+    """Lists of up to ``chunk_pairs`` translation pairs from one JSONL shard (``.gz`` or not).
+
+    A record names two of ``languages`` (their index is the language id), in the order the
+    record gives them; a record with other keys beside them is fine, one with fewer or more of
+    the languages, a value that is not a string, or a blank one is rejected (and counted), as
+    ``iter_documents`` rejects bad records, with the store's retries around every read."""
+    shard = _Shard(uri, stats if stats is not None else ReadStats(), strict)
+    fs, path = filesystem(uri, store.endpoint_url)
+    ids = {name: i for i, name in enumerate(languages)}
+    with _ResumableReader(fs, path, uri, store) as reader:
+        blocks = reader.blocks()
+        pieces = _gunzip(blocks) if path.endswith(".gz") else blocks
+        chunk: list[Translation] = []
+        for n, line in _decoded_lines(pieces, shard, max_record_chars):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                shard.reject("malformed JSON", f"malformed JSON: {e.msg} (column {e.colno})", n)
+                continue
+            if not isinstance(record, dict):
+                shard.reject("not an object", f"record is a JSON {type(record).__name__}, not an object", n)
+                continue
+            named = [k for k in record if k in ids]
+            if len(named) != 2:
+                shard.reject("not a pair", f"record names {len(named)} of data.languages {list(languages)} "
+                             f"({named}); a translation pair names two", n)
+                continue
+            texts = [record[k] for k in named]
+            bad = [k for k, t in zip(named, texts) if not isinstance(t, str) or not t.strip()]
+            if bad:
+                shard.reject("empty text", f"field {bad[0]!r} is not a non-blank string", n)
+                continue
+            shard.stats.use()
+            chunk.append((ids[named[0]], texts[0].strip(), ids[named[1]], texts[1].strip()))
+            if len(chunk) >= chunk_pairs:
                 yield chunk
                 chunk = []
         if chunk:
@@ -483,14 +540,31 @@ def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str
         yield chunk
 
 
+def _chunks(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text",
-                store: Store = Store()) -> Iterator[str]:
+                store: Store = Store(), translations: tuple[str, ...] = ()) -> Iterator[str]:
     """Documents from the first shards until ``max_chars`` characters: what tokenizers train on.
 
     Shards are visited round-robin (one chunk from each in turn) so a sample of a large corpus
-    is not all from its first file. Bad records are skipped.
+    is not all from its first file. Bad records are skipped. ``translations``: the shards are
+    parallel text in these languages (``iter_translations``); each pair gives both sentences.
     """
-    iters = [iter_documents(u, fmt, text_field, chunk_docs=256, store=store) for u in uris]
+    if translations:
+        # (the generator's first iterable is made at once, so each reads its own shard u)
+        iters = [_chunks((f"{a}\n{b}" for chunk in iter_translations(u, translations, chunk_pairs=256, store=store)
+                          for _, a, _, b in chunk), 256) for u in uris]
+    else:
+        iters = [iter_documents(u, fmt, text_field, chunk_docs=256, store=store) for u in uris]
     total = 0
     while iters and total < max_chars:
         for it in list(iters):

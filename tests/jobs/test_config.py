@@ -68,6 +68,7 @@ def test_bad_keys_and_values_are_named(override, key):
         (["data.languages=[en, en]", "data.input=[a, b]", "data.eval_input=null"], "data.languages: distinct"),
         (["model.type_vocab_size=1"], "model.type_vocab_size: data.languages lists 1 language(s), which needs type_vocab_size=0"),
         (["data.language_alpha=0"], "data.language_alpha"),
+        (["data.objective=tlm"], "data.languages: the translation LM (objective tlm) reads records that name two"),
     ],
 )
 def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, message):
@@ -76,6 +77,8 @@ def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, messa
     assert message in str(e.value)
     two = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.languages=[en, fr]", "data.input=[a, b]", "data.eval_input=[c, d]"])
     assert two.data.languages == ["en", "fr"] and two.data.language_alpha == 0.5
+    tlm = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.objective=tlm", "data.languages=[en, fr]", "data.input=s3://p/"])
+    assert tlm.data.input == "s3://p/"  # parallel records name their languages: no entry per language
 
 
 def test_language_shards_give_each_entry_its_language_and_refuse_a_shard_in_two(tmp_path):

@@ -100,6 +100,30 @@ def test_xlm_pretrains_on_two_languages_and_trains_both_language_rows(ray_sessio
     assert torch.all((table - start).abs().amax(dim=1) > 1e-3), "a language row was never trained"
 
 
+@pytest.mark.extended  # the in-process translation-LM tests (test_learning, test_languages) show the same stages
+def test_xlm_translation_lm_pretrains_from_parallel_records(ray_session, tmp_path):
+    """objective tlm through `ctx pretrain`: the tokenizer trained on both sides of the records,
+    translation rows through Ray Data (positions and languages reach the model), the loss falls."""
+    import gzip
+    import json
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from pipelines.sources import iter_documents
+
+    parallel = tmp_path / "en-xx.jsonl.gz"
+    with gzip.open(parallel, "wt") as f:
+        for line in (s for chunk in iter_documents(str(REPO / SHARD)) for doc in chunk for s in doc.split("\n")):
+            f.write(json.dumps({"en": line, "xx": " ".join(w[::-1] for w in line.split())}) + "\n")
+    overrides = [o for o in SHORT if not o.startswith("data.input=")] + [
+        f"output_dir={tmp_path}", f"data.input={parallel}", "data.eval_input=null", "data.languages=[en, xx]",
+        "data.objective=tlm", "model.family=xlm", "tokenizer.kind=sentencepiece-bpe",
+    ]
+    result = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", overrides), progress=False, log=lambda *_: None)
+    losses = [m["loss"] for m in result.history]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+    assert load_checkpoint(result.checkpoint_uri).config.type_vocab_size == 2
+
+
 def test_ray_stream_rows_are_whole_batches_delivered_in_block_order(ray_session, tmp_path):
     """Ray Data rows of a stream objective are exactly the local batches, one per row, and a
     consumer that applies the loop's reset rule resets only where a block starts."""

@@ -52,3 +52,50 @@ def test_schedule_follows_samples_not_steps():
     assert abs(lr_factor(warm + (total - warm) // 2, warm, total) - 0.5) < 1e-9
     ramp = [lr_factor(s, warm, total) for s in range(0, warm, 32)]
     assert all(b > a for a, b in zip(ramp, ramp[1:]))
+
+
+def test_the_translation_lm_learns_to_read_a_masked_word_off_its_translation(tmp_path):
+    """XLM's TLM (Lample & Conneau 2019, sec. 3.3) on pairs whose "translation" is the sentence
+    itself: each half restarts its positions, so a masked word sits at the same position in the
+    other half. After 500 steps the model reads it from there: masked-word accuracy on the first
+    half with the second half given is far above that with the second half hidden by [MASK]."""
+    import gzip
+    import itertools
+    import json
+
+    from ctxmodels.registry import build_model
+    from pipelines.sources import iter_documents
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    shard = str(sorted((REPO / "data" / "sample").glob("*.txt.gz"))[0])
+    path = tmp_path / "en-xx.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for line in (s for chunk in iter_documents(shard) for doc in chunk for s in doc.split("\n")):
+            f.write(json.dumps({"en": line, "xx": line}) + "\n")
+    tok = train_tokenizer("wordpiece", sample_text([shard], 1_000_000), 2000)
+    T = 32
+    _, model = build_model("xlm", "tiny", {"vocab_size": tok.vocab_size, "type_vocab_size": 2, "max_seq_len": T})
+    spec = StreamSpec(shards=(str(path),), seq_len=T, objective="tlm", language_names=("en", "xx"))
+    opt = torch.optim.AdamW(param_groups(model, 0.01), lr=4e-3, betas=(0.9, 0.98))
+    keys = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
+    stream = itertools.chain.from_iterable(local_batches(spec, tok, batch_size=32, epoch=e) for e in range(5))
+    model.train()
+    for batch in itertools.islice(stream, 500):
+        out = model(**{k: torch.as_tensor(batch[k]) for k in keys})
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    model.eval()
+    correct = {"given": 0.0, "hidden": 0.0}
+    for batch in itertools.islice(local_batches(spec, tok, batch_size=64, epoch=99), 5):  # masks of an unseen epoch
+        x = {k: torch.as_tensor(batch[k]) for k in keys}
+        col = torch.arange(T)[None, :]
+        second = ((x["position_ids"] == 0) & (col > 0)).float().argmax(1)[:, None]  # the second half's [CLS]
+        first_half = col < second
+        labels = x["labels"].masked_fill(~first_half, -100)  # score the first half's masked words only
+        hidden = x["input_ids"].masked_fill(~first_half & (x["attention_mask"] == 1), tok.mask_id)
+        with torch.no_grad():
+            correct["given"] += model(**{**x, "labels": labels}).metrics["mlm_acc"].item() / 5
+            correct["hidden"] += model(**{**x, "input_ids": hidden, "labels": labels}).metrics["mlm_acc"].item() / 5
+    assert correct["given"] > 0.45 and correct["given"] > correct["hidden"] + 0.25, correct

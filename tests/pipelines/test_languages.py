@@ -7,13 +7,14 @@ rows must follow q_i ~ p_i^alpha."""
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipelines.dataset import StreamSpec, local_batches, pack_shard, shard_keys
-from pipelines.languages import keep_fractions, kept_rows, sampling_probs
+from pipelines.languages import keep_fractions, kept_rows, sampling_probs, tlm_rows, translation_lengths
 from pipelines.masking import MlmConfig
 from pipelines.sources import sample_text
 from pipelines.tokenizers import train_tokenizer
@@ -96,3 +97,71 @@ def test_masked_batches_keep_the_language_ids(corpus):
             if rows.any():
                 seen.add(lang)
     assert seen == {0, 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Translation LM rows
+
+
+def test_translation_lengths_cut_the_longest_first():
+    rng = np.random.default_rng(0)
+    la, lb = rng.integers(0, 80, 2000), rng.integers(0, 80, 2000)
+    a, b = translation_lengths(la, lb, 60)
+    assert np.all(a + b <= 60) and np.all(a <= la) and np.all(b <= lb)
+    fits = la + lb <= 60
+    np.testing.assert_array_equal(a[fits], la[fits])
+    np.testing.assert_array_equal(b[fits], lb[fits])
+    over = ~fits
+    assert np.all(a[over] + b[over] == 60)  # nothing wasted
+    short = over & (np.minimum(la, lb) <= 30)  # the shorter one is whole, the longer takes the rest
+    assert np.all(np.minimum(a, b)[short] == np.minimum(la, lb)[short])
+    both = over & (np.minimum(la, lb) > 30)
+    assert np.all((a[both] == 30) & (b[both] == 30))
+
+
+def test_tlm_rows_restart_positions_and_carry_both_languages():
+    g = np.random.default_rng(1)
+    pairs = [(0, g.integers(10, 99, int(n)), 2, g.integers(100, 199, int(m))) for n, m in g.integers(1, 40, (400, 2))]
+    rows = tlm_rows(pairs, 48, seed=5, epoch=0, sample_ids=np.arange(400), cls_id=2, sep_id=3, pad_id=0)
+    again = tlm_rows(pairs, 48, seed=5, epoch=0, sample_ids=np.arange(400), cls_id=2, sep_id=3, pad_id=0)
+    for k in rows:
+        np.testing.assert_array_equal(rows[k], again[k])  # keyed: the same rows again
+    ids, langs, pos, mask = rows["input_ids"], rows["token_type_ids"], rows["position_ids"], rows["attention_mask"]
+    swapped = langs[:, 0] == 2
+    assert 0.4 < swapped.mean() < 0.6  # both directions, about equally
+    for k in range(400):
+        n = int(mask[k].sum())
+        starts = np.flatnonzero(pos[k, :n] == 0)  # each half starts at position 0 with [CLS]
+        assert len(starts) == 2 and starts[0] == 0 and np.all(ids[k, starts] == 2)
+        second = starts[1]
+        assert ids[k, second - 1] == 3 and ids[k, n - 1] == 3  # each half ends with [SEP]
+        np.testing.assert_array_equal(pos[k, :second], np.arange(second))
+        np.testing.assert_array_equal(pos[k, second:n], np.arange(n - second))
+        first_lang, other = (2, 0) if swapped[k] else (0, 2)
+        assert np.all(langs[k, :second] == first_lang) and np.all(langs[k, second:n] == other)
+        lang_of_token = np.where(ids[k, 1 : second - 1] >= 100, 2, 0)  # the generator's id ranges
+        assert np.all(lang_of_token == first_lang)
+        assert np.all(ids[k, n:] == 0) and np.all(pos[k, n:] == 0)
+
+
+def test_translation_records_are_read_and_bad_ones_counted(tmp_path):
+    from pipelines.sources import CorpusError, ReadStats, iter_translations
+
+    lines = [
+        {"en": "the bank", "fr": "la banque"},
+        {"fr": "le chat", "en": "the cat", "id": 7},  # order as given; other keys are fine
+        {"en": "only one"},
+        {"en": "x", "fr": "y", "de": "z"},
+        {"en": "  ", "fr": "vide"},
+        {"en": 3, "fr": "trois"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\nnot json\n")
+    stats = ReadStats()
+    pairs = [p for chunk in iter_translations(str(path), ("en", "fr", "de"), stats=stats) for p in chunk]
+    assert pairs == [(0, "the bank", 1, "la banque"), (1, "le chat", 0, "the cat")]
+    assert stats.to_dict()["used"] == 2 and stats.to_dict()["rejected"] == 5
+    with pytest.raises(CorpusError, match=r"p.jsonl:3: record names 1 of data.languages"):
+        list(iter_translations(str(path), ("en", "fr"), strict=True))
+    # what a tokenizer trains on: both sentences of every good pair
+    assert list(sample_text([str(path)], 10_000, translations=("en", "fr", "de"))) == ["the bank\nla banque", "le chat\nthe cat"]

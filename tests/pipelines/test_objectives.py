@@ -4,7 +4,10 @@ discontinuities."""
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import inspect
+import json
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,17 @@ def tok():
     return train_tokenizer("wordpiece", sample_text([SHARD], 300_000), 1000)
 
 
+@pytest.fixture(scope="module")
+def translations(tmp_path_factory) -> str:
+    """A parallel JSONL shard for the translation LM: the sample's sentences and the same spelt backwards."""
+    path = tmp_path_factory.mktemp("tlm") / "en-xx.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for doc in next(iter_documents(SHARD)):
+            for line in doc.split("\n"):
+                f.write(json.dumps({"en": line, "xx": " ".join(w[::-1] for w in line.split())}) + "\n")
+    return str(path)
+
+
 def spec_for(objective: str, **kw) -> StreamSpec:
     return StreamSpec(shards=(SHARD,), seq_len=SEQ, objective=objective, stream_rows=ROWS, **kw)
 
@@ -48,11 +62,15 @@ def test_every_objective_is_trained_by_some_family():
 
 
 @pytest.mark.parametrize("family,objective", PAIRS, ids=[f"{f}-{o}" for f, o in PAIRS])
-def test_batches_fit_the_model_and_give_a_finite_loss(tok, family, objective):
+def test_batches_fit_the_model_and_give_a_finite_loss(tok, translations, family, objective):
     torch.manual_seed(0)
-    _, model = build_model(family, "tiny", {"vocab_size": tok.vocab_size, **FAMILY_OBJECTIVES[family][objective]})
+    languages = {"type_vocab_size": 2} if objective == "tlm" else {}
+    _, model = build_model(family, "tiny", {"vocab_size": tok.vocab_size, **FAMILY_OBJECTIVES[family][objective], **languages})
     accepted = set(inspect.signature(model.forward).parameters)
-    batches = list(local_batches(spec_for(objective), tok, batch_size=ROWS, epoch=0, max_batches=3))
+    spec = spec_for(objective)
+    if objective == "tlm":
+        spec = dataclasses.replace(spec, shards=(translations,), language_names=("en", "xx"))
+    batches = list(local_batches(spec, tok, batch_size=ROWS, epoch=0, max_batches=3))
     assert len(batches) == 3
     for batch in batches:
         inputs = {k: torch.as_tensor(v) for k, v in model_inputs(batch).items()}
