@@ -75,6 +75,9 @@ def replicas(tmp_path_factory, minilm_dir):
     cfg, model = build_model("bert", "tiny", V, seed=6)
     save_checkpoint(root / "mlm", model, "bert", cfg, tokenizer_dir=minilm_dir)
     uris["mlm"] = str(root / "mlm")
+    cfg, model = build_model("xlm", "tiny", V, seed=7)  # XLM's prediction layer: no transform
+    save_checkpoint(root / "xlm", model, "xlm", cfg, tokenizer_dir=minilm_dir)
+    uris["xlm"] = str(root / "xlm")
 
     settings = {"max_batch_size": MAX_ROWS, "max_batch_tokens": BUDGET, "batch_wait_timeout_s": 0.05}
     return {
@@ -227,8 +230,9 @@ def test_answer_windows_of_mixed_lengths_merge_as_each_question_alone(ask, repli
         np.testing.assert_allclose([d["score"], d["null_score_diff"]], [a["score"], a["null_score_diff"]], atol=TOL)
 
 
-def test_fill_mask_mixed_lengths_equal_each_text_alone(ask, replicas):
-    replica = replicas["mlm"]
+@pytest.mark.parametrize("name", ["mlm", "xlm"])
+def test_fill_mask_mixed_lengths_equal_each_text_alone(ask, replicas, name):
+    replica = replicas[name]
     texts = [t.replace(" ", " [MASK] ", 1) if " " in t else f"{t} [MASK]" for t in TEXTS]
     with Spy(replica) as spy:
         out = ask(replica, "/v1/fill-mask", texts=texts, top_k=5, truncate=False)
@@ -238,6 +242,13 @@ def test_fill_mask_mixed_lengths_equal_each_text_alone(ask, replicas):
         for m, e in zip(item["masks"], a["data"][0]["masks"], strict=True):
             assert m["position"] == e["position"] and [p["token_id"] for p in m["predictions"]] == [p["token_id"] for p in e["predictions"]]
             np.testing.assert_allclose([p["score"] for p in m["predictions"]], [p["score"] for p in e["predictions"]], atol=TOL)
+    if name == "xlm":  # the scores are the model's own: softmax of mlm_logits at the mask
+        ids = torch.as_tensor(replica.tokenizer.encode_for_model([texts[0]], 64)[0][0])[None]  # (1, T)
+        with torch.no_grad():
+            probs = torch.softmax(replica.model.mlm_logits(ids, torch.ones_like(ids)), dim=-1)[0]
+        first = out["body"]["data"][0]["masks"][0]
+        np.testing.assert_allclose([p["score"] for p in first["predictions"]],
+                                   [probs[first["position"], p["token_id"]].item() for p in first["predictions"]], atol=TOL)
 
 
 # ----------------------------------------------------------------------------- the passes
