@@ -349,9 +349,11 @@ def _run_export(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ctx-export-") as work:
         loaded = load_checkpoint(local_copy(checkpoint, Path(work) / "in", store))
         pad_id = None  # GPT's HF sequence heads find the last token by the padding id
+        tok = None
         if loaded.tokenizer_dir is not None:
             try:
-                pad_id = load_tokenizer(loaded.tokenizer_dir).pad_id
+                tok = load_tokenizer(loaded.tokenizer_dir)
+                pad_id = tok.pad_id
             except (OSError, ValueError):
                 pad_id = None  # a tokenizer we cannot read is still copied; GPT heads then say what is missing
         out = Path(work) / "out" if storage.is_remote(args.output) else Path(args.output)
@@ -367,6 +369,8 @@ def _run_export(args: argparse.Namespace) -> int:
                 _export_sentence_transformers(loaded, out, pad_id, args.pooling, args.normalize)
         except ValueError as e:  # a head transformers lacks: say which, no traceback
             raise SystemExit(f"ctx export: {checkpoint}: {e}") from None
+        if tok is not None and tok.kind.startswith("sentencepiece") and not (out / "tokenizer.json").exists():
+            tok.save(out)  # a checkpoint from before SentencePiece folders held the tokenizer.json transformers reads
         if storage.is_remote(args.output):
             store.copy_dir(out, args.output)
     what = f"{loaded.task.kind} model" if loaded.task is not None else "pretraining model"

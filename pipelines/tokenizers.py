@@ -38,12 +38,14 @@ folder; ``special_id(role)`` returns None instead, for callers with a fallback (
 Folder layout written by ``Tokenizer.save``::
 
     wordpiece:       tokenizer.json  vocab.txt                tokenizer_config.json
-    sentencepiece:   spm.model                                tokenizer_config.json
+    sentencepiece:   spm.model       tokenizer.json           tokenizer_config.json
     byte-level-bpe:  tokenizer.json  vocab.json  merges.txt   tokenizer_config.json
 
 ``tokenizer_config.json`` holds ``kind``, ``lowercase`` and the special token strings, plus the
 keys ``transformers`` reads (a ``BertTokenizer`` for WordPiece, a ``PreTrainedTokenizerFast`` on
-tokenizer.json for byte-level BPE), so those folders also load there with the same ids.
+tokenizer.json for byte-level BPE and SentencePiece), so every folder we write loads there with the
+same ids. A SentencePiece folder's tokenizer.json is written from spm.model (``_sentencepiece_as_hf``)
+and only read by transformers: we read spm.model.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from typing import Literal, get_args
 
 import numpy as np
 import sentencepiece as spm
+from tokenizers import Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
@@ -186,6 +189,49 @@ class _SPBackend:
 
     def save(self, folder: Path, tokens: list[str]) -> None:
         (folder / _SPM_FILE).write_bytes(self.model_proto)
+        # The same tokenizer for transformers (AutoTokenizer reads tokenizer.json); we read spm.model.
+        if set(SPECIAL_TOKENS) <= set(tokens):  # ours always; a model without them has no [CLS] a [SEP]
+            _sentencepiece_as_hf(self.model_proto).save(str(folder / _HF_FILE))
+
+
+def _sentencepiece_as_hf(model_proto: bytes) -> HFTokenizer:
+    """A SentencePiece model as a ``tokenizers`` pipeline that gives the same ids, so an exported
+    folder loads in ``transformers.AutoTokenizer`` (transformers' ``SpmConverter`` builds the same):
+    the model's precompiled normalisation (``nmt_nfkc``/``nmt_nfkc_cf``), then SentencePiece's
+    whitespace rule (ends stripped, runs of spaces to one), ``▁`` before every word, the unigram
+    pieces with their scores or the BPE pieces with merges ranked by the merged piece's id, UTF-8
+    byte fallback; [CLS] a [SEP] around the pieces. One difference: there the special tokens' own
+    strings in a text ("[MASK]") are read as those tokens, as transformers users expect of a mask
+    token; our SentencePiece encoder never makes them from text."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_proto)
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    if trainer.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM:
+        model = models.Unigram(pieces, unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback)
+    elif trainer.model_type == sentencepiece_model_pb2.TrainerSpec.BPE:
+        ids = {piece: i for i, (piece, _) in enumerate(pieces)}
+        # Every split of a piece into two pieces is a merge, ranked by the id of the piece it makes
+        # (SentencePiece numbers BPE pieces in the order their merges were learned).
+        merges = sorted(((piece[:k], piece[k:], i) for piece, i in ids.items() for k in range(1, len(piece))
+                         if piece[:k] in ids and piece[k:] in ids), key=lambda m: (m[2], ids[m[0]], ids[m[1]]))
+        model = models.BPE(ids, [(a, b) for a, b, _ in merges], unk_token=pieces[trainer.unk_id][0],
+                           byte_fallback=trainer.byte_fallback, fuse_unk=True)
+    else:
+        raise ValueError(f"SentencePiece model type {trainer.model_type} has no tokenizers equivalent here (unigram or BPE)")
+    tok = HFTokenizer(model)
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always" if spec.add_dummy_prefix else "never")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1, right=0)])
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.post_processor = _bert_template(tok, "[CLS]", "[SEP]")
+    return tok
 
 
 class Tokenizer:
@@ -365,6 +411,8 @@ class Tokenizer:
         elif self.kind == "byte-level-bpe":
             # tokenizer.json holds the whole pipeline ([CLS] a [SEP] added by its post-processor).
             config.update(tokenizer_class="PreTrainedTokenizerFast")
+        else:  # SentencePiece (ALBERT, XLNet): segment ids too, as their transformers tokenizers give
+            config.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=["input_ids", "token_type_ids", "attention_mask"])
         (folder / _CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 

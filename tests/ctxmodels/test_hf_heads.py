@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,6 +314,25 @@ def test_ctx_export_writes_the_best_checkpoint_of_a_run(minilm_dir, tmp_path, ca
     ref = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     assert ref.config.id2label == dict(enumerate(LABELS))
     assert_same_logits(best, ref, "bert", "classification")
+
+
+def test_ctx_export_gives_an_old_sentencepiece_checkpoint_the_tokenizer_transformers_reads(tmp_path):
+    """A checkpoint whose SentencePiece tokenizer folder predates tokenizer.json (spm.model only)
+    exports a folder AutoTokenizer loads, with our ids."""
+    from jobs.cli import main
+    from pipelines.sources import sample_text
+    from pipelines.tokenizers import load_tokenizer, train_tokenizer
+
+    repo = Path(__file__).resolve().parents[2]
+    tok = train_tokenizer("sentencepiece-unigram", sample_text([str(repo / "data/sample/wordnet-0000-of-0008.txt.gz")], 200_000), 500)
+    tok.save(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").unlink()  # as tokenizers saved before it was written
+    family, model = our_task_model("albert", "token-classification")
+    save_checkpoint(tmp_path / "ck", model, family, model.cfg, tokenizer_dir=tmp_path / "tok", task=model.task)
+    assert main(["export", "--model", str(tmp_path / "ck"), "--format", "hf", "--output", str(tmp_path / "hf")]) == 0
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = ["The bank of the river.", "Café 東京 😀"]
+    assert ref(texts)["input_ids"] == load_tokenizer(tmp_path / "hf").encode_for_model(texts, 64)[0]
 
 
 def test_ctx_export_refusal_names_family_kind_and_supported(tmp_path):

@@ -236,7 +236,7 @@ def test_save_load_round_trip(trained, corpus_lines, tmp_path):
     expected_files = {
         "wordpiece": {"tokenizer.json", "vocab.txt", "tokenizer_config.json"},
         "byte-level-bpe": {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"},
-    }.get(trained.kind, {"spm.model", "tokenizer_config.json"})
+    }.get(trained.kind, {"spm.model", "tokenizer.json", "tokenizer_config.json"})  # tokenizer.json: for transformers
     assert {p.name for p in tmp_path.iterdir()} == expected_files
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["kind"] == trained.kind and config["lowercase"] is True and config["mask_token"] == "[MASK]"
@@ -462,7 +462,7 @@ def test_tokenizer_training_is_byte_identical_across_runs_and_thread_counts():
         env = {**os.environ, "RAYON_NUM_THREADS": threads, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(repo)}
         outs.append(subprocess.run([sys.executable, "-c", _TRAIN_AND_HASH, shard], env=env, cwd=repo,
                                    capture_output=True, text=True, check=True).stdout)
-    assert outs[0].count("\n") == 3 + 2 + 2 + 4 + 4  # wordpiece: 3 files, sentencepiece: 2, byte-level BPE: 4
+    assert outs[0].count("\n") == 3 + 3 + 3 + 4 + 4  # wordpiece: 3 files, sentencepiece: 3, byte-level BPE: 4
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -565,6 +565,31 @@ def test_byte_level_folder_reads_in_transformers(corpus_lines, tmp_path):
     assert tok.encode_for_model(texts, 128)[0] == ref(texts, truncation=True, max_length=128)["input_ids"]
     loaded = load_tokenizer(tmp_path)
     assert loaded.kind == "byte-level-bpe" and loaded.special_tokens == tok.special_tokens
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece-unigram", "sentencepiece-bpe"])
+def test_sentencepiece_folder_reads_in_transformers(kind, corpus_lines, tmp_path):
+    """The tokenizer.json written beside spm.model gives our ids in transformers: single texts and
+    pairs, hard cases (accents, CJK, emoji through byte fallback, extra spaces), and decodes back."""
+    transformers = pytest.importorskip("transformers")
+    tok = train_tokenizer(kind, corpus_lines[:6000], vocab_size=1500)
+    tok.save(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = corpus_lines[:2000] + HARD_CASES + ["  Hello   World  ", "\u3000full\u3000width ", "a\u00a0b", "x\n\ny"]
+    # Special tokens' own strings ("[MASK]") in a text are the one difference: transformers reads them as the tokens
+    texts = [t for t in texts if not any(s in t for s in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))]
+    assert len(texts) == 2000 + len(HARD_CASES) - 1 + 4
+    assert tok.encode_for_model(texts, 128)[0] == ref(texts, truncation=True, max_length=128)["input_ids"]
+    pairs = ref(texts[:50], texts[50:100])
+    assert pairs["input_ids"] == [[tok.cls_id, *a, tok.sep_id, *b, tok.sep_id] for a, b in
+                                  zip(map(list, tok.encode_batch(texts[:50])), map(list, tok.encode_batch(texts[50:100])))]
+    assert all(t == 1 for row, types in zip(pairs["input_ids"], pairs["token_type_ids"])
+               for t in types[row.index(tok.sep_id) + 1 :])
+    assert ref.mask_token == "[MASK]" and ref("the [MASK] flows")["input_ids"].count(tok.mask_id) == 1
+    for text in corpus_lines[:200]:
+        assert ref.decode(tok.encode_batch([text])[0]) == tok.decode(list(tok.encode_batch([text])[0]))
+    loaded = load_tokenizer(tmp_path)  # ours still reads spm.model
+    assert loaded.kind == kind and loaded.encode_batch(texts[:20])[5].tolist() == tok.encode_batch(texts[:20])[5].tolist()
 
 
 # ------------------------------------------------------------------------ GPT-2 folders
