@@ -16,8 +16,9 @@ Papers:
   restarts them at the second sentence). XLM is a set of presets here (registry "xlm").
 
 Reference checked for parity: Hugging Face ``transformers`` ``BertModel`` / ``BertForPreTraining``,
-``RobertaForMaskedLM`` and ``XLMWithLMHeadModel`` (tests/ctxmodels/test_hf.py copies weights both ways and compares every
-layer's hidden states and the head logits), and the real ``all-MiniLM-L6-v2`` checkpoint. The SBO
+``RobertaForMaskedLM`` and ``XLMWithLMHeadModel`` (tests/ctxmodels/test_hf.py and test_xlm.py copy
+weights both ways and compare every layer's hidden states and the head logits), and the real
+``all-MiniLM-L6-v2`` checkpoint. The SBO
 head was read against facebookresearch/SpanBERT ``pretraining/fairseq/models/pair_bert.py``
 (``BertPairTargetPredictionHead``); there is no HF class to compare it with.
 
