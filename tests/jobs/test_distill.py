@@ -37,7 +37,7 @@ def test_bad_distillation_recipes_fail_before_ray_starts(tmp_path):
         load_recipe(RECIPE, ["model.init=runs/x"])
     with pytest.raises(RecipeError, match="data.objective: distillation trains on masked-LM batches"):
         load_recipe(RECIPE, ["data.objective=nsp"])
-    with pytest.raises(RecipeError, match="model.family: distillation takes a bert, roberta, spanbert teacher, not 'albert'"):
+    with pytest.raises(RecipeError, match="model.family: distillation takes a bert, roberta, spanbert, xlm teacher, not 'albert'"):
         load_recipe(RECIPE, ["model.family=albert"])
     # MiniLM has no trained MLM head: asking for soft targets is refused, with what to set instead
     with pytest.raises(RecipeError, match="teacher.alpha_soft=0"):
