@@ -170,19 +170,8 @@ def iter_documents(
     if fmt == "parquet":
         yield from _parquet_docs(fs, path, shard, text_field, chunk_docs, max_record_chars, store)
         return
-    with _ResumableReader(fs, path, uri, store) as reader:
-        blocks = reader.blocks()
-        pieces = _gunzip(blocks) if path.endswith(".gz") else blocks
-        lines = _decoded_lines(pieces, shard, max_record_chars)
-        docs = _text_docs(lines, shard.stats) if fmt == "text" else _jsonl_docs(lines, shard, text_field)
-        chunk: list[str] = []
-        for doc in docs:
-            chunk.append(doc)
-            if len(chunk) >= chunk_docs:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
+    lines = _shard_lines(fs, path, uri, store, shard, max_record_chars)
+    yield from _chunks(_text_docs(lines, shard.stats) if fmt == "text" else _jsonl_docs(lines, shard, text_field), chunk_docs)
 
 
 Translation = tuple[int, str, int, str]  # (language id, sentence, language id, its translation)
@@ -206,21 +195,9 @@ def iter_translations(
     shard = _Shard(uri, stats if stats is not None else ReadStats(), strict)
     fs, path = filesystem(uri, store.endpoint_url)
     ids = {name: i for i, name in enumerate(languages)}
-    with _ResumableReader(fs, path, uri, store) as reader:
-        blocks = reader.blocks()
-        pieces = _gunzip(blocks) if path.endswith(".gz") else blocks
-        chunk: list[Translation] = []
-        for n, line in _decoded_lines(pieces, shard, max_record_chars):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                shard.reject("malformed JSON", f"malformed JSON: {e.msg} (column {e.colno})", n)
-                continue
-            if not isinstance(record, dict):
-                shard.reject("not an object", f"record is a JSON {type(record).__name__}, not an object", n)
-                continue
+
+    def pairs() -> Iterator[Translation]:
+        for n, record in _json_objects(_shard_lines(fs, path, uri, store, shard, max_record_chars), shard):
             named = [k for k in record if k in ids]
             if len(named) != 2:
                 shard.reject("not a pair", f"record names {len(named)} of data.languages {list(languages)} "
@@ -232,12 +209,17 @@ def iter_translations(
                 shard.reject("empty text", f"field {bad[0]!r} is not a non-blank string", n)
                 continue
             shard.stats.use()
-            chunk.append((ids[named[0]], texts[0].strip(), ids[named[1]], texts[1].strip()))
-            if len(chunk) >= chunk_pairs:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
+            yield ids[named[0]], texts[0].strip(), ids[named[1]], texts[1].strip()
+
+    yield from _chunks(pairs(), chunk_pairs)
+
+
+def _shard_lines(fs: pafs.FileSystem, path: str, uri: str, store: Store, shard: "_Shard", max_chars: int) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a text or JSONL shard, read through the store's retries (gunzipped
+    when it ends in .gz); unreadable lines are rejected (``_decoded_lines``)."""
+    with _ResumableReader(fs, path, uri, store) as reader:
+        blocks = reader.blocks()
+        yield from _decoded_lines(_gunzip(blocks) if path.endswith(".gz") else blocks, shard, max_chars)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +413,8 @@ def _text_docs(lines: Iterator[tuple[int, str]], stats: ReadStats) -> Iterator[s
         yield "\n".join(doc)
 
 
-def _jsonl_docs(lines: Iterator[tuple[int, str]], shard: _Shard, text_field: str) -> Iterator[str]:
+def _json_objects(lines: Iterator[tuple[int, str]], shard: _Shard) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of every JSON object line; blank lines skipped, the rest rejected."""
     for n, line in lines:
         if not line.strip():
             continue
@@ -443,6 +426,11 @@ def _jsonl_docs(lines: Iterator[tuple[int, str]], shard: _Shard, text_field: str
         if not isinstance(record, dict):
             shard.reject("not an object", f"record is a JSON {type(record).__name__}, not an object", n)
             continue
+        yield n, record
+
+
+def _jsonl_docs(lines: Iterator[tuple[int, str]], shard: _Shard, text_field: str) -> Iterator[str]:
+    for n, record in _json_objects(lines, shard):
         if text_field not in record:
             shard.reject("missing field", f"record has no {text_field!r} field (set data.text_field)", n)
             continue
@@ -540,8 +528,9 @@ def _row_group_docs(pf: Any, rg: int, start: int, shard: _Shard, text_field: str
         yield chunk
 
 
-def _chunks(items: Iterator[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _chunks(items: Iterator[T], size: int) -> Iterator[list[T]]:
+    """Lists of ``size`` items (the last one shorter)."""
+    chunk: list[T] = []
     for item in items:
         chunk.append(item)
         if len(chunk) >= size:
