@@ -165,3 +165,24 @@ def test_translation_records_are_read_and_bad_ones_counted(tmp_path):
         list(iter_translations(str(path), ("en", "fr"), strict=True))
     # what a tokenizer trains on: both sentences of every good pair
     assert list(sample_text([str(path)], 10_000, translations=("en", "fr", "de"))) == ["the bank\nla banque", "le chat\nthe cat"]
+
+
+def test_language_sizes_and_translations_read_from_a_bucket(s3_server, s3_bucket):
+    """What a multilingual run reads from object storage: each shard's stored bytes (the p of
+    alpha sampling) and parallel records through s3:// URIs, gzip included."""
+    import boto3
+
+    from pipelines.sources import iter_translations
+    from pipelines.storage import Store
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    records = [{"en": f"sentence {i}", "fr": f"phrase {i}"} for i in range(300)]
+    bodies = {"en/a.txt": b"one\ntwo\n", "fr/b.txt": b"un\n" * 50,
+              "pairs/p.jsonl.gz": gzip.compress("\n".join(json.dumps(r) for r in records).encode())}
+    for key, body in bodies.items():
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=body)
+    store = Store(s3_server)
+    uris = [f"s3://{s3_bucket}/{key}" for key in bodies]
+    assert store.file_sizes(uris) == [len(b) for b in bodies.values()]
+    pairs = [p for chunk in iter_translations(uris[2], ("en", "fr"), chunk_pairs=64, store=store) for p in chunk]
+    assert pairs == [(0, r["en"], 1, r["fr"]) for r in records]
