@@ -46,6 +46,21 @@ def test_source_resolves_a_run_folder_and_keeps_its_tokenizer(checkpoint, tmp_pa
         warm_start_source(gpt, tmp_path, log=lambda *_: None)
 
 
+def test_a_warm_start_with_languages_needs_the_checkpoints_language_table(tmp_path):
+    """data.languages imply the model's language rows; model.init's checkpoint must have as many."""
+    tok = train_tokenizer("wordpiece", sample_text([SHARD], 100_000), 600)
+    tok.save(tmp_path / "tok")
+    cfg, model = build_model("xlm", "tiny", {"vocab_size": tok.vocab_size, "type_vocab_size": 2}, seed=3)
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoint_2026-01-01_00-00-00.000000", model, "xlm", cfg, tokenizer_dir=tmp_path / "tok")
+    two = ["data.languages=[en, fr]", "data.input=[a, b]", "data.eval_input=null"]
+    rec = load_recipe(REPO / "configs/xlm-tiny.yaml", [f"model.init={ckpt}", *two])
+    assert warm_start_source(rec, tmp_path / "w1", log=lambda *_: None)[0].rstrip("/").endswith(ckpt.name)
+    three = load_recipe(REPO / "configs/xlm-tiny.yaml", [f"model.init={ckpt}", "data.languages=[en, fr, de]",
+                                                         "data.input=[a, b, c]", "data.eval_input=null"])
+    with pytest.raises(RecipeError, match=r"data.languages: 3 language\(s\) need type_vocab_size=3, but model.init .* has type_vocab_size=2"):
+        warm_start_source(three, tmp_path / "w2", log=lambda *_: None)
+
+
 def test_model_has_the_checkpoints_architecture_and_weights(checkpoint):
     cfg, model = warm_start_model(str(checkpoint), None)
     assert cfg.d_model == 48 and model.training
