@@ -117,15 +117,15 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print, key: str = "mode
     family = payload.get("family") if payload.get("format") == "ctxmodels" else None
     if family is not None and family != recipe.model.family:
         raise RecipeError(f"{key}: {uri} is a {family} checkpoint but model.family is {recipe.model.family!r}; set model.family: {family}")
-    for field, wanted in language_model_fields(recipe.data).items():  # XLM: a language table per data.languages
+    for name, wanted in language_model_fields(recipe.data).items():  # XLM: a language table per data.languages
         if family is not None:
-            has = payload.get("model", {}).get(field)
+            has = payload.get("model", {}).get(name)
         else:  # an HF XLM folder: a table only with n_langs > 1 and use_lang_emb
             n = int(payload.get("n_langs", 1))
             has = n if n > 1 and payload.get("use_lang_emb", True) else 0
         if has != wanted:
-            raise RecipeError(f"data.languages: {len(recipe.data.languages)} language(s) need {field}={wanted}, "
-                              f"but {key} {uri} has {field}={has}")
+            raise RecipeError(f"data.languages: {len(recipe.data.languages)} language(s) need {name}={wanted}, "
+                              f"but {key} {uri} has {name}={has}")
     tok = local / "tokenizer" if (local / "tokenizer").is_dir() else local  # ours in tokenizer/, HF folders at the top
     what = "teacher" if key == "teacher.init" else "warm start"
     log(f"{what}: weights and tokenizer of {uri}" + (f" (registry version {version.ref})" if version else ""))
