@@ -75,7 +75,7 @@ def test_the_translation_lm_learns_to_read_a_masked_word_off_its_translation(tmp
             f.write(json.dumps({"en": line, "xx": line}) + "\n")
     tok = train_tokenizer("wordpiece", sample_text([shard], 1_000_000), 2000)
     T = 32
-    _, model = build_model("xlm", "tiny", {"vocab_size": tok.vocab_size, "type_vocab_size": 2, "max_seq_len": T})
+    _, model = build_model("xlm", "tiny", {"vocab_size": tok.vocab_size, "type_vocab_size": 2, "max_seq_len": T}, seed=0)
     spec = StreamSpec(shards=(str(path),), seq_len=T, objective="tlm", language_names=("en", "xx"))
     opt = torch.optim.AdamW(param_groups(model, 0.01), lr=4e-3, betas=(0.9, 0.98))
     keys = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
@@ -98,4 +98,5 @@ def test_the_translation_lm_learns_to_read_a_masked_word_off_its_translation(tmp
         with torch.no_grad():
             correct["given"] += model(**{**x, "labels": labels}).metrics["mlm_acc"].item() / 5
             correct["hidden"] += model(**{**x, "input_ids": hidden, "labels": labels}).metrics["mlm_acc"].item() / 5
+    # seed 0 on 2 cores: given 0.69, hidden 0.16
     assert correct["given"] > 0.45 and correct["given"] > correct["hidden"] + 0.25, correct
