@@ -285,6 +285,11 @@ def _sentence_ids(tok: Tokenizer, docs: list[str]) -> list[list[np.ndarray]]:
     return [ids[bounds[d] : bounds[d + 1]] for d in range(len(sentences))]
 
 
+def shard_sample_ids(key: int, start: int, n: int) -> np.ndarray:
+    """int64 (n,): ids of a shard's samples ``start .. start + n - 1`` (``shard_key << 32 | index``)."""
+    return (np.int64(key) << np.int64(32)) | (start + np.arange(n, dtype=np.int64))
+
+
 def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Packed rows of one shard, in shard order, with their sample ids. A shard of a language
     (XLM) gives its rows the language id as ``token_type_ids`` and keeps the epoch's share of them
@@ -300,7 +305,7 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
         n = len(block["input_ids"])
         if n == 0:
             return None
-        ids = (np.int64(key) << np.int64(32)) | (index + np.arange(n, dtype=np.int64))
+        ids = shard_sample_ids(key, index, n)
         index += n
         out = {**block, "sample_id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
         if language is None:
@@ -343,7 +348,7 @@ def translation_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: Stre
     for chunk in chunks:
         ids = tok.encode_batch([t for _, a, _, b in chunk for t in (a, b)])  # one native call per chunk
         pairs = [(la, ids[2 * k], lb, ids[2 * k + 1]) for k, (la, _, lb, _) in enumerate(chunk)]
-        sample_ids = (np.int64(key) << np.int64(32)) | (index + np.arange(len(pairs), dtype=np.int64))
+        sample_ids = shard_sample_ids(key, index, len(pairs))
         index += len(pairs)
         yield tlm_rows(pairs, spec.seq_len, spec.seed, epoch, sample_ids, vocab.cls_id, vocab.sep_id, vocab.pad_id)
 
