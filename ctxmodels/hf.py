@@ -37,10 +37,12 @@ logits, checked by tests/ctxmodels/test_hf_heads.py):
   the last position, which is the last real token because XLNet's tokenizer pads on the left.
   Ours pads on the right and reads the last real token: per example the same logits.
   QA is ``XLNetForQuestionAnsweringSimple`` (start/end logits), not the beam-search head.
-- XLM: ``XLMWithLMHeadModel`` (our ``token_type_ids`` are its ``langs``), ``XLMForTokenClassification``
-  and ``XLMForQuestionAnsweringSimple``. Its sequence heads (``XLMSequenceSummary``: a projection
-  of the first token, no pooler) have no equal among ours; a causal, sinusoidal or adaptive-softmax
-  XLM is refused on import.
+- XLM: ``XLMWithLMHeadModel`` (our ``token_type_ids`` are its ``langs``), ``XLMForSequenceClassification``
+  (its ``XLMSequenceSummary`` projects the first token straight to the labels, no pooler, no
+  activation: our ``classifier`` on the ``first-state`` read), ``XLMForTokenClassification`` and
+  ``XLMForQuestionAnsweringSimple``. ``XLMForMultipleChoice`` projects the first token to
+  ``num_labels`` values and those to one score, two products ours folds into one: not converted. A
+  causal, sinusoidal or adaptive-softmax XLM is refused on import.
 - SpanBERT exports as BERT (same backbone and heads), without its span-boundary pretraining head.
 - Never exported: feature-based task models (layer mixes, BiLSTMs); ELMo and Transformer-XL
   (transformers 5 has neither).
@@ -659,8 +661,9 @@ def xlnet_weights(cfg: XLNetConfig, head: Head) -> Weights:
 # XLM (Lample & Conneau 2019): our BERT with XLM's presets (``ctxmodels.bert``) -> XLMModel's names.
 # HF's language table (``lang_embeddings``) exists only with n_langs > 1 and use_lang_emb; ours is
 # the segment table, and a model without one has type_vocab_size 0. HF's feed-forward layer is
-# always 4 * emb_dim wide. XLM has no pooler: sequence heads (XLMSequenceSummary, a projection of
-# the first token without tanh) are not ours, so only token heads convert.
+# always 4 * emb_dim wide. XLM has no pooler: its sequence summary is one projection of the first
+# token's state to the labels (summary_type "first", summary_proj_to_labels, no activation), which
+# is our classifier on that state (``ctxmodels.tasks`` reads "first-state" for XLM).
 # ----------------------------------------------------------------------------------------------
 
 XLM_BACKBONE: list[Row] = [  # our BertModel (under "backbone.") -> HF XLMModel (under "transformer.")
@@ -679,6 +682,8 @@ XLM_LANGS: list[Row] = [("embeddings.token_type.weight", "lang_embeddings.weight
 
 XLM_TASKS = {
     "xlm": {
+        "classification": "XLMForSequenceClassification",
+        "regression": "XLMForSequenceClassification",
         "token-classification": "XLMForTokenClassification",
         "question-answering": "XLMForQuestionAnsweringSimple",
     },
@@ -745,9 +750,10 @@ def xlm_weights(cfg: BertConfig, head: Head) -> Weights:
     if head == "pretraining":
         return Weights("XLMWithLMHeadModel", "transformer", backbone, optional=[("mlm.bias", "pred_layer.proj.bias", "copy")],
                        tied={"pred_layer.proj.weight": "transformer.embeddings.weight"}, skip=skip, unmatched=("backbone.pooler.",))
-    task = TASKS[head]  # a token head: _check_task_export and task_kind_of allow no other
-    return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + linear(task.head, task.head), skip=skip,
-                   unmatched=("backbone.pooler.",))
+    task = TASKS[head]
+    # A sequence head's classifier is HF's summary projection; a token head's keeps its name.
+    heads = linear("classifier", "sequence_summary.summary") if task.reads == "sequence" else linear(task.head, task.head)
+    return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + heads, skip=skip, unmatched=("backbone.pooler.",))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ Papers and where each family reads a sequence's vector:
   (``pooler`` -> ``bert.pooler.dense``, ``classifier`` -> ``classifier``, ``qa_outputs`` ->
   ``qa_outputs``; RoBERTa's ``classifier.dense`` / ``classifier.out_proj`` are our pooler and
   classifier: the same function).
+- XLM (Lample & Conneau 2019, sec. 5.1): "a linear classifier on top of the first hidden state":
+  the last hidden state at position 0 as it is (XLM has no pooler), dropout, ``classifier``; the
+  same function as HF's ``XLMForSequenceClassification`` (its ``sequence_summary.summary``).
 - XLNet (Yang et al. 2019): the last token (the data stage puts ``[CLS]`` last) through HF's
   sequence summary (``summary``: dense + tanh), dropout, ``classifier`` (HF's ``logits_proj``).
 - GPT / GPT-2 (Radford et al. 2018, sec. 3.2-3.3): inputs are ``start a delim b extract`` (built
@@ -68,10 +71,11 @@ from ctxmodels.task_kinds import TASK_KINDS, TaskKind, task_of  # noqa: F401 (TA
 
 IGNORE_INDEX = -100
 
-# Where each family reads a sequence's vector: "first" ([CLS] through the pooler), "summary"
-# (XLNet: last token, dense + tanh), "last" (the last real token as it is).
+# Where each family reads a sequence's vector: "first" ([CLS] through the pooler), "first-state"
+# (XLM: position 0's last hidden state as it is), "summary" (XLNet: last token, dense + tanh),
+# "last" (the last real token as it is).
 READS: dict[str, str] = {
-    "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first", "xlm": "first",
+    "bert": "first", "roberta": "first", "spanbert": "first", "albert": "first", "xlm": "first-state",
     "xlnet": "summary", "gpt": "last", "transformer-xl": "last", "elmo": "features", "awd-lstm": "concat-pool",
 }
 # Families whose token_type_ids are not sentence segments, so the segment ids of fine-tuning inputs
@@ -319,13 +323,13 @@ class TaskModel(nn.Module):
 
     def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
         """(B, D'): what sequence-level heads read (see the module docstring)."""
-        if self.reads == "first":
+        if self.reads in ("first", "first-state"):
             fast = getattr(self.backbone, "first_token_state", None)
             if fast is not None and not self.task.freeze:
                 first = fast(input_ids, attention_mask, self._segments(token_type_ids))  # only [CLS] runs the last block
             else:
                 first = self._states(input_ids, attention_mask, token_type_ids)[-1][:, 0]
-            return torch.tanh(self.backbone.pooler(first))  # (B, D)
+            return torch.tanh(self.backbone.pooler(first)) if self.reads == "first" else first  # (B, D)
         h = self.token_vectors(input_ids, attention_mask, token_type_ids)
         if self.reads == "features":
             return masked_mean(h, attention_mask)
