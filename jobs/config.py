@@ -133,12 +133,20 @@ class DataSection(_Section):
     # inputs are then any shards of such records, every pair kept.
     languages: list[str] | None = None
     language_alpha: float = Field(0.5, gt=0.0, le=1.0)
+    # XLM's MLM + TLM (sec. 3.3, objective mlm with data.languages): parallel JSONL shards whose
+    # records name two of data.languages. Their translation rows join the languages' MLM rows in
+    # one stream, every pair kept (the languages' rows are sampled as above).
+    translations: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _check_languages(self) -> "DataSection":
         if self.objective == "tlm" and (self.languages is None or len(self.languages) < 2):
             raise ValueError(f"languages: the translation LM (objective tlm) reads records that name two of "
                              f"data.languages; list at least two, got {self.languages}")
+        if self.translations is not None and (self.objective != "mlm" or self.languages is None or len(self.languages) < 2):
+            raise ValueError(f"translations: XLM's MLM + TLM adds translation rows to the masked-LM rows of data.languages; "
+                             f"it needs objective mlm and at least two languages, got objective {self.objective!r} and "
+                             f"languages {self.languages}")
         if self.languages is None:
             return self
         names = self.languages

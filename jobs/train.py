@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from jobs.loop import (  # noqa: F401 (re-exported: lr_factor, param_groups, mod
     to_device,
 )
 from pipelines import storage
-from pipelines.dataset import StreamSpec, build_dataset, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files, vocab_info
+from pipelines.dataset import PARALLEL_SHARD, StreamSpec, build_dataset, local_batches, row_kind, shard_keys, tokenizer_dir_from_files, tokenizer_files, vocab_info
 from pipelines.languages import keep_fractions, sampling_probs
 from pipelines.masking import MlmConfig
 from pipelines.objectives import Objective, objective
@@ -73,8 +73,9 @@ def run_uri(recipe: Recipe) -> str:
     return run_folder(recipe.output_dir, recipe.name)
 
 
-def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path, log=print) -> Path:
-    """The run's tokenizer as a local folder: the recipe's, the run's saved one, or a new one."""
+def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path, log=print, parallel: Collection[str] = ()) -> Path:
+    """The run's tokenizer as a local folder: the recipe's, the run's saved one, or a new one.
+    ``parallel``: the shards among ``shards`` that hold translation records (XLM's MLM + TLM)."""
     store = storage.Store.of(recipe.data)
     if recipe.tokenizer.path:
         return store.download_dir(recipe.tokenizer.path, workdir / "tokenizer")
@@ -85,8 +86,9 @@ def ensure_tokenizer(recipe: Recipe, shards: list[str], run: str, workdir: Path,
     t = recipe.tokenizer
     log(f"tokenizer: training {t.kind} (vocab {t.vocab_size}) on up to {t.sample_chars:,} characters of the corpus")
     t0 = time.perf_counter()
-    parallel = tuple(recipe.data.languages or ()) if recipe.data.objective == "tlm" else ()
-    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store, translations=parallel)
+    names = tuple(recipe.data.languages or ()) if recipe.data.objective == "tlm" or parallel else ()
+    texts = sample_text(shards, t.sample_chars, recipe.data.format, recipe.data.text_field, store, translations=names,
+                        parallel=set(parallel) if parallel else None)
     tok = train_tokenizer(t.kind, texts, t.vocab_size, lowercase=t.lowercase)
     local = workdir / "tokenizer"
     tok.save(local)
@@ -145,6 +147,19 @@ def language_shards(store: storage.Store, entries: list[str]) -> tuple[list[str]
     return shards, tuple(languages)
 
 
+def parallel_shards(store: storage.Store, recipe: Recipe, shards: list[str], log) -> list[str]:
+    """XLM's MLM + TLM: the shards of data.translations, whose translation rows join the masked-LM
+    rows of the languages' ``shards``; a shard in both is refused."""
+    parallel = store.list_files(recipe.data.translations)
+    both = sorted(set(parallel) & set(shards))
+    if both:
+        raise RecipeError(f"data.translations: {both[0]} is also one of data.input's language shards; a shard holds "
+                          "one language's text or translation records, not both")
+    log(f"data: {len(parallel)} parallel shard(s) from {recipe.data.translations}: their translation rows (TLM) "
+        "join the languages' masked-LM rows")
+    return parallel
+
+
 def language_keep(store: storage.Store, recipe: Recipe, shards: list[str], languages: tuple[int, ...], log) -> tuple[float, ...]:
     """Each language's share of rows an epoch keeps, for XLM's q_i ~ p_i^alpha (``pipelines.languages``),
     with p from the stored bytes of each language's shards."""
@@ -194,7 +209,7 @@ def stream_spec(recipe: Recipe, shards: list[str], first_epoch: int = 0, run_uri
         run_uri=run_uri,
         shard_languages=tuple(languages),
         language_keep=tuple(keep),
-        language_names=tuple(d.languages or ()) if d.objective == "tlm" else (),
+        language_names=tuple(d.languages or ()) if d.objective == "tlm" or d.translations is not None else (),
     )
 
 
@@ -234,6 +249,8 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
         eval_shards, eval_languages = (store.list_files(recipe.data.eval_input) if recipe.data.eval_input else []), ()
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
     keep = language_keep(store, recipe, shards, languages, log) if languages else ()
+    parallel = parallel_shards(store, recipe, shards, log) if recipe.data.translations is not None else []
+    shards, languages = shards + parallel, languages + (PARALLEL_SHARD,) * len(parallel)
     run = run_uri(recipe)
     if recipe.teacher is not None:  # distillation: the teacher's weights and tokenizer, checked before Ray starts
         init = warm_start_source(recipe, workdir, log, key="teacher.init")
@@ -242,7 +259,7 @@ def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log)
     else:
         init = warm_start_source(recipe, workdir, log) if recipe.model.init else None
     init_version = init[2] if init else None  # models:/NAME@alias: the parent of the version this run registers
-    tok_dir = init[1] if init and not recipe.tokenizer.path else ensure_tokenizer(recipe, shards, run, workdir, log)
+    tok_dir = init[1] if init and not recipe.tokenizer.path else ensure_tokenizer(recipe, shards, run, workdir, log, parallel)
     tok = load_tokenizer(tok_dir)
     model_overrides_with_vocab(recipe, tok.vocab_size)  # fail before Ray if the vocab can't fit
     check_tokenizer_for_objective(tok, recipe.data.objective)  # and that its rows can be built

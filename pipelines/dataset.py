@@ -17,7 +17,9 @@ Stage 1 builds one of five kinds of rows:
 * ``nsp-pairs`` / ``sop-pairs``: BERT / ALBERT sentence pairs (``pipelines.pairs``). ``sample_id`` as above;
 * ``translations``: XLM's translation pairs ``[CLS] a [SEP] [CLS] b [SEP]``, one per record of a
   parallel JSONL shard, each half with its language and positions from 0 (``pipelines.languages``);
-  ``sample_id`` as above;
+  ``sample_id`` as above. XLM's MLM + TLM streams both: its packed rows come from the languages'
+  shards and its translation rows from the parallel shards among them (``PARALLEL_SHARD``), every
+  row then with ``position_ids`` so the two kinds share their columns;
 * ``stream``: stream-ordered batches (``pipelines.streams``) for models with memory: row r of a
   batch continues row r of the previous batch of its *block*. Documents are joined by [SEP].
 
@@ -77,6 +79,7 @@ TRANSFORM_TASK_CPUS = 0.25
 PACKED_ROWS_PER_BATCH = 512
 
 STREAM_KEYS = ("_stream_block", "_stream_index")  # bookkeeping of stream-ordered batches
+PARALLEL_SHARD = -1  # StreamSpec.shard_languages of a parallel shard among XLM's languages (MLM + TLM)
 
 
 @dataclass(frozen=True)
@@ -107,10 +110,11 @@ class StreamSpec:
     max_record_chars: int = 1_000_000  # longer records are rejected as bad data
     # XLM (pipelines.languages): the language id of each shard, in the order of ``shards`` (its
     # packed rows carry it as token_type_ids), and the share of each language's rows an epoch
-    # keeps (alpha sampling). Empty: one language, every row kept.
+    # keeps (alpha sampling). Empty: one language, every row kept. ``PARALLEL_SHARD``: a shard of
+    # translation records, whose rows are the translation LM's (XLM's MLM + TLM), every row kept.
     shard_languages: tuple[int, ...] = ()
     language_keep: tuple[float, ...] = ()
-    language_names: tuple[str, ...] = ()  # "tlm": data.languages, the field names of parallel records
+    language_names: tuple[str, ...] = ()  # "tlm" and MLM + TLM: data.languages, the field names of parallel records
     # The run this stream feeds. Its latest committed checkpoint holds the data position
     # (pipelines.position): samples listed there are dropped when the stream starts. Each shard's
     # read/used/rejected counts go to <run_uri>/data_reports/ (pipelines.datareport).
@@ -127,6 +131,11 @@ def shard_language(spec: StreamSpec, uri: str) -> int | None:
     if not spec.shard_languages:
         return None
     return spec.shard_languages[spec.shards.index(uri)]
+
+
+def mixes_translations(spec: StreamSpec) -> bool:
+    """XLM's MLM + TLM: some shards are parallel ones, whose translation rows join the packed rows."""
+    return PARALLEL_SHARD in spec.shard_languages
 
 
 def row_kind(spec: StreamSpec) -> RowKind:
@@ -311,6 +320,8 @@ def pack_shard(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec,
         if language is None:
             return out
         out["token_type_ids"] = np.full_like(block["input_ids"], language)  # (n, T)
+        if mixes_translations(spec):  # the columns of the translation rows beside them: positions counted from 0
+            out["position_ids"] = np.where(block["attention_mask"] != 0, np.arange(spec.seq_len), 0).astype(np.int64)
         rows = kept_rows(spec.seed, epoch, ids, keep)  # (n,)
         if not rows.all():
             out = {k: v[rows] for k, v in out.items()}
@@ -499,6 +510,8 @@ def _tag_shard(rows: dict[str, np.ndarray], key: int, total: int) -> dict[str, n
 
 def shard_rows(tok: Tokenizer, uri: str, key: int, epoch: int, spec: StreamSpec, kind: RowKind, stats: ReadStats | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Stage 1 for the row kinds whose rows are independent samples (packed rows, pairs)."""
+    if kind == "packed" and shard_language(spec, uri) == PARALLEL_SHARD:
+        return translation_shard(tok, uri, key, epoch, spec, stats)
     if kind == "packed":
         return pack_shard(tok, uri, key, epoch, spec, stats)
     if kind in ("nsp-pairs", "sop-pairs"):

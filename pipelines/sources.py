@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Literal, TypeVar
+from typing import Any, Callable, ClassVar, Collection, Iterator, Literal, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -541,19 +541,22 @@ def _chunks(items: Iterator[T], size: int) -> Iterator[list[T]]:
 
 
 def sample_text(uris: list[str], max_chars: int, fmt: Format = "auto", text_field: str = "text",
-                store: Store = Store(), translations: tuple[str, ...] = ()) -> Iterator[str]:
+                store: Store = Store(), translations: tuple[str, ...] = (), parallel: Collection[str] | None = None) -> Iterator[str]:
     """Documents from the first shards until ``max_chars`` characters: what tokenizers train on.
 
     Shards are visited round-robin (one chunk from each in turn) so a sample of a large corpus
-    is not all from its first file. Bad records are skipped. ``translations``: the shards are
-    parallel text in these languages (``iter_translations``); each pair gives both sentences.
+    is not all from its first file. Bad records are skipped. ``translations``: parallel text in
+    these languages (``iter_translations``), each pair giving both sentences, in the shards
+    ``parallel`` names (every shard when None; XLM's MLM + TLM has both kinds).
     """
-    if translations:
-        # (the generator's first iterable is made at once, so each reads its own shard u)
-        iters = [_chunks((f"{a}\n{b}" for chunk in iter_translations(u, translations, chunk_pairs=256, store=store)
-                          for _, a, _, b in chunk), 256) for u in uris]
-    else:
-        iters = [iter_documents(u, fmt, text_field, chunk_docs=256, store=store) for u in uris]
+
+    def chunks(uri: str) -> Iterator[list[str]]:
+        if translations and (parallel is None or uri in parallel):
+            pairs = iter_translations(uri, translations, chunk_pairs=256, store=store)
+            return _chunks((f"{a}\n{b}" for chunk in pairs for _, a, _, b in chunk), 256)
+        return iter_documents(uri, fmt, text_field, chunk_docs=256, store=store)
+
+    iters = [chunks(u) for u in uris]
     total = 0
     while iters and total < max_chars:
         for it in list(iters):

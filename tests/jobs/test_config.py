@@ -69,6 +69,8 @@ def test_bad_keys_and_values_are_named(override, key):
         (["model.type_vocab_size=1"], "model.type_vocab_size: data.languages lists 1 language(s), which needs type_vocab_size=0"),
         (["data.language_alpha=0"], "data.language_alpha"),
         (["data.objective=tlm"], "data.languages: the translation LM (objective tlm) reads records that name two"),
+        (["data.translations=p.jsonl"], "data.translations: XLM's MLM + TLM adds translation rows"),
+        (["data.translations=p.jsonl", "data.objective=tlm", "data.languages=[en, fr]"], "it needs objective mlm and at least two languages"),
     ],
 )
 def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, message):
@@ -79,6 +81,25 @@ def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, messa
     assert two.data.languages == ["en", "fr"] and two.data.language_alpha == 0.5
     tlm = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.objective=tlm", "data.languages=[en, fr]", "data.input=s3://p/"])
     assert tlm.data.input == "s3://p/"  # parallel records name their languages: no entry per language
+    both = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.languages=[en, fr]", "data.input=[a, b]", "data.eval_input=null",
+                                                             "data.translations=[s3://p/, s3://q/]"])
+    assert both.data.translations == ["s3://p/", "s3://q/"]  # MLM + TLM: the languages' shards and parallel ones
+
+
+def test_parallel_shards_are_listed_and_a_shard_in_both_is_refused(tmp_path):
+    from jobs.train import parallel_shards
+    from pipelines import storage
+
+    (tmp_path / "en.txt").write_text("x\n")
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "p.jsonl").write_text("{}\n")
+    recipe = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.languages=[en, fr]", "data.input=[a, b]", "data.eval_input=null",
+                                                               f"data.translations={tmp_path / 'pairs'}"])
+    logged: list[str] = []
+    assert parallel_shards(storage.Store(), recipe, [str(tmp_path / "en.txt")], logged.append) == [str(tmp_path / "pairs" / "p.jsonl")]
+    assert "1 parallel shard(s)" in logged[0]
+    with pytest.raises(RecipeError, match=r"data.translations: .*p.jsonl is also one of data.input's language shards"):
+        parallel_shards(storage.Store(), recipe, [str(tmp_path / "pairs" / "p.jsonl")], logged.append)
 
 
 def test_language_shards_give_each_entry_its_language_and_refuse_a_shard_in_two(tmp_path):

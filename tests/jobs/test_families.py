@@ -67,10 +67,15 @@ def test_xlm_pretrains_on_two_languages_and_trains_both_language_rows(ray_sessio
     """data.languages through `ctx pretrain`: English (a tenth of a shard) and a second language
     (the same text spelt backwards, a third of that), alpha sampling logged, a language embedding
     per language in the checkpoint, both rows trained (30 steps cover both shards: the stream
-    reads whole shards one after the other), and the loss falls."""
+    reads whole shards one after the other), and the loss falls. With data.translations (XLM's
+    MLM + TLM), a parallel shard's translation rows join the stream: the worker trains on them
+    beside the packed rows (sample log)."""
     import gzip
+    import json
 
     import torch
+
+    from pipelines.dataset import shard_keys
 
     from ctxmodels.checkpoint import load_checkpoint
     from ctxmodels.registry import new_model
@@ -83,14 +88,23 @@ def test_xlm_pretrains_on_two_languages_and_trains_both_language_rows(ray_sessio
         path.parent.mkdir()
         with gzip.open(path, "wt") as f:
             f.write("\n".join(text).strip() + "\n")
+    parallel = tmp_path / "pairs" / "en-xx.jsonl"
+    parallel.parent.mkdir()
+    parallel.write_text("".join(json.dumps({"en": x, "xx": " ".join(w[::-1] for w in x.split(" "))}) + "\n"
+                                for x in lines[:120] if x.strip()))
     overrides = [o for o in SHORT if not o.startswith("data.input=")] + [
         f"output_dir={tmp_path}", f"data.input=[{english}, {backwards}]", "data.eval_input=null", "data.languages=[en, xx]",
-        "model.family=xlm", "tokenizer.kind=sentencepiece-bpe",
+        f"data.translations={parallel}", "model.family=xlm", "tokenizer.kind=sentencepiece-bpe", "train.sample_log=true",
     ]
     lines_logged: list[str] = []
     result = pretrain(load_recipe(REPO / "configs" / "bert-tiny.yaml", overrides), progress=False, log=lines_logged.append)
     languages = next(line for line in lines_logged if line.startswith("data: languages"))
     assert "en (id 0" in languages and "xx (id 1" in languages and "an epoch keeps 100.0% of its rows" in languages, languages
+    assert any("1 parallel shard(s)" in line for line in lines_logged), lines_logged
+    keys = shard_keys([str(english), str(backwards), str(parallel)])
+    trained = [sid >> 32 for f in (Path(result.run_uri) / "sample_log").glob("*.jsonl")
+               for line in f.read_text().splitlines()[1:] for sid in json.loads(line)["ids"]]
+    assert {k: trained.count(k) > 0 for k in keys} == {k: True for k in keys}, "a shard's rows never reached the worker"
     losses = [m["loss"] for m in result.history]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
     ckpt = load_checkpoint(result.checkpoint_uri)

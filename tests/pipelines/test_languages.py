@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.dataset import StreamSpec, local_batches, pack_shard, shard_keys
+from pipelines.dataset import PARALLEL_SHARD, StreamSpec, local_batches, pack_shard, shard_keys
 from pipelines.languages import keep_fractions, kept_rows, sampling_probs, tlm_rows, translation_lengths
 from pipelines.masking import MlmConfig
 from pipelines.sources import sample_text
@@ -186,3 +186,54 @@ def test_language_sizes_and_translations_read_from_a_bucket(s3_server, s3_bucket
     assert store.file_sizes(uris) == [len(b) for b in bodies.values()]
     pairs = [p for chunk in iter_translations(uris[2], ("en", "fr"), chunk_pairs=64, store=store) for p in chunk]
     assert pairs == [(0, r["en"], 1, r["fr"]) for r in records]
+
+
+# ---------------------------------------------------------------------------------------------
+# MLM + TLM: the languages' packed rows and the parallel shards' translation rows in one stream
+
+
+def test_mlm_and_tlm_rows_share_one_stream_with_their_own_languages_and_positions(corpus, tmp_path):
+    """XLM's MLM + TLM (``PARALLEL_SHARD``): every batch has the same columns; packed rows keep
+    one language and positions 0..n-1, translation rows their two languages with positions restarting
+    at the second [CLS]; only the languages' rows are sampled; no sample id comes twice."""
+
+    english, backwards, tok = corpus
+    with gzip.open(english, "rt") as f:
+        lines = [x for x in f.read().split("\n") if x.strip()][:400]
+    pairs = tmp_path / "pairs" / "en-xx.jsonl"
+    pairs.parent.mkdir()
+    pairs.write_text("\n".join(json.dumps({"en": x, "xx": " ".join(w[::-1] for w in x.split(" "))}) for x in lines) + "\n")
+    shards = (str(pairs), english, backwards)  # in this order (the last shard's rows past the last whole batch are left)
+    spec = StreamSpec(shards=shards, seq_len=64, seed=5, shard_languages=(PARALLEL_SHARD, 0, 1), language_keep=(0.5, 1.0),
+                      language_names=("en", "xx"), mlm=MlmConfig(mlm_probability=0.15), shuffle_files=False)
+    keys = dict(zip(shard_keys(shards), ("pairs", "en", "xx")))
+    ids, columns = [], set()
+    for b in local_batches(spec, tok, batch_size=64, epoch=0):
+        columns.add(tuple(sorted(b)))
+        ids.append(b["sample_id"])
+        real = b["attention_mask"].astype(bool)
+        for k, key in enumerate(b["sample_id"] >> 32):
+            n, pos, langs = int(real[k].sum()), b["position_ids"][k], b["token_type_ids"][k]
+            if keys[int(key)] == "pairs":
+                second = int(np.flatnonzero(pos[:n] == 0)[1])  # the second half starts at position 0 again
+                np.testing.assert_array_equal(pos[:n], np.r_[np.arange(second), np.arange(n - second)])
+                assert set(langs[:second]) | set(langs[second:n]) == {0, 1} and len(set(langs[:second])) == 1
+            else:
+                np.testing.assert_array_equal(pos[:n], np.arange(n))
+                assert np.all(langs[:n] == {"en": 0, "xx": 1}[keys[int(key)]])
+    assert len(columns) == 1 and "position_ids" in columns.pop()
+    ids = np.concatenate(ids)
+    assert len(np.unique(ids)) == len(ids)
+    per = {name: int(np.sum((ids >> 32) == key)) for key, name in keys.items()}
+    assert per["pairs"] == len(lines)  # every pair kept
+    every_en = sum(len(b["sample_id"]) for b in pack_shard(tok, english, shard_keys(shards)[1], 0, StreamSpec(shards=shards, seq_len=64)))
+    assert abs(per["en"] / every_en - 0.5) < 0.05 and per["xx"] > 0  # the languages' rows sampled as before
+
+
+def test_tokenizer_sample_reads_text_shards_and_parallel_shards_each_their_own_way(tmp_path):
+    text = tmp_path / "en.txt"
+    text.write_text("a plain line\n")
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text(json.dumps({"en": "the bank", "fr": "la banque"}) + "\n")
+    got = list(sample_text([str(text), str(pairs)], 10_000, translations=("en", "fr"), parallel={str(pairs)}))
+    assert got == ["a plain line", "the bank\nla banque"]
