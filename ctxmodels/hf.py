@@ -39,10 +39,12 @@ logits, checked by tests/ctxmodels/test_hf_heads.py):
   QA is ``XLNetForQuestionAnsweringSimple`` (start/end logits), not the beam-search head.
 - XLM: ``XLMWithLMHeadModel`` (our ``token_type_ids`` are its ``langs``), ``XLMForSequenceClassification``
   (its ``XLMSequenceSummary`` projects the first token straight to the labels, no pooler, no
-  activation: our ``classifier`` on the ``first-state`` read), ``XLMForTokenClassification`` and
-  ``XLMForQuestionAnsweringSimple``. ``XLMForMultipleChoice`` projects the first token to
-  ``num_labels`` values and those to one score, two products ours folds into one: not converted. A
-  causal, sinusoidal or adaptive-softmax XLM is refused on import.
+  activation: our ``classifier`` on the ``first-state`` read), ``XLMForMultipleChoice``,
+  ``XLMForTokenClassification`` and ``XLMForQuestionAnsweringSimple``. ``XLMForMultipleChoice``
+  projects the first token to ``num_labels`` values and those to one score (``logits_proj``), with
+  no activation between: on import the two products fold into our one (``W = P S``,
+  ``b = P b_S + b_P``); on export ours is the summary of one label and ``logits_proj`` the
+  identity. A causal, sinusoidal or adaptive-softmax XLM is refused on import.
 - SpanBERT exports as BERT (same backbone and heads), without its span-boundary pretraining head.
 - Never exported: feature-based task models (layer mixes, BiLSTMs); ELMo and Transformer-XL
   (transformers 5 has neither).
@@ -89,6 +91,11 @@ class Weights:
     tied: dict[str, str] = field(default_factory=dict)  # HF copies of tied tensors -> what they equal
     skip: tuple[str, ...] = ()  # suffixes of HF buffers that older checkpoints saved
     unmatched: tuple[str, ...] = ()  # prefixes of our tensors the class has no counterpart of (XLM's pooler)
+    # HF tensors our model has no counterpart of, written on export with these values (XLM's
+    # multiple-choice logits_proj, the identity), and how an imported folder's tensors are brought
+    # to the rows above first (that logits_proj folded into the projection before it).
+    constants: dict[str, Tensor] = field(default_factory=dict)
+    fold: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -684,6 +691,7 @@ XLM_TASKS = {
     "xlm": {
         "classification": "XLMForSequenceClassification",
         "regression": "XLMForSequenceClassification",
+        "multiple-choice": "XLMForMultipleChoice",
         "token-classification": "XLMForTokenClassification",
         "question-answering": "XLMForQuestionAnsweringSimple",
     },
@@ -752,8 +760,25 @@ def xlm_weights(cfg: BertConfig, head: Head) -> Weights:
                        tied={"pred_layer.proj.weight": "transformer.embeddings.weight"}, skip=skip, unmatched=("backbone.pooler.",))
     task = TASKS[head]
     # A sequence head's classifier is HF's summary projection; a token head's keeps its name.
-    heads = linear("classifier", "sequence_summary.summary") if task.reads == "sequence" else linear(task.head, task.head)
+    heads = linear("classifier", "sequence_summary.summary") if task.reads != "tokens" else linear(task.head, task.head)
+    if task.reads == "options":  # logits_proj after the summary: the identity on export, folded on import
+        return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + heads, skip=skip, unmatched=("backbone.pooler.",),
+                       constants={"logits_proj.weight": torch.ones(1, 1), "logits_proj.bias": torch.zeros(1)},
+                       fold=_fold_logits_proj)
     return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + heads, skip=skip, unmatched=("backbone.pooler.",))
+
+
+def _fold_logits_proj(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """XLMForMultipleChoice's ``logits_proj(summary(h))`` (two affine maps, nothing between) as one
+    summary of one output: ``W = P S`` (1, D), ``b = P b_S + b_P``."""
+    names = ("sequence_summary.summary.weight", "sequence_summary.summary.bias", "logits_proj.weight", "logits_proj.bias")
+    if not all(n in tensors for n in names):
+        return tensors  # load_weights names what is missing
+    S, b_s, P, b_p = (tensors[n].double() for n in names)
+    out = {k: v for k, v in tensors.items() if k not in names}
+    out[names[0]] = (P @ S).to(tensors[names[0]].dtype)  # (1, D)
+    out[names[1]] = (P @ b_s + b_p).to(tensors[names[1]].dtype)  # (1,)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -866,6 +891,8 @@ def _read_row(ours: str, name: HfName, how: How, hf: dict[str, Tensor], expected
 def load_weights(model: nn.Module, weights: Weights, tensors: dict[str, Tensor], n_head: int, where: str) -> list[str]:
     """Copy the HF tensors into ``model`` by ``weights``; returns our tensors the folder did not give
     (they keep their fresh values). Unused HF tensors and untied copies are logged, not fatal."""
+    if weights.fold is not None:
+        tensors = weights.fold(tensors)
     dotted = weights.prefix + "."
     hf = tensors if any(k.startswith(dotted) for k in tensors) else {dotted + k: v for k, v in tensors.items()}
     expected = model.state_dict()
@@ -908,6 +935,7 @@ def hf_tensors(model: nn.Module, weights: Weights, n_head: int) -> dict[str, Ten
                 out[n] = _to_hf(chunk, how, n_head)
         else:
             out[name] = _to_hf(t, how, n_head)
+    out.update({name: t.clone() for name, t in weights.constants.items()})
     return out
 
 
