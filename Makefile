@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host_floor.py
 	$(BIN)/python benchmarks/embed.py
 	$(BIN)/python benchmarks/generate.py
+	$(BIN)/python benchmarks/xlm_alignment.py
 
 # benchmarks/gpu.sh's MiniLM folder, fp16 weights (45 MB): what travels to a borrowed GPU machine
 # (ignored by git; the device tool carries it when named: carry [".gpu"]).
