@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import shutil
 import tempfile
@@ -130,6 +131,7 @@ class EmbeddingReplica(TaskServing):
                 )
             loaded, untrained_heads = _load_noting_untrained_heads(local_dir)
             recipe = read_recipe(local_dir)  # a fine-tuned checkpoint's: how its task inputs are encoded
+            self.language = read_language(name, settings.language, loaded.family, loaded.model, recipe, local_dir)
             tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
             self.tokenizer = load_tokenizer(tok_dir)
             self.tokenizer_hash = tokenizer_hash(tok_dir)
@@ -245,6 +247,7 @@ class EmbeddingReplica(TaskServing):
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
             "registry_version": self.registry_version,
+            **({"language": self.language} if self.language is not None else {}),
             **self.task_info(),  # task, labels, routes
         }
 
@@ -630,6 +633,43 @@ def word_means(vectors: np.ndarray, word_ids: np.ndarray, n_words: int) -> np.nd
 
     pooled, _ = pool_words(vectors[None], word_ids[None], max(n_words, 1), "mean")  # (1, n_words, W')
     return pooled[0, :n_words].astype(np.float32)
+
+
+def read_language(name: str, wanted: int | str | None, family: str, model, recipe: dict | None, local_dir: Path) -> str | int | None:
+    """XLM with a language table (``type_vocab_size`` > 1): the language its texts are read as, put
+    in row 0 of the loaded model's table, which every pass reads when no language ids are given
+    (``ctxmodels.bert.BertEmbeddings``). ``wanted``: the setting's name (the checkpoint's
+    ``data.languages``, or an HF folder's ``lang2id``) or row; None keeps row 0, the first
+    language. Returns the language served (its name when known), None for a model without one.
+    InputError (the deployment fails, naming it) for a language the model does not have."""
+    table = getattr(model, "backbone", model).embeddings.token_type if family == "xlm" else None  # BERT's rows are segments
+    rows = table.num_embeddings if table is not None and table.num_embeddings > 1 else 0
+    names = list(((recipe or {}).get("data") or {}).get("languages") or [])
+    config = local_dir / "config.json"
+    if not names and config.is_file():  # an HF XLM folder names its rows in lang2id
+        lang2id = json.loads(config.read_text()).get("lang2id") or {}
+        names = [n for n, _ in sorted(lang2id.items(), key=lambda kv: kv[1])] if sorted(lang2id.values()) == list(range(len(lang2id))) else []
+    if rows == 0:
+        if wanted is not None:
+            raise InputError(f"model {name!r}: language {wanted!r} is set, but the model has no language embeddings "
+                             "(only an XLM trained on two languages or more has)")
+        return None
+    if wanted is None:
+        return names[0] if names else 0
+    if isinstance(wanted, str):
+        if wanted not in names:
+            known = f"its languages are {names}" if names else "its checkpoint names none: give the row's number"
+            raise InputError(f"model {name!r}: language {wanted!r} is not one of the model's; {known}")
+        row = names.index(wanted)
+    elif not 0 <= wanted < rows:
+        raise InputError(f"model {name!r}: language {wanted} is not a row of its language table (0..{rows - 1})")
+    else:
+        row = wanted
+    import torch
+
+    with torch.no_grad():
+        table.weight[0] = table.weight[row].clone()  # this process's copy of the weights only
+    return names[row] if names else row
 
 
 def serving_dtype(name: str, device) -> Any:  # torch.dtype

@@ -117,6 +117,10 @@ class ModelSettings(BaseModel):
     # graphs, one per padded (rows, length) bucket (ctxmodels.graphs): one launch a pass instead of one a
     # kernel. False runs every pass eagerly (vLLM's enforce_eager). Ignored on the CPU.
     cuda_graphs: bool = True
+    # XLM with a language table: the language its texts are read as, a name of the checkpoint's
+    # data.languages (or an HF folder's lang2id) or a row number; None: the first (row 0). One
+    # deployment reads one language: serve the checkpoint under one name per language.
+    language: int | str | None = None
     max_ongoing_requests: int = Field(32, ge=1)  # per replica
     max_queued_requests: int = Field(64, ge=1)  # per caller (the Gateway); beyond it: 429 + Retry-After
     request_timeout_s: float | None = Field(None, gt=0)  # None: limits.request_timeout_s

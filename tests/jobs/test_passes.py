@@ -295,3 +295,51 @@ def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_ve
     with torch.inference_mode():
         for (logits, _), r in zip(results, rows):
             np.testing.assert_allclose(logits, model(torch.from_numpy(r)[None]).logits[0].numpy(), atol=1e-5)
+
+
+def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_dir, tmp_path):
+    """ModelSettings.language: an XLM of two languages served as "xx" gives the vectors of its
+    texts read with language id 1, by name (the checkpoint's data.languages) or by row; unset, the
+    first language's; a language the model lacks, or one given to a model without a language table,
+    fails the replica's start naming it."""
+    import numpy as np
+    import torch
+
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import build_model
+    from jobs.replica import EmbeddingReplica
+    from jobs.serve_config import InputError, Limits, ModelConfig
+    from pipelines.tokenizers import load_tokenizer
+
+    cfg, model = build_model("xlm", "tiny", {"vocab_size": 30522, "type_vocab_size": 2}, seed=0)  # MiniLM's vocabulary
+    with torch.no_grad():
+        model.backbone.embeddings.token_type.weight.normal_(0, 1.0)  # rows far apart: a wrong row shows
+    state = {"trainer_state": {"step": 1, "recipe": {"data": {"languages": ["en", "xx"]}}}}
+    ckpt = save_checkpoint(tmp_path / "xlm", model, "xlm", cfg, tokenizer_dir=minilm_dir, extra_json=state)
+    texts = ["the river bank", "a cheque deposited at the bank yesterday"]
+    tok = load_tokenizer(minilm_dir)
+
+    def expected(language: int) -> np.ndarray:
+        out = []
+        for ids in tok.encode_batch(texts):
+            x = torch.as_tensor([tok.cls_id, *ids, tok.sep_id])[None]  # as the replica encodes a text
+            with torch.no_grad():
+                h = model.eval().backbone.hidden_states(x, torch.ones_like(x), torch.full_like(x, language))[-1]
+            out.append(h.mean(1)[0].numpy())
+        return np.stack(out)
+
+    def served(language) -> tuple[np.ndarray, EmbeddingReplica]:
+        replica = EmbeddingReplica("m", str(ckpt), None, ModelConfig(uri=str(ckpt), language=language), Limits())
+        return np.stack(replica.embed_now(texts)["embeddings"]), replica
+
+    for language, row, shown in ((None, 0, "en"), ("xx", 1, "xx"), (1, 1, "xx"), ("en", 0, "en")):
+        got, replica = served(language)
+        np.testing.assert_allclose(got, expected(row), atol=1e-5, err_msg=str(language))
+        assert replica.info()["language"] == shown
+    assert np.abs(expected(0) - expected(1)).max() > 0.1  # the two languages' vectors differ
+    with pytest.raises(InputError, match=r"language 'fr' is not one of the model's; its languages are \['en', 'xx'\]"):
+        served("fr")
+    with pytest.raises(InputError, match=r"language 2 is not a row of its language table \(0..1\)"):
+        served(2)
+    with pytest.raises(InputError, match="the model has no language embeddings"):
+        EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), language="en"), Limits())
