@@ -276,6 +276,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return js.stop_job(client, args.id, sys.stdout)
 
 
+def _language(value: str | None) -> int | str | None:
+    """``--language``: a row number or a name."""
+    return int(value) if value is not None and value.isdigit() else value
+
+
 def cmd_embed(args: argparse.Namespace) -> int:
     import time
 
@@ -293,7 +298,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, actor_batch_size=args.actor_batch_size,
                           actors=args.actors, cpus_per_actor=args.cpus_per_actor, num_gpus=args.num_gpus,
                           verbose=args.verbose, started=started, engine=args.engine, dtype=args.dtype,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=args.cuda_graphs, language=_language(args.language))
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise SystemExit(f"ctx embed: {e}") from None
@@ -707,6 +712,9 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
                    help="the forward passes' dtype, as ctx serve's: auto (default) is float16 on a GPU, float32 on the CPU")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on a GPU, run every forward pass eagerly instead of replaying it from a CUDA graph (ctx serve's cuda_graphs: false)")
+    p.add_argument("--language", default=None,
+                   help="a multilingual XLM: the language the texts are read as, a name of its data.languages or a row number "
+                        "(default: the first), as ctx serve's language")
     p.add_argument("--engine", default="auto", choices=["auto", "ray", "local"],
                    help="ray: Ray Data's actor pool; local: this process, a torch thread per core, no Ray; auto (default): local "
                         "for an input of at most 64 MiB with no cluster (RAY_ADDRESS) and no --actors/--num-gpus, else ray")

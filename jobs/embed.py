@@ -74,11 +74,12 @@ class Embedder:
     ``batch_size`` and ``max_batch_tokens`` bound each forward pass (``embed_now`` sorts the batch it is
     handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor;
     ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU);
-    ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``)."""
+    ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
+    ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``)."""
 
     def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
-                 dtype: str = "auto", cuda_graphs: bool = True):
+                 dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None):
         import torch
 
         from jobs.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
@@ -87,7 +88,7 @@ class Embedder:
         if threads is not None:
             torch.set_num_threads(threads)
         settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, dtype=dtype,
-                               cuda_graphs=cuda_graphs)
+                               cuda_graphs=cuda_graphs, language=language)
         # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
         self.model = EmbeddingReplica("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
@@ -153,6 +154,7 @@ def reembed(
     engine: Engine = "auto",
     dtype: str = "auto",
     cuda_graphs: bool = True,
+    language: int | str | None = None,
 ) -> dict[str, Any]:
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
@@ -177,6 +179,7 @@ def reembed(
     input is one the driver reads (at most ``driver_read_bytes``) and no ``actors`` or ``num_gpus`` were
     asked for, else "ray". ``dtype``: the forward passes' ("auto": float16 on a GPU, float32 on the CPU).
     ``cuda_graphs``: on a GPU, each pass of a BERT-family model replayed from a CUDA graph (False: eager).
+    ``language``: the language a multilingual XLM reads the texts as (``ctx serve``'s model setting).
 
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
     "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
@@ -220,7 +223,7 @@ def reembed(
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
     if engine == "local":
-        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs)
+        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language)
         _write_local(out_fs, out_path, map(embedder, chunks), output, store)
         pool = 0
     else:
@@ -238,7 +241,7 @@ def reembed(
         threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
         vectors = ds.map_batches(
             Embedder,
-            fn_constructor_args=(*model_args, threads, dtype, cuda_graphs),
+            fn_constructor_args=(*model_args, threads, dtype, cuda_graphs, language),
             batch_size=actor_batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=pool),

@@ -337,6 +337,16 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
         np.testing.assert_allclose(got, expected(row), atol=1e-5, err_msg=str(language))
         assert replica.info()["language"] == shown
     assert np.abs(expected(0) - expected(1)).max() > 0.1  # the two languages' vectors differ
+    # ctx embed (its local engine: no Ray) with --language gives the same vectors
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.embed import reembed
+
+    pq.write_table(pa.table({"id": [7, 8], "text": texts}), tmp_path / "texts.parquet")
+    reembed(str(ckpt), str(tmp_path / "texts.parquet"), str(tmp_path / "out"), engine="local", language="xx")
+    rows = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))]).sort_by("id").to_pydict()
+    np.testing.assert_allclose(np.array(rows["embedding"]), expected(1), atol=1e-5)
     with pytest.raises(InputError, match=r"language 'fr' is not one of the model's; its languages are \['en', 'xx'\]"):
         served("fr")
     with pytest.raises(InputError, match=r"language 2 is not a row of its language table \(0..1\)"):
