@@ -1132,11 +1132,18 @@ def load_hf_task_folder(path: str | Path) -> tuple[str, Any, TaskModel]:
 
 def export_hf_folder(
     model: nn.Module, family: str, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-    pad_token_id: int | None = None,
+    pad_token_id: int | None = None, languages: list[str] | None = None,
 ) -> Path:
     """Write an HF folder (config.json, model.safetensors, tokenizer files) that transformers loads:
-    the pretraining class for a pretraining model, the task head's class for a ``TaskModel``."""
+    the pretraining class for a pretraining model, the task head's class for a ``TaskModel``.
+    ``languages``: an XLM's language names, in the order of its rows (its run's ``data.languages``),
+    written as config.json's ``lang2id`` / ``id2lang``."""
     hf_config, tensors = to_hf(model, family, pad_token_id)
+    if family == "xlm" and languages:
+        if len(languages) != hf_config["n_langs"]:
+            raise ValueError(f"{len(languages)} language names {languages} for a model of {hf_config['n_langs']} language row(s)")
+        hf_config["lang2id"] = {name: i for i, name in enumerate(languages)}
+        hf_config["id2lang"] = dict(enumerate(languages))
     return write_hf_folder(out_dir, hf_config, tensors, tokenizer_dir)
 
 

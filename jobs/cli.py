@@ -340,6 +340,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _interrupted("export")
 
 
+def _run_languages(checkpoint_dir) -> list[str] | None:
+    """The language names of an XLM run (its recipe's data.languages, in trainer_state.json), or None."""
+    from jobs.serve_tasks import read_recipe
+
+    return ((read_recipe(checkpoint_dir) or {}).get("data") or {}).get("languages") or None
+
+
 def _run_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -352,7 +359,8 @@ def _run_export(args: argparse.Namespace) -> int:
     store = _store(args)
     checkpoint = resolve_checkpoint(args.model, store)  # a run folder: its best checkpoint
     with tempfile.TemporaryDirectory(prefix="ctx-export-") as work:
-        loaded = load_checkpoint(local_copy(checkpoint, Path(work) / "in", store))
+        local = local_copy(checkpoint, Path(work) / "in", store)
+        loaded = load_checkpoint(local)
         pad_id = None  # GPT's HF sequence heads find the last token by the padding id
         tok = None
         if loaded.tokenizer_dir is not None:
@@ -364,7 +372,7 @@ def _run_export(args: argparse.Namespace) -> int:
         out = Path(work) / "out" if storage.is_remote(args.output) else Path(args.output)
         try:
             if args.format == "hf":
-                export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id)
+                export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id, _run_languages(local))
             elif args.format == "distilbert":
                 if loaded.family != "bert" or loaded.task is not None:
                     raise ValueError(f"--format distilbert takes a bert pretraining model, not a {loaded.family} "

@@ -305,6 +305,8 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
     import numpy as np
     import torch
 
+    import json
+
     from ctxmodels.checkpoint import save_checkpoint
     from ctxmodels.registry import build_model
     from jobs.replica import EmbeddingReplica
@@ -347,6 +349,17 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
     reembed(str(ckpt), str(tmp_path / "texts.parquet"), str(tmp_path / "out"), engine="local", language="xx")
     rows = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))]).sort_by("id").to_pydict()
     np.testing.assert_allclose(np.array(rows["embedding"]), expected(1), atol=1e-5)
+    # the exported HF folder names its rows in lang2id, which a replica reads the same names from
+    from ctxmodels.hf import export_hf_folder
+
+    hf = export_hf_folder(model, "xlm", tmp_path / "hf", minilm_dir, languages=["en", "xx"])
+    assert json.loads((hf / "config.json").read_text())["lang2id"] == {"en": 0, "xx": 1}
+    from jobs.cli import main
+
+    assert main(["export", "--model", str(ckpt), "--format", "hf", "--output", str(tmp_path / "exported")]) == 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["id2lang"] == {"0": "en", "1": "xx"}  # the run's names
+    replica = EmbeddingReplica("m", str(hf), None, ModelConfig(uri=str(hf), language="xx"), Limits())
+    np.testing.assert_allclose(np.stack(replica.embed_now(texts)["embeddings"]), expected(1), atol=1e-5)
     with pytest.raises(InputError, match=r"language 'fr' is not one of the model's; its languages are \['en', 'xx'\]"):
         served("fr")
     with pytest.raises(InputError, match=r"language 2 is not a row of its language table \(0..1\)"):
