@@ -95,7 +95,12 @@ def char_ids_backbone(backbone, tokenizer, max_chars: int):
     return CharIdsBackbone()
 
 
-def _item_length(item: tuple[np.ndarray, int | None, str]) -> int:
+# A sentence-vector item: (token ids, the position its vector is read at or None for the mean, feature
+# strategy, row of the language table: 0 but for a request that names another language of an XLM).
+Item = tuple[np.ndarray, int | None, str, int]
+
+
+def _item_length(item: Item) -> int:
     """A sentence-vector item's tokens: what the batcher sorts and budgets by."""
     return len(item[0])
 
@@ -247,7 +252,8 @@ class EmbeddingReplica(TaskServing):
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
             "registry_version": self.registry_version,
-            **({"language": self.language} if self.language is not None else {}),
+            **({"language": self.language.shown(self.language.default), "languages": self.language.names or self.language.rows}
+               if self.language is not None else {}),
             **self.task_info(),  # task, labels, routes
         }
 
@@ -359,20 +365,26 @@ class EmbeddingReplica(TaskServing):
             )
         return width
 
-    def _passes(self, rows: list[np.ndarray], last_only: bool = False):
+    def _passes(self, rows: list[np.ndarray], last_only: bool = False, languages: list[int] | None = None):
         """Forward passes over ``rows`` grouped under max_batch_size and max_batch_tokens; yields (the
         group's row indices, its hidden states (n_layer + 1 of (B, T, D)), attention mask (B, T),
         (rows, real tokens, padded tokens)). ``last_only``: the caller reads the last state alone
-        (features "last"), which then may come from a CUDA graph's replay, as the only state given."""
+        (features "last"), which then may come from a CUDA graph's replay, as the only state given.
+        ``languages``: each row's row of the language table (XLM); a pass whose rows are all 0 gives
+        no language ids (row 0 is the deployment's language, ``Languages``)."""
         import torch
 
         for group in token_budget_groups([len(r) for r in rows], self.max_batch_size, self.max_batch_tokens):
             ids, mask = self._pad([rows[i] for i in group])  # (B, T)
+            types = None
+            if languages is not None and any(languages[i] for i in group):
+                types = self._on_device(np.repeat(np.array([languages[i] for i in group], dtype=np.int64)[:, None], ids.shape[1], axis=1))
             with torch.inference_mode():
-                if last_only and self._graphed is not None:
+                if last_only and self._graphed is not None and types is None:
                     states = [self._graphed(ids, mask)]  # (B, T, D), valid until the next pass
                 else:
-                    states = self.backbone.hidden_states(ids, attention_mask=mask)
+                    languages_given = {} if types is None else {"token_type_ids": types}  # (only an XLM's are given)
+                    states = self.backbone.hidden_states(ids, attention_mask=mask, **languages_given)
             B, T = ids.shape
             self.recent_passes.append((int(B), int(T)))
             real = sum(len(rows[i]) for i in group)  # counted on the host: mask.sum() would wait for the device
@@ -408,10 +420,10 @@ class EmbeddingReplica(TaskServing):
         one_pass_behind(queued(), take)
         return out, sizes
 
-    def _pool(self, items: list[tuple[np.ndarray, int | None, str]]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
-        """items: (ids, position to take or None for the mean over real tokens, feature strategy) ->
-        float32 (n_combined*D,) per item in the given order; and per forward pass (an item of it, its
-        (rows, tokens, padded tokens))."""
+    def _pool(self, items: list[Item]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
+        """items (``Item``: ids, position to take or None for the mean over real tokens, feature
+        strategy, language row) -> float32 (n_combined*D,) per item in the given order; and per forward
+        pass (an item of it, its (rows, tokens, padded tokens))."""
         import torch
 
         from ctxmodels.features import combine_layers, mean_pool
@@ -419,10 +431,10 @@ class EmbeddingReplica(TaskServing):
         out: list[np.ndarray | None] = [None] * len(items)
         sizes = []
 
-        last_only = all(strategy == "last" for _, _, strategy in items)
+        last_only = all(item[2] == "last" for item in items)
 
         def queued():  # each pass's items and its copies off the device, read one pass behind
-            for group, states, mask, size in self._passes([row for row, _, _ in items], last_only):
+            for group, states, mask, size in self._passes([item[0] for item in items], last_only, [item[3] for item in items]):
                 copies = []
                 with torch.inference_mode():
                     for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
@@ -452,7 +464,7 @@ class EmbeddingReplica(TaskServing):
 
     # --- Ray seam: request handlers, called through DeploymentHandles ---
 
-    async def _embed_pass(self, items: list[tuple[np.ndarray, int | None, str]]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
+    async def _embed_pass(self, items: list[Item]) -> list[tuple[np.ndarray, tuple[int, int, int] | None]]:
         """Each item's vector, in the order given, for a batch of concurrent requests' texts
         (``self._embed_batch``, a ``jobs.batching.Batcher``); the rows are run in forward passes by length
         under the token budget (``_passes``). Each pass's (texts, tokens, padded tokens) rides on one of
@@ -496,17 +508,19 @@ class EmbeddingReplica(TaskServing):
         dimensions: int | None = None,
         truncate: bool = False,
         features: str = "last",
+        language: int | str | None = None,
     ) -> dict:
         """{"embeddings": float32 (texts, n_combined(features)*D), "n_tokens": tokens per text (special
         tokens included), "batches": (texts, tokens, padded tokens) of the forward passes these texts
-        started, version, tokenizer_hash}.
+        started, version, tokenizer_hash}. ``language``: what a multilingual XLM reads these texts as
+        (None: the deployment's ``language``); a request's texts share one, and passes mix requests'.
 
         ``features`` combines the layers into token vectors (``ctxmodels.features.combine_layers``: the
         strategies of fine-tuning), which ``pooling`` then pools. ``dimensions`` keeps the first k
         components and re-normalises (Matryoshka Representation Learning, Kusupati et al. 2022; OpenAI's
         text-embedding-3 ``dimensions``)."""
         # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
-        ids, items = await asyncio.to_thread(self._embed_inputs, texts, pooling, dimensions, truncate, features)
+        ids, items = await asyncio.to_thread(self._embed_inputs, texts, pooling, dimensions, truncate, features, language)
         results = await self._embed_batch.submit(items)  # one request: batched with the others' texts by length
         return {
             "embeddings": finish_vectors(np.stack([v for v, _ in results]), normalize, dimensions),
@@ -515,14 +529,24 @@ class EmbeddingReplica(TaskServing):
             **self._stamp(),
         }
 
-    def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str) -> tuple[list[np.ndarray], list[tuple[np.ndarray, int | None, str]]]:
-        """(token ids per text, the (ids, position, strategy) items ``_pool`` takes); an InputError for
-        what /v1/embeddings refuses."""
+    def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str,
+                      language: int | str | None = None) -> tuple[list[np.ndarray], list[Item]]:
+        """(token ids per text, the items ``_pool`` takes); an InputError for what /v1/embeddings refuses."""
         dim = self._strategy(features)
         if dimensions is not None and not 1 <= dimensions <= dim:
             raise InputError(f"dimensions {dimensions}: model {self.name!r} gives {dim}-dimensional vectors (features {features!r}); ask for 1..{dim}")
+        row = self._language_row(language)
         ids = self._encode_ids(texts, truncate)
-        return ids, [(row, self._position(row, pooling), features) for row in ids]
+        return ids, [(ids_i, self._position(ids_i, pooling), features, row) for ids_i in ids]
+
+    def _language_row(self, language: int | str | None) -> int:
+        """The row of the (swapped) language table a request's ``language`` reads: 0 for None."""
+        if language is None:
+            return 0
+        if self.language is None:
+            raise InputError(f"language {language!r}: model {self.name!r} has no language embeddings "
+                             "(only an XLM trained on two languages or more has)")
+        return self.language.table_row(self.language.row(self.name, language))
 
     def embed_now(
         self,
@@ -532,11 +556,12 @@ class EmbeddingReplica(TaskServing):
         dimensions: int | None = None,
         truncate: bool = False,
         features: str = "last",
+        language: int | str | None = None,
     ) -> dict:
         """``_embed`` without Serve's request batching: the forward passes run here, in this thread, so
         the class works outside a Serve replica (bulk re-embedding with Ray Data, ``jobs/embed.py``)
         and gives the vectors /v1/embeddings gives."""
-        ids, items = self._embed_inputs(texts, pooling, dimensions, truncate, features)
+        ids, items = self._embed_inputs(texts, pooling, dimensions, truncate, features, language)
         vectors, _ = on_forward_thread(self._pool, items)
         finished = finish_vectors(np.stack(vectors), normalize, dimensions) if vectors else np.zeros((0, self.dim), np.float32)
         return {"embeddings": list(finished), "n_tokens": [len(row) for row in ids], **self._stamp()}
@@ -635,13 +660,44 @@ def word_means(vectors: np.ndarray, word_ids: np.ndarray, n_words: int) -> np.nd
     return pooled[0, :n_words].astype(np.float32)
 
 
-def read_language(name: str, wanted: int | str | None, family: str, model, recipe: dict | None, local_dir: Path) -> str | int | None:
-    """XLM with a language table (``type_vocab_size`` > 1): the language its texts are read as, put
-    in row 0 of the loaded model's table, which every pass reads when no language ids are given
-    (``ctxmodels.bert.BertEmbeddings``). ``wanted``: the setting's name (the checkpoint's
-    ``data.languages``, or an HF folder's ``lang2id``) or row; None keeps row 0, the first
-    language. Returns the language served (its name when known), None for a model without one.
-    InputError (the deployment fails, naming it) for a language the model does not have."""
+class Languages:
+    """A multilingual XLM's languages as a replica serves them: ``names`` (empty when the checkpoint
+    names none), ``rows`` (the table's size), and ``default``, the row its texts are read as unless a
+    request says otherwise. That row is swapped into row 0 of the loaded model's table, which every
+    pass reads when no language ids are given (``ctxmodels.bert.BertEmbeddings``): the task routes,
+    fill-mask and CUDA graphs read the default language with no ids at all. ``table_row`` maps a
+    language to its row in the swapped table."""
+
+    def __init__(self, names: list[str], rows: int, default: int):
+        self.names, self.rows, self.default = names, rows, default
+
+    def shown(self, row: int) -> str | int:
+        return self.names[row] if self.names else row
+
+    def row(self, model_name: str, wanted: int | str | None) -> int:
+        """The language ``wanted`` (a name, a row, None: the default) as a row of the original table;
+        InputError naming what the model has."""
+        if wanted is None:
+            return self.default
+        if isinstance(wanted, str):
+            if wanted not in self.names:
+                known = f"its languages are {self.names}" if self.names else "its checkpoint names none: give the row's number"
+                raise InputError(f"model {model_name!r}: language {wanted!r} is not one of the model's; {known}")
+            return self.names.index(wanted)
+        if not 0 <= wanted < self.rows:
+            raise InputError(f"model {model_name!r}: language {wanted} is not a row of its language table (0..{self.rows - 1})")
+        return wanted
+
+    def table_row(self, row: int) -> int:
+        return 0 if row == self.default else self.default if row == 0 else row
+
+
+def read_language(name: str, wanted: int | str | None, family: str, model, recipe: dict | None, local_dir: Path) -> Languages | None:
+    """XLM with a language table (``type_vocab_size`` > 1): its ``Languages``, the setting's language
+    (a name of the checkpoint's ``data.languages`` or an HF folder's ``lang2id``, or a row; None: the
+    first) swapped into row 0 of the loaded model's table. None for a model without one. InputError
+    (the deployment fails, naming it) for a language the model does not have, or a language set on
+    a model without a table."""
     table = getattr(model, "backbone", model).embeddings.token_type if family == "xlm" else None  # BERT's rows are segments
     rows = table.num_embeddings if table is not None and table.num_embeddings > 1 else 0
     names = list(((recipe or {}).get("data") or {}).get("languages") or [])
@@ -654,22 +710,14 @@ def read_language(name: str, wanted: int | str | None, family: str, model, recip
             raise InputError(f"model {name!r}: language {wanted!r} is set, but the model has no language embeddings "
                              "(only an XLM trained on two languages or more has)")
         return None
-    if wanted is None:
-        return names[0] if names else 0
-    if isinstance(wanted, str):
-        if wanted not in names:
-            known = f"its languages are {names}" if names else "its checkpoint names none: give the row's number"
-            raise InputError(f"model {name!r}: language {wanted!r} is not one of the model's; {known}")
-        row = names.index(wanted)
-    elif not 0 <= wanted < rows:
-        raise InputError(f"model {name!r}: language {wanted} is not a row of its language table (0..{rows - 1})")
-    else:
-        row = wanted
-    import torch
+    languages = Languages(names if len(names) == rows else [], rows, 0)
+    languages.default = languages.row(name, wanted)
+    if languages.default:
+        import torch
 
-    with torch.no_grad():
-        table.weight[0] = table.weight[row].clone()  # this process's copy of the weights only
-    return names[row] if names else row
+        with torch.no_grad():  # this process's copy of the weights only
+            table.weight[[0, languages.default]] = table.weight[[languages.default, 0]].clone()
+    return languages
 
 
 def serving_dtype(name: str, device) -> Any:  # torch.dtype

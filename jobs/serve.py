@@ -339,6 +339,9 @@ class EmbeddingsRequest(BaseModel):
     features: str = "last"
     normalize: bool = False
     truncate: bool = False  # false: a text longer than the model reads is a 400; true: cut it
+    # A multilingual XLM: the language of these texts, a name of the model's languages or a row of its
+    # language table (/v1/models lists them); None: the model's `language` setting.
+    language: str | int | None = None
     user: str | None = None  # accepted for OpenAI clients; unused
 
     @field_validator("input", mode="before")
@@ -729,7 +732,8 @@ class GatewayBase:
         self._handle(req.model)
         texts = [req.input] if isinstance(req.input, str) else req.input
         check_limits(texts, self.config.limits)
-        out = await self._call(req.model, "embed", texts, req.pooling, req.normalize, req.dimensions, req.truncate, req.features)
+        out = await self._call(req.model, "embed", texts, req.pooling, req.normalize, req.dimensions, req.truncate, req.features,
+                               req.language)
         self.metrics.observe_batches(req.model, out["batches"])
         n_tokens = sum(out["n_tokens"])
         vectors = out["embeddings"]  # float32 (texts, width)

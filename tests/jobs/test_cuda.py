@@ -451,7 +451,7 @@ def test_a_replicas_passes_queue_without_waiting_for_the_gpu_and_give_the_eager_
                 for graphs in (True, False)}
     assert replicas[True]._graphed is not None and replicas[False]._graphed is None
     texts = corpus_texts(40)
-    items = [(r, None, "last") for r in replicas[True]._encode_ids(texts, truncate=True)]
+    items = [(r, None, "last", 0) for r in replicas[True]._encode_ids(texts, truncate=True)]
     replicas[True]._pool(items)  # every bucket recorded (a recording checks itself: it synchronizes)
     wait = passes.HostCopy.numpy
 

@@ -250,8 +250,8 @@ def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_ve
     replica = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), max_batch_size=4), Limits())
     passes = replica._passes
 
-    def logged(rows, last_only=False):
-        for i, one in enumerate(passes(rows, last_only)):
+    def logged(rows, last_only=False, languages=None):
+        for i, one in enumerate(passes(rows, last_only, languages)):
             log.append(("launch", i))
             yield one
 
@@ -263,7 +263,7 @@ def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_ve
     for run in ("sentence", "token"):
         log.clear()
         if run == "sentence":
-            vectors, sizes = replica._pool([(r, None, "last") for r in rows])
+            vectors, sizes = replica._pool([(r, None, "last", 0) for r in rows])
             want = [a.mean(axis=0) for a in alone]
         else:
             vectors, sizes = replica._token_vectors(rows, [replica.n_hidden - 1], None)
@@ -337,7 +337,19 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
     for language, row, shown in ((None, 0, "en"), ("xx", 1, "xx"), (1, 1, "xx"), ("en", 0, "en")):
         got, replica = served(language)
         np.testing.assert_allclose(got, expected(row), atol=1e-5, err_msg=str(language))
-        assert replica.info()["language"] == shown
+        assert replica.info()["language"] == shown and replica.info()["languages"] == ["en", "xx"]
+        # a request may name another language (/v1/embeddings' "language"), the deployment's own swapped aside
+        for asked, asked_row in (("en", 0), ("xx", 1), (0, 0), (1, 1)):
+            np.testing.assert_allclose(np.stack(replica.embed_now(texts, language=asked)["embeddings"]), expected(asked_row),
+                                       atol=1e-5, err_msg=f"{language} then {asked}")
+        # one forward pass of rows in both languages gives each row its own language's vector
+        ids = replica._encode_ids(texts, truncate=False)
+        rows = [replica.language.table_row(r) for r in (1, 0)]
+        vectors, sizes = replica._pool([(ids[0], None, "last", rows[0]), (ids[1], None, "last", rows[1])])
+        assert len(sizes) == 1  # one pass
+        np.testing.assert_allclose(np.stack(vectors), np.stack([expected(1)[0], expected(0)[1]]), atol=1e-5)
+    with pytest.raises(InputError, match=r"language 'fr' is not one of the model's"):
+        replica.embed_now(texts, language="fr")
     assert np.abs(expected(0) - expected(1)).max() > 0.1  # the two languages' vectors differ
     # ctx embed (its local engine: no Ray) with --language gives the same vectors
     import pyarrow as pa
@@ -366,3 +378,6 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
         served(2)
     with pytest.raises(InputError, match="the model has no language embeddings"):
         EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), language="en"), Limits())
+    minilm = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir)), Limits())
+    with pytest.raises(InputError, match="language 'en': model 'm' has no language embeddings"):
+        minilm.embed_now(texts, language="en")

@@ -249,6 +249,8 @@ def test_the_run_folder_was_resolved_once_and_the_version_says_which(client, tin
         ("/v1/embeddings", {"model": "minilm", "input": "x", "pooling": "max"}, 422, ["pooling"]),
         ("/v1/embeddings", {"model": "minilm", "input": "x", "dimension": 3}, 422, ["dimension", "unknown field"]),
         ("/v1/embeddings", {"model": "minilm", "input": "word " * 600}, 400, ["input[0]", "512 tokens"]),
+        ("/v1/embeddings", {"model": "minilm", "input": "x", "language": "fr"}, 400, ["language 'fr'", "no language embeddings"]),
+        ("/v1/embeddings", {"model": "minilm", "input": "x", "language": [1]}, 422, ["language"]),
         ("/v1/token-embeddings", {"model": "minilm", "input": ["x"], "layers": [7]}, 400, ["layer 7", "out of range"]),
         ("/v1/token-embeddings", {"model": "minilm", "input": ["x"], "layers": [-8]}, 400, ["layer -8"]),
         ("/v1/token-embeddings", {"model": "minilm", "input": ["x"], "layers": "first"}, 422, ["layers", "last"]),
