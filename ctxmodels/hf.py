@@ -761,11 +761,10 @@ def xlm_weights(cfg: BertConfig, head: Head) -> Weights:
     task = TASKS[head]
     # A sequence head's classifier is HF's summary projection; a token head's keeps its name.
     heads = linear("classifier", "sequence_summary.summary") if task.reads != "tokens" else linear(task.head, task.head)
-    if task.reads == "options":  # logits_proj after the summary: the identity on export, folded on import
-        return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + heads, skip=skip, unmatched=("backbone.pooler.",),
-                       constants={"logits_proj.weight": torch.ones(1, 1), "logits_proj.bias": torch.zeros(1)},
-                       fold=_fold_logits_proj)
-    return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + heads, skip=skip, unmatched=("backbone.pooler.",))
+    # Multiple choice: logits_proj after the summary, the identity on export and folded on import.
+    choice = {"constants": {"logits_proj.weight": torch.ones(1, 1), "logits_proj.bias": torch.zeros(1)},
+              "fold": _fold_logits_proj} if task.reads == "options" else {}
+    return Weights(XLM_TASKS["xlm"][head], "transformer", backbone + heads, skip=skip, unmatched=("backbone.pooler.",), **choice)
 
 
 def _fold_logits_proj(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
