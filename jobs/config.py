@@ -459,7 +459,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise RecipeError(f"--set {item!r}: empty key")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at character {where.column + 1}" if where is not None else ""
+        raise RecipeError(f"--set {item!r}: the value of {key.strip()} is not valid YAML ({getattr(e, 'problem', None) or e}{at}); "
+                          f"quote a string that holds [ ] {{ }} : or #, as in {key.strip()}='[\"data/part-[0-6].txt\"]'") from None
     # YAML 1.1 reads "3e-4" as a string; users mean a float.
     if isinstance(value, str):
         try:

@@ -51,6 +51,7 @@ def test_overrides_reach_every_section_with_types():
         ("train.residual=bf16", "train.residual: bf16 needs train.precision: bf16"),
         ("train.residual=fp16", "train.residual"),
         ("nonsense=1", "nonsense"),
+        ("data.input=[data/part-[0-6].gz]", "the value of data.input is not valid YAML (expected ',' or ']'"),  # not a traceback
     ],
 )
 def test_bad_keys_and_values_are_named(override, key):
