@@ -13,7 +13,10 @@ Papers:
   (``type_vocab_size`` = number of languages, ``token_type_ids`` = language ids; 0 rows for a
   monolingual model, which has none), a prediction layer without the dense + LayerNorm transform
   (``mlm_transform=False``), and positions given per token (``position_ids``: translation LM
-  restarts them at the second sentence). XLM is a set of presets here (registry "xlm").
+  restarts them at the second sentence). XLM is a set of presets here (registry "xlm"). XLM's
+  causal LM (CLM, sec. 3.1: the next token from the ones before it) is the same network with
+  ``causal``: every position attends to itself and the positions before it, and the prediction
+  layer at position t is scored against token t + 1 (``labels`` come unshifted, as GPT's).
 
 Reference checked for parity: Hugging Face ``transformers`` ``BertModel`` / ``BertForPreTraining``,
 ``RobertaForMaskedLM`` and ``XLMWithLMHeadModel`` (tests/ctxmodels/test_hf.py and test_xlm.py copy
@@ -97,6 +100,10 @@ class BertConfig:
     nsp: bool = True  # whether the pretraining model has the next-sentence-prediction head
     sbo: bool = False  # whether it has SpanBERT's span-boundary head (then sbo_* batch columns are read)
     mlm_transform: bool = True  # MLM head's dense + activation + LayerNorm before the decoder; XLM has none
+    # XLM's causal LM (HF XLMConfig.causal): attention to earlier positions only, next-token targets.
+    # Causal passes always run padded, with an explicit (T, T) mask: the length groups (Packing) and
+    # nested jagged tensors are written for bidirectional attention.
+    causal: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "d_ff", "max_seq_len", "type_vocab_size"):
@@ -130,9 +137,12 @@ class BertConfig:
             )
         if self.activation not in get_args(Activation):
             raise ValueError(f"BertConfig.activation must be one of {get_args(Activation)}, got {self.activation!r}")
-        for name in ("nsp", "sbo", "mlm_transform"):
+        for name in ("nsp", "sbo", "mlm_transform", "causal"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BertConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.causal and (self.nsp or self.sbo):
+            raise ValueError("BertConfig.causal: a causal LM predicts the next token; it has no next-sentence "
+                             "or span-boundary head (set nsp and sbo to False)")
 
     @property
     def max_tokens(self) -> int:
@@ -282,6 +292,8 @@ class SelfAttention(nn.Module):
         B, T, D = kv.shape[0], kv.shape[1], q.shape[-1]
         H, Dh = self.n_head, D // self.n_head
         k, v = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, H, T, Dh)
+        if attn_mask is not None and attn_mask.shape[-2] > 1:  # a causal mask: the first query's row
+            attn_mask = attn_mask[..., :1, :]  # (B, 1, 1, T)
         y = F.scaled_dot_product_attention(
             q.view(B, H, 1, Dh), k, v, attn_mask=attn_mask, dropout_p=self.attn_dropout if self.training else 0.0
         )  # (B, H, 1, Dh)
@@ -297,8 +309,9 @@ class SelfAttention(nn.Module):
             scores = torch.bmm(q, k.transpose(1, 2)).mul_(1.0 / math.sqrt(Dh))  # (B*H, T, T)
         else:
             # True = may attend. finfo.min, not -inf: a row with no key left stays finite (uniform).
-            bias = q.new_zeros(attn_mask.shape).masked_fill_(~attn_mask, torch.finfo(q.dtype).min)  # (B, 1, 1, T)
-            bias = bias.expand(B, H, 1, T).reshape(B * H, 1, T)  # (B*H, 1, T), broadcast over queries
+            bias = q.new_zeros(attn_mask.shape).masked_fill_(~attn_mask, torch.finfo(q.dtype).min)  # (B, 1, 1 or T, T)
+            Tq = attn_mask.shape[-2]  # 1: padding only, broadcast over queries; T: causal
+            bias = bias.expand(B, H, Tq, T).reshape(B * H, Tq, T)  # (B*H, 1 or T, T)
             scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=1.0 / math.sqrt(Dh))  # (B*H, T, T)
         probs = dropout(scores.softmax(dim=-1), self.attn_dropout)  # (B*H, T, T)
         return torch.bmm(probs, v).view(B, H, T, Dh)  # (B, H, T, Dh)
@@ -768,6 +781,11 @@ class BertModel(nn.Module):
     ):
         """(embedding output, attention mask for SDPA or None, Packing, JaggedPacking or None);
         the output is (N, D), the real tokens only, with a packing, else (B, T, D)."""
+        if self.cfg.causal:  # XLM's CLM: key <= query, and never a padding key
+            T = input_ids.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()  # (T, T), True = may attend
+            attn_mask = causal[None, None] if attention_mask is None else causal & attention_mask.bool()[:, None, None, :]
+            return self.embeddings(input_ids, token_type_ids, None, position_ids), attn_mask, None  # (B, T, D), (B or 1, 1, T, T)
         attn_mask, packing = None, None
         # A mask of all ones (packed rows) is dropped on CPU, where it would cost passes over the
         # (B, H, T, T) scores in every layer, and padding is skipped (Packing); on
@@ -969,6 +987,8 @@ class BertForPreTraining(nn.Module):
         losses: list[Tensor] = []
 
         word = self.backbone.embeddings.word.weight  # (V, D), the decoder of both MLM and SBO
+        if self.cfg.causal:  # XLM's CLM: position t is scored against labels[t + 1]
+            return self._next_token_loss(last, labels, word)
         if labels is not None:
             # The speed trick: run the head (and its D x V matmul) only where a label exists,
             # typically 15% of the positions, instead of B*T rows. masked_lm_loss is
@@ -1004,6 +1024,19 @@ class BertForPreTraining(nn.Module):
         for extra in losses[1:]:  # SpanBERT: L_MLM + L_SBO; BERT: L_MLM + L_NSP
             loss = loss + extra
         return PretrainOutput(loss=loss, metrics=metrics)
+
+    def _next_token_loss(self, last: Tensor, labels: Tensor | None, word: Tensor) -> PretrainOutput:
+        """The causal LM's loss: every position but the last predicts the next label (-100: none), as
+        ``ctxmodels.gpt`` does. All B * T rows go through the prediction layer (nearly all are
+        predicted), so no positions are looked up and ``label_positions`` is not read."""
+        if labels is None:
+            raise ValueError("a causal XLM trains on labels (the next token); next_sentence_label has no head here")
+        target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # (B * T,): labels[t + 1] at t
+        h = self.mlm.transform(last.reshape(-1, last.shape[-1]))  # (B * T, D)
+        n_pred = prediction_count(target, IGNORE_INDEX)
+        loss, n_correct = masked_lm_loss(h, word, self.mlm.bias, target)
+        acc = n_correct.float() / n_pred.clamp(min=1)
+        return PretrainOutput(loss=loss, metrics={"lm_loss": loss.detach(), "lm_acc": acc.detach(), "n_pred": n_pred})
 
 
 # ----------------------------------------------------------------------------------------------

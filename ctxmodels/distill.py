@@ -65,6 +65,8 @@ def init_student(teacher: nn.Module, layers: list[int]) -> BertForPreTraining:
     ``[0, teacher n_layer)``."""
     if not isinstance(teacher, BertForPreTraining):
         raise ValueError(f"distillation takes a BERT-family teacher (bert, roberta, spanbert), not {type(teacher).__name__}")
+    if teacher.cfg.causal:
+        raise ValueError("distillation trains on masked-LM batches; a causal XLM teacher (objective clm) predicts the next token")
     n = teacher.cfg.n_layer
     if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0 or layers[-1] >= n:
         raise ValueError(f"student layers must be distinct teacher layers in ascending order, each in [0, {n}); got {layers}")

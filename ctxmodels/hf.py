@@ -44,7 +44,8 @@ logits, checked by tests/ctxmodels/test_hf_heads.py):
   projects the first token to ``num_labels`` values and those to one score (``logits_proj``), with
   no activation between: on import the two products fold into our one (``W = P S``,
   ``b = P b_S + b_P``); on export ours is the summary of one label and ``logits_proj`` the
-  identity. A causal, sinusoidal or adaptive-softmax XLM is refused on import.
+  identity. A causal XLM (``causal``: XLM's CLM) converts both ways as ``XLMWithLMHeadModel``; a
+  sinusoidal or adaptive-softmax XLM is refused on import.
 - SpanBERT exports as BERT (same backbone and heads), without its span-boundary pretraining head.
 - Never exported: feature-based task models (layer mixes, BiLSTMs); ELMo and Transformer-XL
   (transformers 5 has neither).
@@ -699,10 +700,12 @@ XLM_TASKS = {
 
 
 def xlm_config_from_hf(hf: dict, where: str) -> BertConfig:
-    for key, ours_only in (("sinusoidal_embeddings", False), ("causal", False), ("asm", False), ("is_encoder", True)):
+    for key, ours_only in (("sinusoidal_embeddings", False), ("asm", False), ("is_encoder", True)):
         if hf.get(key, ours_only) != ours_only:
             raise ValueError(f"{where}: config.json {key}={hf[key]!r} is not supported (only {ours_only!r}): our XLM is "
-                             "a bidirectional encoder with learned positions and a full-softmax prediction layer")
+                             "an encoder with learned positions and a full-softmax prediction layer")
+    if not isinstance(hf.get("causal", False), bool):
+        raise ValueError(f"{where}: config.json causal={hf['causal']!r} must be true or false")
     for key in ("emb_dim", "n_layers", "n_heads"):
         if key not in hf:
             raise ValueError(f"{where}: config.json has no {key!r} (needed for an XLM model)")
@@ -719,7 +722,7 @@ def xlm_config_from_hf(hf: dict, where: str) -> BertConfig:
             dropout=hf.get("dropout", 0.1), attn_dropout=hf.get("attention_dropout", 0.1),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-12), pad_token_id=2 if pad is None else pad,
             activation="gelu" if hf.get("gelu_activation", True) else "relu", init_std=hf.get("init_std", 0.02),
-            nsp=False, mlm_transform=False,
+            nsp=False, mlm_transform=False, causal=hf.get("causal", False),
         )
     except ValueError as e:
         raise ValueError(f"{where}: config.json gives an invalid model: {e}") from e
@@ -745,7 +748,7 @@ def xlm_config_to_hf(cfg: BertConfig) -> dict:
         "model_type": "xlm", "vocab_size": cfg.vocab_size, "emb_dim": cfg.d_model, "n_layers": cfg.n_layer,
         "n_heads": cfg.n_head, "max_position_embeddings": cfg.max_seq_len, "n_langs": max(cfg.type_vocab_size, 1),
         "use_lang_emb": cfg.type_vocab_size > 1, "dropout": cfg.dropout, "attention_dropout": cfg.attn_dropout,
-        "gelu_activation": cfg.activation == "gelu", "sinusoidal_embeddings": False, "causal": False, "asm": False,
+        "gelu_activation": cfg.activation == "gelu", "sinusoidal_embeddings": False, "causal": cfg.causal, "asm": False,
         "is_encoder": True, "layer_norm_eps": cfg.layer_norm_eps, "init_std": cfg.init_std,
         "embed_init_std": cfg.init_std, "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": True,
     }

@@ -229,6 +229,10 @@ class TaskModel(nn.Module):
         p = task.dropout if task.dropout is not None else getattr(cfg, "dropout", 0.1)
         self.drop = Dropout(p)
         self.reads = "features" if task.features is not None else READS[family]
+        if self.reads == "first-state" and getattr(cfg, "causal", False) and kind.reads != "tokens":
+            raise ValueError(f"a causal XLM (pretrained with objective clm) cannot read a {task.kind} task's vector at "
+                             "position 0, which sees only itself there; fine-tune an XLM pretrained with mlm or tlm "
+                             "(the paper's), or a token-level task")
 
         # Feature-based: layer combination (+ learned scalar mix) and a task model.
         self.mix = None

@@ -32,7 +32,8 @@ logger = logging.getLogger("ray.serve")  # Serve's logger: a replica's lines lan
 
 DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
 TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
-# Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input.
+# Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input
+# (and an XLM pretrained with objective clm, ``config.causal``).
 CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 # Backbones whose passes replay from CUDA graphs on a GPU (``ctxmodels.graphs``): no host sync and no
 # data-dependent shape in their forward there (the families ``has_static_step`` compiles whole).
@@ -144,6 +145,7 @@ class EmbeddingReplica(TaskServing):
             if tmp is not None:  # weights and vocabulary are in memory now
                 shutil.rmtree(tmp, ignore_errors=True)
         self.family, config = loaded.family, loaded.config
+        self.causal = self.family in CAUSAL_FAMILIES or getattr(config, "causal", False)  # XLM's CLM too
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = serving_dtype(settings.dtype, self.device)
         loaded.model.to(dtype=self.dtype)  # every floating weight and buffer, head included (in place, on the host)
@@ -338,7 +340,7 @@ class EmbeddingReplica(TaskServing):
             return None
         if pooling == "last":  # the last real token ([SEP]): in a causal model it has seen every token
             return len(row) - 1
-        if self.family in CAUSAL_FAMILIES:
+        if self.causal:
             raise InputError(
                 f"pooling 'cls': model {self.name!r} is a causal {self.family} model, whose first position has "
                 f"seen no text; use pooling 'last' or 'mean'"

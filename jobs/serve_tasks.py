@@ -67,20 +67,21 @@ NEEDS: dict[str, str] = {
     "/v1/tag": "a fine-tuned token-classification checkpoint",
     "/v1/answer": "a fine-tuned question-answering checkpoint",
     "/v1/rerank": "a fine-tuned pair classifier with 2 labels, or a regression checkpoint",
-    "/v1/fill-mask": f"a pretrained {' / '.join(MLM_FAMILIES)} checkpoint with its masked-LM head",
-    "/v1/generate": f"a pretrained {' / '.join(LM_FAMILIES)} checkpoint",
+    "/v1/fill-mask": f"a pretrained {' / '.join(MLM_FAMILIES)} checkpoint with its masked-LM head (XLM: pretrained with mlm or tlm)",
+    "/v1/generate": f"a pretrained {' / '.join(LM_FAMILIES)} checkpoint, or an XLM pretrained as a causal LM (objective clm)",
 }
 
 
-def routes_of(family: str, task: Any, untrained_heads: set[str]) -> list[str]:
+def routes_of(family: str, task: Any, untrained_heads: set[str], causal: bool = False) -> list[str]:
     """The routes a model serves: ``task`` is its ``TaskConfig`` (None: pretrained); ``untrained_heads``
-    the modules a Hugging Face folder had no weights for (a bare BertModel has no MLM head)."""
+    the modules a Hugging Face folder had no weights for (a bare BertModel has no MLM head); ``causal``:
+    an XLM pretrained as a causal LM, whose prediction layer scores the next token."""
     if task is not None:
         extra = TASKS[task.kind].routes
         if task.kind == "classification" and task.num_labels != 2:
             extra = tuple(r for r in extra if r != "/v1/rerank")
     elif family in MLM_FAMILIES and MLM_HEAD[family] not in untrained_heads:
-        extra = ("/v1/fill-mask",)
+        extra = ("/v1/generate",) if causal else ("/v1/fill-mask",)
     elif family in LM_FAMILIES:
         extra = ("/v1/generate",)
     else:
@@ -92,7 +93,9 @@ def cannot_serve(name: str, info: dict, route: str) -> str:
     """The 400's message for a model asked for what it does not do: what it is and what it serves."""
     what = f"a fine-tuned {info['family']} {info['task']} model" if info["task"] else f"a pretrained {info['family']} model"
     why = ""
-    if route == "/v1/fill-mask" and info["family"] in MLM_FAMILIES and not info["task"]:
+    if route == "/v1/fill-mask" and "/v1/generate" in info["routes"] and not info["task"]:
+        why = " pretrained as a causal LM (objective clm)"
+    elif route == "/v1/fill-mask" and info["family"] in MLM_FAMILIES and not info["task"]:
         why = " whose checkpoint has no trained masked-LM head"
     elif route == "/v1/rerank" and info["task"] == "classification":
         why = f" with {len(info['labels'])} labels"
@@ -481,6 +484,8 @@ def next_token_logits(family: str, model, input_ids, placeholder_id: int):
         return model.logits(model.backbone.hidden_states(input_ids)[-1][:, -1:])[0, -1]
     if family == "awd-lstm":  # the last position's output from zero state
         return model.logits(model.backbone.hidden_states(input_ids)[-1][:, -1])[0]
+    if family == "xlm" and model.cfg.causal:  # XLM's CLM: the prediction layer at the last position (the served language)
+        return model.mlm_logits(input_ids)[0, -1]
     if family == "xlnet":
         T = input_ids.shape[1]
         ids = torch.cat([input_ids, input_ids.new_full((1, 1), placeholder_id)], dim=1)  # (1, T + 1)
@@ -608,7 +613,7 @@ class TaskServing:
     def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.task_config = loaded.task
         self.model = loaded.model.to(self.device).eval()  # its backbone is the one embeddings read
-        self.routes = routes_of(self.family, self.task_config, untrained_heads)
+        self.routes = routes_of(self.family, self.task_config, untrained_heads, getattr(loaded.config, "causal", False))
         self.settings = task_settings(self.family, self.task_config, recipe, self.max_len) if self.task_config is not None else None
         self._rows_batch = Batcher(self._rows_pass, max_batch_size, batch_wait_timeout_s, self.model_lock)
 

@@ -20,7 +20,7 @@ from typing import Any, Collection
 import numpy as np
 
 from ctxmodels.registry import FAMILIES
-from jobs.config import Recipe, RecipeError, language_model_fields, model_overrides_with_vocab
+from jobs.config import FAMILY_OBJECTIVES, Recipe, RecipeError, language_model_fields, model_overrides_with_vocab
 from jobs.registry import ModelVersion, resolve
 from jobs.tracking import record_run
 from jobs.loop import (  # noqa: F401 (re-exported: lr_factor, param_groups, model_inputs, row_digests)
@@ -128,6 +128,12 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print, key: str = "mode
         if has != wanted:
             raise RecipeError(f"data.languages: {len(recipe.data.languages)} language(s) need {name}={wanted}, "
                               f"but {key} {uri} has {name}={has}")
+    causal = FAMILY_OBJECTIVES.get(recipe.model.family, {}).get(recipe.data.objective, {}).get("causal")
+    has_causal = bool((payload.get("model", {}) if family is not None else payload).get("causal", False))
+    if causal is not None and has_causal != causal:  # XLM: CLM's attention sees no later token, MLM's sees all
+        kinds = {True: "a causal (objective clm)", False: "a bidirectional (objective mlm or tlm)"}
+        raise RecipeError(f"{key}: {uri} is {kinds[has_causal]} XLM, but data.objective {recipe.data.objective!r} trains "
+                          f"{kinds[causal]} one: start from an XLM pretrained with the same kind of objective")
     tok = local / "tokenizer" if (local / "tokenizer").is_dir() else local  # ours in tokenizer/, HF folders at the top
     what = "teacher" if key == "teacher.init" else "warm start"
     log(f"{what}: weights and tokenizer of {uri}" + (f" (registry version {version.ref})" if version else ""))

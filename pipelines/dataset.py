@@ -185,6 +185,7 @@ def transform_context(spec: StreamSpec, tok: Tokenizer) -> TransformContext:
         plm=spec.plm,
         vocab=vocab_info(tok, spec.objective),
         char_table=char_table(tok, spec.char_max_chars) if objective(spec.objective).uses_chars else None,
+        languages=bool(spec.shard_languages),
     )
 
 

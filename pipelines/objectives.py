@@ -56,6 +56,7 @@ class TransformContext:
     plm: PlmConfig
     vocab: VocabInfo
     char_table: np.ndarray | None = None  # int32 (V, max_chars), "bilm" only
+    languages: bool = False  # rows carry XLM language ids as token_type_ids (data.languages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +77,8 @@ def _span(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.n
 
 def _clm(batch: dict[str, np.ndarray], ctx: TransformContext) -> dict[str, np.ndarray]:
     out = causal_lm_targets(batch)
-    out.pop("token_type_ids", None)  # GPT's forward takes none; one segment anyway
+    if not ctx.languages:  # GPT's forward takes none; one segment anyway. XLM's CLM keeps its language ids
+        out.pop("token_type_ids", None)
     return out
 
 
@@ -129,7 +131,7 @@ OBJECTIVES: dict[str, Objective] = {
     # BERT / RoBERTa: dynamic MLM masking of packed FULL-SENTENCES rows.
     "mlm": Objective(
         rows="packed", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM, places_mask=True,
-        families={"bert": {"nsp": False}, "roberta": {"nsp": False}, "albert": {"sop": False}, "xlm": {"nsp": False}},
+        families={"bert": {"nsp": False}, "roberta": {"nsp": False}, "albert": {"sop": False}, "xlm": {"nsp": False, "causal": False}},
     ),
     # BERT: sentence pairs, MLM + next-sentence prediction.
     "nsp": Objective(
@@ -149,10 +151,13 @@ OBJECTIVES: dict[str, Objective] = {
     # XLM: translation LM, a sentence and its translation in one row (data.languages names them).
     "tlm": Objective(
         rows="translations", transform=_mlm, predicted=_masked, main_loss="mlm_loss", token_metrics=MASKED_LM,
-        places_mask=True, families={"xlm": {"nsp": False}},
+        places_mask=True, families={"xlm": {"nsp": False, "causal": False}},
     ),
-    # GPT: next token, independent rows.
-    "clm": Objective(rows="packed", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM, families={"gpt": {}}),
+    # GPT, and XLM's causal LM (sec. 3.1; with data.languages, one language a row): next token, independent rows.
+    "clm": Objective(
+        rows="packed", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM,
+        families={"gpt": {}, "xlm": {"causal": True, "nsp": False}},
+    ),
     # Transformer-XL, AWD-LSTM: next token, with memory (LSTM state) across stream-ordered batches.
     "clm-stream": Objective(
         rows="stream", transform=_clm, predicted=_next_token, main_loss="lm_loss", token_metrics=CAUSAL_LM,

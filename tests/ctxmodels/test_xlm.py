@@ -1,6 +1,7 @@
 """XLM (Lample & Conneau 2019) as BERT with XLM's presets: language embeddings, positions given per
 token and the transform-free prediction layer equal transformers' ``XLMWithLMHeadModel`` both ways,
-for a model with one language, several with embeddings, and several without (``use_lang_emb``)."""
+for a model with one language, several with embeddings, and several without (``use_lang_emb``); and
+XLM's causal LM (``causal``), which reads no later token and is scored against the next one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ctxmodels.hf import export_hf_folder, from_hf, load_hf_folder
 from ctxmodels.registry import build_model, make_config, new_model
@@ -135,7 +137,7 @@ def test_pretraining_loss_falls_with_languages_and_positions():
 
 
 def test_import_and_export_refuse_what_xlm_cannot_be(tmp_path):
-    for key, value in (("causal", True), ("sinusoidal_embeddings", True), ("asm", True)):
+    for key, value in (("sinusoidal_embeddings", True), ("asm", True)):
         ref = transformers.XLMConfig(vocab_size=V, emb_dim=32, n_layers=1, n_heads=4, **{key: value})
         with pytest.raises(ValueError, match=f"{key}=True is not supported"):
             from_hf(ref.to_dict(), {}, "folder")
@@ -158,3 +160,104 @@ def test_presets_have_the_released_models_parameters(preset, n_langs):
         ref = transformers.XLMWithLMHeadModel(hf_config)
     pooler = sum(p.numel() for p in ours.backbone.pooler.parameters())
     assert sum(p.numel() for p in ours.parameters()) - pooler == sum(p.numel() for p in ref.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# XLM's causal LM (sec. 3.1, CLM)
+
+
+@pytest.mark.parametrize("n_langs", [1, 3])
+def test_a_causal_xlm_converts_both_ways_with_equal_states_and_logits(n_langs, tmp_path):
+    """An HF XLM with ``causal`` imports as ours with ``causal`` (a bidirectional pass would differ at
+    every position but the last), and exports back to one."""
+    ref = hf_xlm(n_langs, causal=True)
+    ref.save_pretrained(tmp_path / "hf")
+    family, cfg, ours = load_hf_folder(tmp_path / "hf")
+    assert family == "xlm" and cfg.causal
+    assert_equal_outputs(ours.eval(), ref, n_langs)
+    export_hf_folder(ours, "xlm", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["causal"] is True
+    back, info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert back.transformer.causal and not info["missing_keys"], info
+    assert_equal_outputs(ours, back.eval(), n_langs)
+
+
+def _causal_model(**overrides):
+    _, model = build_model("xlm", "tiny", {"type_vocab_size": 2, "vocab_size": V, "causal": True, **overrides}, seed=0)
+    return model
+
+
+def _rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, V, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    langs = torch.tensor([[0], [1], [1]]).expand(3, 10)
+    return ids.masked_fill(mask == 0, PAD), mask, langs
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_causal_xlm_never_reads_a_later_token(training):
+    """Changing the token at position 5 changes no state before it and every real one from it, in
+    inference and in training (SDPA, and the written-out attention with its dropout drawn alike), with a
+    padded row among full ones; the passes that read one position agree with the full pass."""
+    model = _causal_model().train(training)
+    ids, mask, langs = _rows()
+    changed = ids.clone()
+    changed[:, 5] = (ids[:, 5] + 1 - 5) % (V - 5) + 5
+    states = []
+    for x in (ids, changed):
+        torch.manual_seed(0)  # the same dropout draws for both
+        states.append(model.backbone.hidden_states(x, mask, langs)[-1])
+    torch.testing.assert_close(states[0][:, :5], states[1][:, :5], atol=1e-6, rtol=0)
+    real_after = mask[:, 5:].bool()
+    assert ((states[0][:, 5:] - states[1][:, 5:]).abs().amax(-1)[real_after] > 1e-3).all()
+    if not training:
+        with torch.no_grad():
+            first = model.backbone.first_token_state(changed, mask, langs)
+            where = mask.bool() & (torch.arange(10) % 3 == 0)
+            at = model.backbone.last_hidden_at(changed, mask, langs, where)
+        torch.testing.assert_close(first, states[1][:, 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(at, states[1][where], atol=1e-5, rtol=0)
+
+
+def test_the_causal_loss_scores_each_position_against_the_next_token():
+    model = _causal_model().eval()
+    ids, mask, langs = _rows()
+    labels = ids.masked_fill(mask == 0, -100)  # unshifted, as GPT's
+    with torch.no_grad():
+        out = model(ids, mask, langs, labels=labels)
+        logits = model.mlm_logits(ids, mask, langs)  # (B, T, V)
+    nxt = labels[:, 1:]
+    torch.testing.assert_close(out.loss, F.cross_entropy(logits[:, :-1].reshape(-1, V), nxt.reshape(-1)), atol=1e-5, rtol=0)
+    scored = nxt != -100
+    assert out.metrics["n_pred"].item() == scored.sum().item() == 3 * 9 - 3  # row 1's padding predicts nothing
+    hits = (logits[:, :-1].argmax(-1) == nxt)[scored].float().mean()
+    torch.testing.assert_close(out.metrics["lm_acc"], hits)
+    assert set(out.metrics) == {"lm_loss", "lm_acc", "n_pred"}  # the clm objective's metric names (GPT's)
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = model(ids, mask, langs, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.backbone.embeddings.token_type.weight.grad.abs().sum() > 0
+
+
+def test_what_a_causal_xlm_cannot_be_is_refused():
+    from ctxmodels.distill import init_student
+    from ctxmodels.tasks import TaskConfig, TaskModel
+
+    with pytest.raises(ValueError, match="causal: a causal LM predicts the next token"):
+        make_config("xlm", "tiny", {"causal": True, "nsp": True})
+    cfg = make_config("xlm", "tiny", {"causal": True})
+    with pytest.raises(ValueError, match="cannot read a classification task's vector at position 0"):
+        TaskModel("xlm", cfg, TaskConfig(kind="classification", num_labels=3))
+    TaskModel("xlm", cfg, TaskConfig(kind="token-classification", num_labels=3))  # every token reads what precedes it
+    with pytest.raises(ValueError, match="causal XLM teacher"):
+        init_student(_causal_model(), [0])

@@ -72,6 +72,8 @@ def test_bad_keys_and_values_are_named(override, key):
         (["data.objective=tlm"], "data.languages: the translation LM (objective tlm) reads records that name two"),
         (["data.translations=p.jsonl"], "data.translations: XLM's MLM + TLM adds translation rows"),
         (["data.translations=p.jsonl", "data.objective=tlm", "data.languages=[en, fr]"], "it needs objective mlm and at least two languages"),
+        (["model.causal=true"], "model.causal: objective 'mlm' needs causal=False"),
+        (["data.objective=clm", "model.causal=false"], "model.causal: objective 'clm' needs causal=True"),
     ],
 )
 def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, message):
@@ -85,6 +87,9 @@ def test_xlm_languages_are_checked_against_inputs_and_the_model(overrides, messa
     both = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.languages=[en, fr]", "data.input=[a, b]", "data.eval_input=null",
                                                              "data.translations=[s3://p/, s3://q/]"])
     assert both.data.translations == ["s3://p/", "s3://q/"]  # MLM + TLM: the languages' shards and parallel ones
+    clm = load_recipe(REPO / "configs" / "xlm-tiny.yaml", ["data.objective=clm", "data.languages=[en, fr]", "data.input=[a, b]",
+                                                            "data.eval_input=null"])
+    assert clm.data.objective == "clm"  # XLM's causal LM, one language a row
 
 
 def test_parallel_shards_are_listed_and_a_shard_in_both_is_refused(tmp_path):

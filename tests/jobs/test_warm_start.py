@@ -59,6 +59,16 @@ def test_a_warm_start_with_languages_needs_the_checkpoints_language_table(tmp_pa
                                                          "data.input=[a, b, c]", "data.eval_input=null"])
     with pytest.raises(RecipeError, match=r"data.languages: 3 language\(s\) need type_vocab_size=3, but model.init .* has type_vocab_size=2"):
         warm_start_source(three, tmp_path / "w2", log=lambda *_: None)
+    # XLM's causal LM (objective clm) continues only a causal XLM, and MLM only a bidirectional one
+    clm = load_recipe(REPO / "configs/xlm-tiny.yaml", [f"model.init={ckpt}", "data.objective=clm", *two])
+    with pytest.raises(RecipeError, match=r"model.init: .* is a bidirectional \(objective mlm or tlm\) XLM, but data.objective 'clm' trains a causal"):
+        warm_start_source(clm, tmp_path / "w3", log=lambda *_: None)
+    cfg, model = build_model("xlm", "tiny", {"vocab_size": tok.vocab_size, "type_vocab_size": 2, "causal": True}, seed=3)
+    causal = save_checkpoint(tmp_path / "causal" / "checkpoint_2026-01-01_00-00-00.000000", model, "xlm", cfg, tokenizer_dir=tmp_path / "tok")
+    clm = load_recipe(REPO / "configs/xlm-tiny.yaml", [f"model.init={causal}", "data.objective=clm", *two])
+    assert warm_start_source(clm, tmp_path / "w4", log=lambda *_: None)[0].rstrip("/").endswith(causal.name)
+    with pytest.raises(RecipeError, match=r"is a causal \(objective clm\) XLM, but data.objective 'mlm' trains a bidirectional"):
+        warm_start_source(load_recipe(REPO / "configs/xlm-tiny.yaml", [f"model.init={causal}", *two]), tmp_path / "w5", log=lambda *_: None)
 
 
 def test_model_has_the_checkpoints_architecture_and_weights(checkpoint):

@@ -99,6 +99,25 @@ def test_masked_batches_keep_the_language_ids(corpus):
     assert seen == {0, 1}
 
 
+def test_causal_lm_batches_keep_the_language_ids_only_with_languages(corpus):
+    """XLM's CLM (objective clm with data.languages): next-token rows keep their language as
+    token_type_ids; GPT's rows (no languages) carry none, as GPT's forward takes none."""
+    english, backwards, tok = corpus
+    shards = (backwards, english)
+    spec = StreamSpec(shards=shards, seq_len=64, objective="clm", shard_languages=(1, 0), shuffle_files=False)
+    seen = set()
+    for b in local_batches(spec, tok, batch_size=32, epoch=0, max_batches=100):
+        np.testing.assert_array_equal(b["labels"], np.where(b["attention_mask"] == 1, b["input_ids"], -100))  # unshifted
+        assert not np.isin(b["input_ids"], [tok.mask_id]).any()
+        for key, lang in zip(shard_keys(shards), (1, 0)):
+            rows = (b["sample_id"] >> 32) == key
+            assert np.all(b["token_type_ids"][rows] == lang)
+            seen |= {lang} if rows.any() else set()
+    assert seen == {0, 1}
+    gpt = StreamSpec(shards=shards, seq_len=64, objective="clm")
+    assert "token_type_ids" not in next(iter(local_batches(gpt, tok, batch_size=32, epoch=0, max_batches=1)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Translation LM rows
 
