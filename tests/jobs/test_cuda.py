@@ -9,7 +9,7 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
 - cached decoding (GPT's key-value cache, Transformer-XL's memory) on CUDA equals the CPU's full forward;
 - each block compiled (``ctxmodels.compiling``) equals eager CUDA; SDPA's flash and
   memory-efficient kernels equal its math path under bf16 autocast, for every family and mask
-  kind; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host;
+  kind, XLM's causal mask too; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host;
 - a BERT, SpanBERT and ALBERT step with the masked positions found on the host makes no
   synchronizing call; the bf16 residual stream (``train.residual: bf16``) compiles like eager and learns;
 - ``train.compile: graphs`` on one GPU (``jobs.parallel.wrap_model``): BERT, SpanBERT and ALBERT
@@ -203,6 +203,29 @@ def test_sdpa_fused_kernels_on_cuda_equal_the_math_path(family, padding):
     scale = max(float(g.abs().max()) for g in reference[1].values())
     for name, g in reference[1].items():
         assert float((fused[1][name] - g).abs().max()) <= 2e-2 * scale, f"{family} {name}"
+
+
+def test_a_causal_xlm_on_cuda_equals_the_cpu_and_its_fused_kernel_the_math_path():
+    """XLM's causal LM runs padded with an explicit (B, 1, T, T) mask: on the GPU its loss and gradients
+    equal the CPU's in fp32, and under bf16 autocast SDPA's fused kernel equals its math path."""
+    _, model = build_model("xlm", "tiny", {"vocab_size": 128, "type_vocab_size": 2, "causal": True}, seed=0)
+    ids = torch.randint(5, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    langs = (torch.arange(4) % 2)[:, None].expand(4, 32).contiguous()
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": langs, "labels": ids.masked_fill(mask == 0, -100)}
+    model.eval()  # no dropout: the two devices draw different masks
+    on_cpu = _loss_and_grads(model, batch)
+    model.to(CUDA)
+    _assert_same(_loss_and_grads(model, _on(batch, CUDA)), on_cpu, "xlm", "causal on CUDA", rtol=1e-4, atol=1e-5)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = _loss_and_grads(model, _on(batch, CUDA))
+        with sdpa_kernel(SDPBackend.MATH):
+            reference = _loss_and_grads(model, _on(batch, CUDA))
+    torch.testing.assert_close(fused[0], reference[0], rtol=2e-2, atol=2e-2)
+    scale = max(float(g.abs().max()) for g in reference[1].values())
+    for name, g in reference[1].items():
+        assert float((fused[1][name] - g).abs().max()) <= 2e-2 * scale, name
 
 
 def test_to_device_pins_copies_and_finds_unpadded_batches_on_the_host():
