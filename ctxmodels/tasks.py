@@ -80,7 +80,8 @@ READS: dict[str, str] = {
 }
 # Families whose token_type_ids are not sentence segments, so the segment ids of fine-tuning inputs
 # ([CLS] a [SEP] b [SEP] gives b type 1) are not given to them: RoBERTa has one type (its HF
-# tokenizer gives zeros), and XLM's table holds languages (every token reads language 0's row).
+# tokenizer gives zeros), and XLM's table holds languages (every token reads the row of the task's
+# ``language``: the training texts' language, or another one for cross-lingual transfer).
 NO_SEGMENTS = ("roberta", "xlm")
 # ULMFiT's classifier (sec. 4): a hidden layer of 50; its first block's dropout is the task's (or the
 # family's, 0.4), the second's this one (fastai's ULMFiT classifier: dropouts 0.4 and 0.1).
@@ -100,6 +101,10 @@ class TaskConfig:
     task_model: Literal["linear", "bilstm"] = "linear"
     input_style: Literal["bert", "xlnet", "gpt"] = "bert"
     lstm_dim: int = 256  # per direction, task_model bilstm
+    # XLM with a language table: the row every token reads (the language of the texts; XLM's
+    # cross-lingual transfer fine-tunes on one and evaluates on others), and the rows' names.
+    language: int = 0
+    languages: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if task_of(self.kind).labelled and self.num_labels < 1:
@@ -114,6 +119,21 @@ class TaskOutput:
     loss: Tensor | None
     logits: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def language_row(names: list[str], rows: int, wanted: str | int) -> int:
+    """The row of an XLM's language table (``rows`` of them, named ``names`` or unnamed) that
+    ``wanted`` is, a name or a row number; ValueError naming what the table has."""
+    if rows < 2:
+        raise ValueError(f"language {wanted!r}: the model has no language embeddings (only an XLM trained on two languages or more has)")
+    if isinstance(wanted, str):
+        if wanted not in names:
+            known = f"its languages are {names}" if names else "its checkpoint names none: give the row's number"
+            raise ValueError(f"language {wanted!r} is not one of the model's; {known}")
+        return names.index(wanted)
+    if isinstance(wanted, bool) or not 0 <= wanted < rows:
+        raise ValueError(f"language {wanted!r} is not a row of its language table (0..{rows - 1})")
+    return wanted
 
 
 def effective_task(family: str, task: TaskConfig) -> TaskConfig:
@@ -291,12 +311,14 @@ class TaskModel(nn.Module):
             chars = chars * (attention_mask != 0)[..., None]
         return chars
 
-    def _segments(self, token_type_ids: Tensor | None) -> Tensor | None:
-        return None if self.family in NO_SEGMENTS else token_type_ids
+    def _segments(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor | None:
+        if self.family == "xlm" and self.task.language:  # the language's row for every token
+            return torch.full_like(input_ids, self.task.language)
+        return None if self.family in NO_SEGMENTS else token_type_ids  # (XLM language 0: the table's row 0)
 
     def _states(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None) -> list[Tensor]:
         x = self._inputs(input_ids, attention_mask)
-        token_type_ids = self._segments(token_type_ids)
+        token_type_ids = self._segments(input_ids, token_type_ids)
         if self.task.freeze:
             with torch.no_grad():
                 return [s.detach() for s in self.backbone.hidden_states(x, attention_mask, token_type_ids)]
@@ -322,7 +344,7 @@ class TaskModel(nn.Module):
         backbone with ``last_hidden_at`` computes its last block at those positions alone."""
         fast = getattr(self.backbone, "last_hidden_at", None)
         if fast is not None and self.reads != "features" and not self.task.freeze:
-            return fast(input_ids, attention_mask, self._segments(token_type_ids), where)
+            return fast(input_ids, attention_mask, self._segments(input_ids, token_type_ids), where)
         return self.token_vectors(input_ids, attention_mask, token_type_ids)[where]
 
     def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
@@ -330,7 +352,7 @@ class TaskModel(nn.Module):
         if self.reads in ("first", "first-state"):
             fast = getattr(self.backbone, "first_token_state", None)
             if fast is not None and not self.task.freeze:
-                first = fast(input_ids, attention_mask, self._segments(token_type_ids))  # only [CLS] runs the last block
+                first = fast(input_ids, attention_mask, self._segments(input_ids, token_type_ids))  # only [CLS] runs the last block
             else:
                 first = self._states(input_ids, attention_mask, token_type_ids)[-1][:, 0]
             return torch.tanh(self.backbone.pooler(first)) if self.reads == "first" else first  # (B, D)

@@ -216,13 +216,15 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.suite == "wic":
         from jobs.wic import evaluate_wic, write_output
 
+        if args.language is not None:
+            raise SystemExit("ctx eval wic: --language is for a fine-tuned XLM's split, not the word-in-context test")
         print(write_output(evaluate_wic(args.model, args.data or "data/tasks/wic", store=_store(args)), args.output))
         return 0
     from jobs.evaluate import evaluate, write_result
 
     if not args.data:
         raise SystemExit("ctx eval: --data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
-    print(write_result(evaluate(args.model, args.data, _store(args)), args.output))
+    print(write_result(evaluate(args.model, args.data, _store(args), _language(args.language)), args.output))
     return 0
 
 
@@ -340,11 +342,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _interrupted("export")
 
 
-def _run_languages(checkpoint_dir) -> list[str] | None:
-    """The language names of an XLM run (its recipe's data.languages, in trainer_state.json), or None."""
-    from jobs.serve_tasks import read_recipe
-
-    return ((read_recipe(checkpoint_dir) or {}).get("data") or {}).get("languages") or None
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -352,7 +349,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     from ctxmodels.checkpoint import load_checkpoint
     from ctxmodels.hf import export_distilbert_folder, export_hf_folder
-    from jobs.runs import local_copy, resolve_checkpoint
+    from jobs.runs import checkpoint_languages, local_copy, resolve_checkpoint
     from pipelines import storage
     from pipelines.tokenizers import load_tokenizer
 
@@ -372,7 +369,7 @@ def _run_export(args: argparse.Namespace) -> int:
         out = Path(work) / "out" if storage.is_remote(args.output) else Path(args.output)
         try:
             if args.format == "hf":
-                export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id, _run_languages(local))
+                export_hf_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, pad_id, checkpoint_languages(local))
             elif args.format == "distilbert":
                 if loaded.family != "bert" or loaded.task is not None:
                     raise ValueError(f"--format distilbert takes a bert pretraining model, not a {loaded.family} "
@@ -679,6 +676,9 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic any model")
     p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
+    p.add_argument("--language", default=None,
+                   help="a fine-tuned multilingual XLM: read the split's texts as this language, a name of the model's "
+                        "languages or a row number (default: the language it was fine-tuned on; XLM's cross-lingual transfer)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
     _add_retry_deadline(p)
 

@@ -35,9 +35,10 @@ def load_recipe_of(checkpoint: str, store=None):
     return FinetuneRecipe.model_validate(state["recipe"])
 
 
-def evaluate(model_uri: str, data_uri: str | list[str], store=None) -> dict[str, Any]:
+def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: str | int | None = None) -> dict[str, Any]:
     """The scores of ``model_uri`` on ``data_uri`` (module docstring). ``store``: the command's
-    ``pipelines.storage.Store`` (endpoint and ``--retry-deadline``), or an endpoint URL."""
+    ``pipelines.storage.Store`` (endpoint and ``--retry-deadline``), or an endpoint URL. ``language``:
+    a multilingual XLM reads the texts as this language (a name or a row; None: its task's)."""
     from jobs.finetune import score_split
     from jobs.runs import resolve_checkpoint
     from jobs.train import init_ray
@@ -48,10 +49,10 @@ def evaluate(model_uri: str, data_uri: str | list[str], store=None) -> dict[str,
     recipe = load_recipe_of(checkpoint, store)
     init_ray()
     details: dict[str, Any] = {}
-    scored = score_split(checkpoint, recipe, data_uri, store, details)
+    scored = score_split(checkpoint, recipe, data_uri, store, details, language)
     kind = recipe.task.kind
     result: dict[str, Any] = {
-        "model": checkpoint, "data": data_uri, "task": kind,
+        "model": checkpoint, "data": data_uri, "task": kind, **({"language": details["language"]} if "language" in details else {}),
         "examples": int(details["records"]) - int(details["rejected"]), "rejected": int(details["rejected"]),
         "metrics": {k.removeprefix("val_"): v for k, v in scored.items()},
     }

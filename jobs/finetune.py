@@ -83,8 +83,10 @@ def task_data_config(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...
     return TaskDataConfig(input_style=input_style(family), labels=labels, **{k: getattr(recipe.task, k) for k in sorted(shared)})
 
 
-def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...]) -> dict[str, Any]:
-    """``ctxmodels.tasks.TaskConfig`` fields (plain values: they travel to the workers as JSON)."""
+def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...], language: int = 0,
+                       languages: list[str] | None = None) -> dict[str, Any]:
+    """``ctxmodels.tasks.TaskConfig`` fields (plain values: they travel to the workers as JSON);
+    ``language``/``languages``: an XLM's row every token reads, and the rows' names."""
     kind = recipe.task.kind
     return {
         "kind": kind,
@@ -97,7 +99,27 @@ def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, .
         "features": recipe.model.features,
         "task_model": recipe.model.task_model,
         "input_style": input_style(family),
+        "language": language,
+        "languages": list(languages or []),
     }
+
+
+def task_language(recipe: FinetuneRecipe, family: str, model_fields: dict[str, Any], names: list[str], init_task) -> tuple[int, list[str]]:
+    """(row, names) of the language an XLM's task reads: ``task.language`` among model.init's
+    languages, else a continued head's, else row 0. RecipeError for a language the model lacks."""
+    from ctxmodels.tasks import language_row
+    from jobs.config import RecipeError
+
+    rows = model_fields.get("type_vocab_size", 0) if family == "xlm" else 0
+    names = names if rows > 1 and len(names) == rows else []
+    if recipe.task.language is None:
+        return (init_task.language if init_task is not None else 0), names
+    if family != "xlm":
+        raise RecipeError(f"task.language: only an XLM reads its texts as a language; model.init is a {family} model")
+    try:
+        return language_row(names, rows, recipe.task.language), names
+    except ValueError as e:
+        raise RecipeError(f"task.language: {e}") from None
 
 
 def score_of(metric: str, values: dict[str, float]) -> float:
@@ -124,7 +146,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     from ray.train import CheckpointConfig, DataConfig
 
     from ctxmodels.checkpoint import load_checkpoint
-    from jobs.runs import best_checkpoint, local_copy, read_best, resolve_checkpoint
+    from jobs.runs import best_checkpoint, checkpoint_languages, local_copy, read_best, resolve_checkpoint
     from pipelines import finetune_stream as fs
     from pipelines.dataset import tokenizer_files
     from pipelines.datareport import format_report
@@ -136,14 +158,19 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     init_uri = resolve_checkpoint(source, store)
     log(f"model: {recipe.model.init} -> {init_uri}" + (f" (registry version {parent.ref})" if parent else ""))
     with tempfile.TemporaryDirectory(prefix="ctx-finetune-") as workdir:  # a remote init's copy: only its config and tokenizer bytes are kept
-        init = load_checkpoint(local_copy(init_uri, Path(workdir), store))
+        local = local_copy(init_uri, Path(workdir), store)
+        init = load_checkpoint(local)
         if init.tokenizer_dir is None:
             raise storage.StorageError(f"model.init: {init_uri} has no tokenizer files (tokenizer/, tokenizer.json or vocab.txt)")
         family, files = init.family, tokenizer_files(init.tokenizer_dir)
         model_fields = dataclasses.asdict(init.config)
         init_task = init.task
+        names = checkpoint_languages(local)  # an XLM's languages, by name
         del init
     continuing = recipe.model.head == "continue"
+    language, names = task_language(recipe, family, model_fields, names, init_task if continuing else None)
+    if names or language:
+        log(f"language: the texts are read as {names[language] if names else 'row'} (row {language} of model.init's language table)")
     if continuing:
         from jobs.config import RecipeError
 
@@ -218,7 +245,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             "model": model_fields,
             "init_uri": init_uri,
             "continue_head": continuing,
-            "task": task_config_fields(recipe, family, labels),
+            "task": task_config_fields(recipe, family, labels, language, names),
             "data_config": dataclasses.asdict(cfg),
             "tokenizer_files": files,
             "run_uri": run,
@@ -273,9 +300,11 @@ def _checked(fn, key: str, *args):
 
 
 def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], store: storage.Store | str | None = None,
-                details: dict[str, Any] | None = None) -> dict[str, float]:
+                details: dict[str, Any] | None = None, language: str | int | None = None) -> dict[str, float]:
     """A fine-tuned checkpoint's task metrics on a split, in this process (no Ray Train).
-    ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels``.
+    ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels`` (and
+    ``language``, the name or row read). ``language``: a multilingual XLM reads the split as this
+    language instead of its task's (cross-lingual transfer); ValueError for one it lacks.
     ``store``: the command's (``ctx eval --retry-deadline``, the recipe's), or an endpoint URL."""
     import torch
 
@@ -290,6 +319,13 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
         loaded = load_checkpoint(local_copy(checkpoint, Path(d), store))
         files = tokenizer_files(loaded.tokenizer_dir)
     task = loaded.task
+    if language is not None:
+        from ctxmodels.tasks import language_row
+
+        rows = loaded.config.type_vocab_size if loaded.family == "xlm" else 0
+        task.language = loaded.model.task.language = language_row(task.languages, rows, language)  # the row its tokens read
+    if details is not None and loaded.family == "xlm" and (task.languages or task.language):
+        details["language"] = task.languages[task.language] if task.languages else task.language
     cfg = task_data_config(recipe, loaded.family, tuple(task.labels))
     table = fs.read_split(split, recipe.data.format, store)
     check = fs.check_split(table, files, cfg)

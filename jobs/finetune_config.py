@@ -81,6 +81,10 @@ class TaskSection(_Section):
     lm_weight: float = Field(0.5, ge=0.0)  # GPT: L = L_task + lm_weight * L_LM (GPT paper sec. 3.2); 0 disables
     symmetric: bool = False  # GPT similarity: both orders of the pair, vectors added
     metric: str | None = None  # validation metric that picks the best checkpoint; None: the kind's first
+    # A multilingual XLM: the language of the training texts, a name of model.init's languages (its
+    # data.languages, or an HF folder's lang2id) or a row of its language table; None: the first.
+    # `ctx eval --language` then scores other languages (XLM's cross-lingual transfer).
+    language: str | int | None = None
 
     @property
     def best_metric(self) -> str:

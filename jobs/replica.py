@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import shutil
 import tempfile
@@ -137,7 +136,7 @@ class EmbeddingReplica(TaskServing):
                 )
             loaded, untrained_heads = _load_noting_untrained_heads(local_dir)
             recipe = read_recipe(local_dir)  # a fine-tuned checkpoint's: how its task inputs are encoded
-            self.language = read_language(name, settings.language, loaded.family, loaded.model, recipe, local_dir)
+            self.language = read_language(name, settings.language, loaded.family, loaded.model, local_dir)
             tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
             self.tokenizer = load_tokenizer(tok_dir)
             self.tokenizer_hash = tokenizer_hash(tok_dir)
@@ -679,41 +678,42 @@ class Languages:
     def row(self, model_name: str, wanted: int | str | None) -> int:
         """The language ``wanted`` (a name, a row, None: the default) as a row of the original table;
         InputError naming what the model has."""
+        from ctxmodels.tasks import language_row
+
         if wanted is None:
             return self.default
-        if isinstance(wanted, str):
-            if wanted not in self.names:
-                known = f"its languages are {self.names}" if self.names else "its checkpoint names none: give the row's number"
-                raise InputError(f"model {model_name!r}: language {wanted!r} is not one of the model's; {known}")
-            return self.names.index(wanted)
-        if not 0 <= wanted < self.rows:
-            raise InputError(f"model {model_name!r}: language {wanted} is not a row of its language table (0..{self.rows - 1})")
-        return wanted
+        try:
+            return language_row(self.names, self.rows, wanted)
+        except ValueError as e:
+            raise InputError(f"model {model_name!r}: {e}") from None
 
     def table_row(self, row: int) -> int:
         return 0 if row == self.default else self.default if row == 0 else row
 
 
-def read_language(name: str, wanted: int | str | None, family: str, model, recipe: dict | None, local_dir: Path) -> Languages | None:
+def read_language(name: str, wanted: int | str | None, family: str, model, local_dir: Path) -> Languages | None:
     """XLM with a language table (``type_vocab_size`` > 1): its ``Languages``, the setting's language
-    (a name of the checkpoint's ``data.languages`` or an HF folder's ``lang2id``, or a row; None: the
-    first) swapped into row 0 of the loaded model's table. None for a model without one. InputError
+    (a name of the checkpoint's ``data.languages``, a fine-tuned one's ``task.languages`` or an HF
+    folder's ``lang2id``, or a row; None: a fine-tuned model's training language, else the first)
+    swapped into row 0 of the loaded model's table, which its task model then reads (its
+    ``task.language`` set to 0). None for a model without one. InputError
     (the deployment fails, naming it) for a language the model does not have, or a language set on
     a model without a table."""
     table = getattr(model, "backbone", model).embeddings.token_type if family == "xlm" else None  # BERT's rows are segments
     rows = table.num_embeddings if table is not None and table.num_embeddings > 1 else 0
-    names = list(((recipe or {}).get("data") or {}).get("languages") or [])
-    config = local_dir / "config.json"
-    if not names and config.is_file():  # an HF XLM folder names its rows in lang2id
-        lang2id = json.loads(config.read_text()).get("lang2id") or {}
-        names = [n for n, _ in sorted(lang2id.items(), key=lambda kv: kv[1])] if sorted(lang2id.values()) == list(range(len(lang2id))) else []
+    from jobs.runs import checkpoint_languages
+
+    task = getattr(model, "task", None)  # a fine-tuned model's TaskConfig
+    names = checkpoint_languages(local_dir)
     if rows == 0:
         if wanted is not None:
             raise InputError(f"model {name!r}: language {wanted!r} is set, but the model has no language embeddings "
                              "(only an XLM trained on two languages or more has)")
         return None
-    languages = Languages(names if len(names) == rows else [], rows, 0)
+    languages = Languages(names if len(names) == rows else [], rows, task.language if task is not None else 0)
     languages.default = languages.row(name, wanted)
+    if task is not None:
+        task.language = 0  # the task model reads row 0 without ids: the default, swapped in below
     if languages.default:
         import torch
 

@@ -114,3 +114,21 @@ def local_copy(uri: str, workdir: Path, store: Store | str | None = None) -> Pat
     if not storage.is_remote(uri):
         return Path(storage.filesystem(uri)[1])
     return as_store(store).download_dir(uri, workdir / uri.rstrip("/").rsplit("/", 1)[-1])
+
+
+def checkpoint_languages(local_dir: Path) -> list[str]:
+    """The names of an XLM checkpoint's language rows, in row order ([] when it names none): a
+    pretraining run's ``data.languages`` (its recipe in ``trainer_state.json``), a fine-tuned
+    checkpoint's ``task.languages``, or a Hugging Face folder's ``lang2id``."""
+    state, config = local_dir / "trainer_state.json", local_dir / "config.json"
+    recipe = json.loads(state.read_text()).get("recipe") if state.is_file() else None
+    names = ((recipe or {}).get("data") or {}).get("languages") if isinstance(recipe, dict) else None
+    if names:
+        return list(names)
+    payload = json.loads(config.read_text()) if config.is_file() else {}
+    if isinstance(payload.get("task"), dict) and payload["task"].get("languages"):
+        return list(payload["task"]["languages"])
+    lang2id = payload.get("lang2id") or {}
+    if sorted(lang2id.values()) == list(range(len(lang2id))):
+        return [n for n, _ in sorted(lang2id.items(), key=lambda kv: kv[1])]
+    return []

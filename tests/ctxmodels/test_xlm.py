@@ -261,3 +261,46 @@ def test_what_a_causal_xlm_cannot_be_is_refused():
     TaskModel("xlm", cfg, TaskConfig(kind="token-classification", num_labels=3))  # every token reads what precedes it
     with pytest.raises(ValueError, match="causal XLM teacher"):
         init_student(_causal_model(), [0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuned XLM: every token reads the task's language (cross-lingual transfer)
+
+
+def test_a_fine_tuned_xlm_reads_every_token_as_its_tasks_language():
+    """``TaskConfig.language``: the row of the language table every token reads, whatever segment
+    ids the pair inputs carry; 0 gives no ids (row 0). Sequence and token tasks alike."""
+    from ctxmodels.tasks import TaskConfig, TaskModel, language_row
+
+    cfg = make_config("xlm", "tiny", {"type_vocab_size": 3})
+    ids = torch.randint(5, 8000, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    segments = (torch.arange(9) >= 4).long().expand(2, 9)  # a pair's second segment: type 1, not a language
+    for kind in ("classification", "token-classification"):
+        torch.manual_seed(0)
+        model = TaskModel("xlm", cfg, TaskConfig(kind=kind, num_labels=3, language=2, languages=["en", "fr", "de"])).eval()
+        with torch.no_grad():
+            with_ids = model.backbone.hidden_states(ids, mask, torch.full_like(ids, 2))[-1]
+            without = model.backbone.hidden_states(ids, mask)[-1]
+            if kind == "classification":
+                got = model.sequence_vector(ids, mask, segments)
+                model.task.language = 0
+                as_row_0 = model.sequence_vector(ids, mask, segments)
+                want, want_0 = with_ids[:, 0], without[:, 0]
+            else:
+                where = mask.bool()
+                got = model.labelled_vectors(ids, mask, segments, where)
+                model.task.language = 0
+                as_row_0 = model.labelled_vectors(ids, mask, segments, where)
+                want, want_0 = with_ids[where], without[where]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(as_row_0, want_0, atol=1e-5, rtol=0)
+        assert not torch.allclose(got, as_row_0)
+    assert language_row(["en", "fr", "de"], 3, "de") == 2 and language_row([], 3, 1) == 1
+    for names, rows, wanted, message in ((["en", "fr"], 2, "es", r"'es' is not one of the model's; its languages are \['en', 'fr'\]"),
+                                         ([], 2, "fr", "its checkpoint names none: give the row's number"),
+                                         ([], 2, 2, r"2 is not a row of its language table \(0..1\)"),
+                                         ([], 0, 0, "the model has no language embeddings")):
+        with pytest.raises(ValueError, match=message):
+            language_row(names, rows, wanted)

@@ -45,8 +45,9 @@ OBJECTIVE_METRIC = {
     "xlnet": "plm_loss",
     "awd-lstm": "lm_loss",
     "xlm": "mlm_loss",
+    "xlm-clm": "lm_loss",  # XLM's causal LM: configs/xlm-tiny.yaml with data.objective clm
 }
-RECIPES = {"awd-lstm": "ulmfit-tiny"}  # configs/<family>-tiny.yaml otherwise
+RECIPES = {"awd-lstm": "ulmfit-tiny", "xlm-clm": "xlm-tiny"}  # configs/<family>-tiny.yaml otherwise
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "bert" else [pytest.mark.extended]) for f in OBJECTIVE_METRIC])
@@ -54,6 +55,8 @@ def test_tiny_recipe_pretrains_and_loss_falls(ray_session, tmp_path, family):
     overrides = SHORT + [f"output_dir={tmp_path}"]
     if family in ("transformer-xl", "xlnet"):
         overrides.append("model.max_seq_len=64")
+    if family.startswith("xlm"):  # the recipe names its language: data.input has one entry per language
+        overrides += [f"data.input=[{SHARD}]", *(["data.objective=clm"] if family == "xlm-clm" else [])]
     recipe = REPO / "configs" / f"{RECIPES.get(family, family + '-tiny')}.yaml"
     result = pretrain(load_recipe(recipe, overrides), progress=False, log=lambda *_: None)
     assert result.checkpoint_uri is not None
