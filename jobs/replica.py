@@ -391,9 +391,10 @@ class EmbeddingReplica(TaskServing):
             real = sum(len(rows[i]) for i in group)  # counted on the host: mask.sum() would wait for the device
             yield group, states, mask, (int(B), real, int(B * T))
 
-    def _token_vectors(self, rows: list[np.ndarray], layers: list[int] | None, features: str | None) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+    def _token_vectors(self, rows: list[np.ndarray], layers: list[int] | None, features: str | None,
+                       languages: list[int] | None = None) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
         """float32 (T_i, len(layers)*D), or (T_i, n_combined(features)*D), per row in the given order;
-        and the (rows, tokens, padded tokens) of each forward pass."""
+        and the (rows, tokens, padded tokens) of each forward pass. ``languages``: as ``_passes``'."""
         import torch
 
         from ctxmodels.features import combine_layers
@@ -402,7 +403,7 @@ class EmbeddingReplica(TaskServing):
         sizes = []
 
         def queued():  # each pass's rows and its copy off the device, read one pass behind
-            for group, states, _, size in self._passes(rows):
+            for group, states, _, size in self._passes(rows, languages=languages):
                 with torch.inference_mode():
                     if features is not None:
                         hidden = combine_layers(states, features, self.mix)  # (B, T, n*D)
@@ -574,6 +575,7 @@ class EmbeddingReplica(TaskServing):
         truncate: bool = False,
         features: str | None = None,
         granularity: Literal["token", "word"] = "token",
+        language: int | str | None = None,
     ) -> dict:
         """{"rows": per text its tokens (or words), character offsets, n_tokens and float32 vectors (one
         a token or word: the layers asked, concatenated in that order, or ``features`` combined), "batches"
@@ -582,7 +584,9 @@ class EmbeddingReplica(TaskServing):
 
         A word is a whitespace-separated run of the text (``pipelines.alignment.encode_texts``, as
         fine-tuning aligns plain text) and its vector the mean of its sub-tokens' vectors; a word left
-        without tokens (cut by truncation, or only characters the tokenizer drops) is left out."""
+        without tokens (cut by truncation, or only characters the tokenizer drops) is left out.
+        ``language``: as ``_embed``'s."""
+        row = self._language_row(language)
         if features is not None:
             layer_ids, width, what = None, self._strategy(features), f"features {features!r}"
         else:
@@ -598,7 +602,7 @@ class EmbeddingReplica(TaskServing):
                 f"more than max_token_embedding_values={cap}: ask for fewer texts, layers or a narrower strategy"
             )
         async with self.model_lock:  # one forward pass at a time in the replica (see __init__)
-            vectors, sizes = await forward(self._token_vectors, ids, layer_ids, features)
+            vectors, sizes = await forward(self._token_vectors, ids, layer_ids, features, [row] * len(ids) if row else None)
         if words is None:
             rows = [
                 {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}

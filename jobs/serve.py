@@ -360,6 +360,7 @@ class TokenEmbeddingsRequest(BaseModel):
     granularity: Literal["token", "word"] = "token"  # word: whitespace-separated words, the mean of their sub-tokens
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, row-major (T, width)
     truncate: bool = False
+    language: str | int | None = None  # a multilingual XLM: as /v1/embeddings' (None: the model's `language` setting)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -761,7 +762,8 @@ class GatewayBase:
     async def token_embeddings(self, req: TokenEmbeddingsRequest) -> Response:
         self._handle(req.model)
         check_limits(req.input, self.config.limits)
-        out = await self._call(req.model, "token_embeddings", req.input, req.layers, req.truncate, req.features, req.granularity)
+        out = await self._call(req.model, "token_embeddings", req.input, req.layers, req.truncate, req.features, req.granularity,
+                               req.language)
         self.metrics.observe_batches(req.model, out["batches"])
         n_tokens = sum(r["n_tokens"] for r in out["rows"])
         unit = "words" if req.granularity == "word" else "tokens"

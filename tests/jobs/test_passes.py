@@ -351,6 +351,17 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
     with pytest.raises(InputError, match=r"language 'fr' is not one of the model's"):
         replica.embed_now(texts, language="fr")
     assert np.abs(expected(0) - expected(1)).max() > 0.1  # the two languages' vectors differ
+    # /v1/token-embeddings takes a request's language too: each token's last state read as "xx"
+    import asyncio
+
+    for asked, asked_row in (("xx", 1), (None, 0)):
+        answer = asyncio.run(replica.token_embeddings(texts, "last", False, None, "token", asked))
+        for text, row in zip(texts, answer["rows"]):
+            x = torch.as_tensor([tok.cls_id, *tok.encode_batch([text])[0], tok.sep_id])[None]
+            with torch.no_grad():
+                h = model.backbone.hidden_states(x, torch.ones_like(x), torch.full_like(x, asked_row))[-1][0]
+            np.testing.assert_allclose(np.asarray(row["embeddings"]), h.numpy(), atol=1e-5, err_msg=str(asked))
+    assert "refused" in asyncio.run(replica.token_embeddings(texts, "last", False, None, "token", "fr"))
     # ctx embed (its local engine: no Ray) with --language gives the same vectors
     import pyarrow as pa
     import pyarrow.parquet as pq
