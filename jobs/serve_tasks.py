@@ -304,9 +304,10 @@ class FillMaskRequest(TextsRequest):
     # each text holds the tokenizer's mask token ([MASK], <mask>) at least once
     top_k: int = Field(5, ge=1, le=100)
     truncate: bool = False
+    language: str | int | None = None  # a multilingual XLM: the texts' language (None: the model's `language` setting)
 
     def payload(self) -> dict[str, Any]:
-        return {"texts": self.texts(), "top_k": self.top_k, "truncate": self.truncate}
+        return {"texts": self.texts(), "top_k": self.top_k, "truncate": self.truncate, "language": self.language}
 
 
 class GenerateRequest(TaskRequest):
@@ -316,6 +317,7 @@ class GenerateRequest(TaskRequest):
     top_k: int | None = Field(None, ge=1)  # sample among the k most likely tokens only
     top_p: float | None = Field(None, gt=0.0, le=1.0)  # ... among the smallest set holding this probability
     seed: int | None = Field(None, ge=0, lt=2**63)  # same seed, same prompt, same model: same text; None: a fresh one, returned
+    language: str | int | None = None  # a causal XLM: the language it writes in (None: the model's `language` setting)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -459,23 +461,25 @@ def fill_results(tok, text: str, offsets: list[tuple[int, int]], positions: np.n
 # --------------------------------------------------------------------------------------- heads (plain torch)
 
 
-def mlm_logits_at(family: str, model, input_ids, attention_mask, selected):
+def mlm_logits_at(family: str, model, input_ids, attention_mask, selected, language_ids=None):
     """Masked-LM scores (N, V) at the ``selected`` (B, T) positions, row-major: only the N rows are
-    sent through the head (the (B, T, V) scores of every position are never built)."""
-    last = model.backbone.hidden_states(input_ids, attention_mask)[-1]  # (B, T, D)
+    sent through the head (the (B, T, V) scores of every position are never built). ``language_ids``
+    (B, T): a multilingual XLM's rows of its language table (None: row 0)."""
+    given = {} if language_ids is None else {"token_type_ids": language_ids}
+    last = model.backbone.hidden_states(input_ids, attention_mask, **given)[-1]  # (B, T, D)
     if family == "albert":
         return model.mlm_head(last[selected], model.backbone.word_emb.weight)  # (N, V)
     return model.mlm(last[selected], model.backbone.embeddings.word.weight)  # (N, V)
 
 
-def next_token_logits(family: str, model, input_ids, placeholder_id: int):
+def next_token_logits(family: str, model, input_ids, placeholder_id: int, language: int = 0):
     """Scores (V,) of the token after ``input_ids`` (1, T), read as each family was pretrained, from one
     pass over the whole sequence (generation's uncached path; ``decode_step`` is the cached one).
 
     GPT, Transformer-XL and AWD-LSTM: the last position's output (one segment, no memory). XLNet (Yang et al.
     2019, sec. 2.3; Hugging Face ``XLNetLMHeadModel`` generation): a placeholder at position T that no
     position may attend to (perm_mask) and whose query stream (target_mapping) predicts it from the
-    content of 0..T-1."""
+    content of 0..T-1. ``language``: a causal XLM's row of its language table."""
     import torch
 
     if family == "gpt":
@@ -484,8 +488,8 @@ def next_token_logits(family: str, model, input_ids, placeholder_id: int):
         return model.logits(model.backbone.hidden_states(input_ids)[-1][:, -1:])[0, -1]
     if family == "awd-lstm":  # the last position's output from zero state
         return model.logits(model.backbone.hidden_states(input_ids)[-1][:, -1])[0]
-    if family == "xlm" and model.cfg.causal:  # XLM's CLM: the prediction layer at the last position (the served language)
-        return model.mlm_logits(input_ids)[0, -1]
+    if family == "xlm" and model.cfg.causal:  # XLM's CLM: the prediction layer at the last position
+        return model.mlm_logits(input_ids, None, torch.full_like(input_ids, language) if language else None)[0, -1]
     if family == "xlnet":
         T = input_ids.shape[1]
         ids = torch.cat([input_ids, input_ids.new_full((1, 1), placeholder_id)], dim=1)  # (1, T + 1)
@@ -535,14 +539,15 @@ def generation_prompt(tok, prompt: str) -> tuple[list[int], int, int]:
 
 def generate_ids(family: str, model, prompt: list[int], max_tokens: int, stop_id: int, placeholder_id: int,
                  temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
-                 use_cache: bool = True) -> tuple[list[int], str]:
+                 use_cache: bool = True, language: int = 0) -> tuple[list[int], str]:
     """New token ids after ``prompt`` and why generation ended: "stop" (the model wrote ``stop_id``,
     the end of a pretraining row) or "length" (``max_tokens``).
 
     GPT / GPT-2 (a key-value cache) and Transformer-XL (its recurrence memory, unbounded) read the
     prompt once, then one new token per step (``decode_step``); ``use_cache=False``, and XLNet always,
     run the whole sequence again for every token (``next_token_logits``). Both give the same scores
-    (to float rounding), hence the same greedy tokens and the same draws from the seeded generator."""
+    (to float rounding), hence the same greedy tokens and the same draws from the seeded generator.
+    ``language``: a causal XLM writes as this row of its language table."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -556,7 +561,7 @@ def generate_ids(family: str, model, prompt: list[int], max_tokens: int, stop_id
                 logits, state = model.decode_step(unread, state)
                 logits = logits[0]  # (V,)
             else:
-                logits = next_token_logits(family, model, ids, placeholder_id)
+                logits = next_token_logits(family, model, ids, placeholder_id, language)
             token = pick_token(logits, temperature, top_k, top_p, generator)
             if token == stop_id:
                 return new, "stop"
@@ -608,7 +613,7 @@ class TaskServing:
     """Task routes of one model replica; a base class of ``jobs.replica.EmbeddingReplica``, whose
     ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
     ``max_batch_tokens``, ``recent_passes``, ``_task_graphed`` (a GPU replica's task passes as CUDA
-    graphs, or None), ``_encode``, ``_pad`` and ``_on_device`` it uses."""
+    graphs, or None), ``_encode``, ``_pad``, ``_on_device`` and ``_language_row`` it uses."""
 
     def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.task_config = loaded.task
@@ -707,8 +712,11 @@ class TaskServing:
             selected = np.zeros(tuple(ids.shape), dtype=bool)  # (B, T)
             for b, r in enumerate(rows):
                 selected[b, r["positions"]] = True
+            languages = np.array([r.get("language", 0) for r in rows], dtype=np.int64)  # (B,) rows of an XLM's table
+            language_ids = self._on_device(np.repeat(languages[:, None], ids.shape[1], axis=1)) if languages.any() else None  # (B, T)
             with torch.inference_mode():  # (reading the selected positions waits for the device anyway)
-                probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, self._on_device(selected)).float(), dim=-1).cpu().numpy()  # (N, V)
+                probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, self._on_device(selected), language_ids).float(),
+                                      dim=-1).cpu().numpy()  # (N, V)
             outputs = np.split(probs, np.cumsum([len(r["positions"]) for r in rows])[:-1])
 
             def read() -> list[np.ndarray]:
@@ -805,19 +813,22 @@ class TaskServing:
         predictions = decode_qa(logits[..., 0], logits[..., 1], features, contexts, s.max_answer_len, s.null_threshold)
         return {"object": "list", "data": answer_results(predictions, s.null_threshold is not None), "usage": _usage(cols)}, passes
 
-    async def _fill_mask(self, texts: list[str], top_k: int, truncate: bool) -> tuple[dict, list]:
+    async def _fill_mask(self, texts: list[str], top_k: int, truncate: bool, language: int | str | None = None) -> tuple[dict, list]:
+        row = self._language_row(language)  # a multilingual XLM: this request's row of its table
         ids, offsets, _ = await asyncio.to_thread(self._encode, texts, truncate)
         mask_id, mask = self.tokenizer.mask_id, self.tokenizer.special_tokens["mask"]
         positions = [np.flatnonzero(row == mask_id) for row in ids]
         for i, pos in enumerate(positions):
             if len(pos) == 0:
                 raise InputError(f"input[{i}] has no mask token: write {mask!r} where model {self.name!r} should fill in a token")
-        probs, passes = await self._run_rows([{"input_ids": row, "positions": pos} for row, pos in zip(ids, positions)])
+        probs, passes = await self._run_rows([{"input_ids": x, "positions": pos, "language": row} for x, pos in zip(ids, positions)])
         data = [{"index": i, "masks": fill_results(self.tokenizer, texts[i], offsets[i], positions[i], probs[i], top_k)} for i in range(len(texts))]
         n_tokens = sum(len(row) for row in ids)
         return {"object": "list", "data": data, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, passes
 
-    async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> tuple[dict, list]:
+    async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
+                        language: int | str | None = None) -> tuple[dict, list]:
+        row = self._language_row(language)  # a causal XLM: the row of its table it writes in
         tok = self.tokenizer
         ids, stop, placeholder = generation_prompt(tok, prompt)
         if len(ids) + max_tokens > self.max_len:
@@ -831,7 +842,7 @@ class TaskServing:
 
         # On the forward-pass thread, as every torch operation of the replica (jobs.passes.on_forward_thread).
         new, finish = await forward(
-            generate_ids, self.family, self.model, ids, max_tokens, stop, placeholder, temperature, top_k, top_p, seed, self.device
+            generate_ids, self.family, self.model, ids, max_tokens, stop, placeholder, temperature, top_k, top_p, seed, self.device, True, row
         )
         choice = {"index": 0, "text": decode_ids(tok, new), "token_ids": new, "tokens": [tok.id_to_token(i) for i in new], "finish_reason": finish}
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}

@@ -362,6 +362,21 @@ def test_a_served_xlm_reads_its_texts_as_the_language_its_settings_name(minilm_d
                 h = model.backbone.hidden_states(x, torch.ones_like(x), torch.full_like(x, asked_row))[-1][0]
             np.testing.assert_allclose(np.asarray(row["embeddings"]), h.numpy(), atol=1e-5, err_msg=str(asked))
     assert "refused" in asyncio.run(replica.token_embeddings(texts, "last", False, None, "token", "fr"))
+    # /v1/fill-mask too: the masked word's scores read as the request's language, rows of two languages in one pass
+    masked = "the river [MASK] was steep"
+    x = torch.as_tensor([tok.cls_id, *tok.encode_batch([masked])[0], tok.sep_id])[None]
+    at = int((x[0] == tok.mask_id).nonzero()[0, 0])
+
+    async def fill(*languages):
+        return await asyncio.gather(*(replica.task("/v1/fill-mask", {"texts": [masked], "top_k": 3, "truncate": False, "language": lang})
+                                      for lang in languages))
+
+    for (asked, asked_row), answer in zip((("xx", 1), (None, 0)), asyncio.run(fill("xx", None))):
+        with torch.no_grad():
+            probs = torch.softmax(model.mlm_logits(x, torch.ones_like(x), torch.full_like(x, asked_row))[0, at], -1)
+        top = answer["body"]["data"][0]["masks"][0]["predictions"]
+        assert [p["token_id"] for p in top] == probs.argsort(descending=True)[:3].tolist(), asked
+        np.testing.assert_allclose([p["score"] for p in top], probs.sort(descending=True).values[:3].numpy(), atol=1e-5)
     # ctx embed (its local engine: no Ray) with --language gives the same vectors
     import pyarrow as pa
     import pyarrow.parquet as pq

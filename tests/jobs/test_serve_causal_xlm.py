@@ -51,3 +51,15 @@ def test_a_causal_xlm_generates_in_its_language_and_fills_no_mask(tmp_path, mini
                 break
             new.append(nxt)
     assert generated["body"]["choices"][0]["token_ids"] == new
+    # a request may name the other language: the greedy tokens of language row 0 (swapped aside by the deployment's)
+    in_row_0 = asyncio.run(replica.task("/v1/generate", {"prompt": "the river", "max_tokens": 6, "temperature": 0.0,
+                                                         "top_k": None, "top_p": None, "seed": 0, "language": 0}))
+    new = []
+    with torch.inference_mode():
+        for _ in range(6):
+            x = torch.tensor([prompt + new])
+            nxt = int(model.mlm_logits(x)[0, -1].argmax())
+            if nxt == tok.sep_id:
+                break
+            new.append(nxt)
+    assert in_row_0["body"]["choices"][0]["token_ids"] == new != generated["body"]["choices"][0]["token_ids"]  # the two languages write apart
