@@ -113,6 +113,12 @@ def check_texts(value: Any, *, allow_str: bool) -> Any:
         texts = value
     else:
         wanted = "a string or a list of strings" if allow_str else "a list of strings"
+        if _token_ids(value):  # OpenAI's API allows token arrays; whose tokenizer made them cannot be known
+            raise ValueError(
+                f"must be {wanted}: token ids are not accepted, this server reads text with the model's own tokenizer "
+                "(ids of another, such as tiktoken's, would be other words). LangChain's OpenAIEmbeddings sends "
+                "tiktoken ids unless created with check_embedding_ctx_length=False"
+            )
         if isinstance(value, list):
             bad = next(i for i, t in enumerate(value) if not isinstance(t, str))
             raise ValueError(f"must be {wanted}; item {bad} is {type(value[bad]).__name__}")
@@ -123,6 +129,14 @@ def check_texts(value: Any, *, allow_str: bool) -> Any:
         if not t.strip():
             raise ValueError(f"item {i} is empty or only whitespace")
     return value
+
+
+def _token_ids(value: Any) -> bool:
+    """OpenAI's other input forms: a list of token ids, or a list of such lists."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    return ids(value) or (isinstance(value, list) and bool(value) and all(ids(x) for x in value))
 
 
 def one_text(value: Any) -> Any:

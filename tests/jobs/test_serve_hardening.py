@@ -299,3 +299,7 @@ def test_the_openai_client_embeds(server, tiny_models, minilm_dir):
     assert out.usage.prompt_tokens == int(mask[0].sum())
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="wrong-key-wrong-key", max_retries=0).embeddings.create(model="tiny", input="x")
+    # Token arrays (what LangChain's OpenAIEmbeddings sends by default: tiktoken's ids) are refused, saying how to send text
+    for ids in ([[57668, 53901], [9906]], [57668, 53901]):
+        with pytest.raises(openai.UnprocessableEntityError, match="check_embedding_ctx_length=False"):
+            client.embeddings.create(model="tiny", input=ids)
