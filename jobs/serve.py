@@ -3,6 +3,9 @@
     POST /v1/embeddings        OpenAI-compatible sentence vectors: pooling mean | cls | last over token
                                vectors made by a ``features`` strategy (ctxmodels.features), ``dimensions``
                                (Matryoshka truncation, re-normalised), ``truncate``, ``encoding_format``
+    POST /embed                text-embeddings-inference's (TEI) native route, for TEI's clients: {"inputs",
+                               "normalize" (default true), "truncate", "dimensions"} -> a bare list of vectors;
+                               "model" (ours) picks one of several served models
     POST /v1/token-embeddings  one vector per token (or per word: granularity "word") from any layers or a
                                ``features`` strategy, with the token strings and their character offsets
     POST /v1/classify, /v1/tag, /v1/answer, /v1/rerank   fine-tuned task checkpoints
@@ -350,6 +353,44 @@ class EmbeddingsRequest(BaseModel):
         return check_texts(v, allow_str=True)
 
 
+class TeiEmbedRequest(BaseModel):
+    """TEI's ``/embed`` body, as its clients send it (huggingface_hub's ``InferenceClient.feature_extraction``,
+    LlamaIndex's ``TextEmbeddingsInference``, LangChain's ``HuggingFaceEndpointEmbeddings``). TEI serves one
+    model and its clients name none; ``model`` (ours) picks one when this server serves several."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str | list[str]
+    normalize: bool = True  # TEI's default
+    truncate: bool = False
+    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /v1/embeddings' truncate
+    dimensions: int | None = Field(None, ge=1)
+    prompt_name: str | None = None  # TEI's prompts come from a sentence-transformers config; none is read here
+    model: str | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        return check_texts(v, allow_str=True)
+
+    @field_validator("prompt_name")
+    @classmethod
+    def _prompt_name(cls, v: str | None) -> None:
+        if v is not None:
+            raise ValueError(f"{v!r}: this server has no named prompts; put the prompt at the start of each input")
+        return v
+
+
+def tei_model(requested: str | None, served: list[str]) -> str:
+    """The model a TEI request reads: the one it names, else the only one served (TEI's own case)."""
+    if requested is not None:
+        return requested
+    if len(served) != 1:
+        raise ApiError(400, f"this server serves {len(served)} models ({', '.join(sorted(served))}): name one in the "
+                            "request's \"model\" (TEI serves one; its clients name none)", code="model_required")
+    return served[0]
+
+
 class TokenEmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -393,7 +434,7 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/healthz", "/readyz", "/metrics")
+    ROUTES = ("/v1/embeddings", "/embed", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/healthz", "/readyz", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -535,7 +576,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path == "/tokenize"
+    return path.startswith("/v1/") or path in ("/tokenize", "/embed")
 
 
 def _body_too_large(limit: int) -> Response:
@@ -603,6 +644,10 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.post("/v1/embeddings")
     async def embeddings(req: EmbeddingsRequest) -> Response:
         return await gw.embeddings(req)
+
+    @api.post("/embed")
+    async def tei_embed(req: TeiEmbedRequest) -> Response:
+        return await gw.tei_embed(req)
 
     @api.post("/v1/token-embeddings")
     async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:
@@ -758,6 +803,16 @@ class GatewayBase:
             },
             headers=_stamp_headers(out),
         )
+
+    async def tei_embed(self, req: TeiEmbedRequest) -> Response:
+        """TEI's answer: the vectors alone, one list per input (a string input too), in input order."""
+        model = tei_model(req.model, list(self.models))
+        self._handle(model)
+        texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+        check_limits(texts, self.config.limits)
+        out = await self._call(model, "embed", texts, "mean", req.normalize, req.dimensions, req.truncate, "last", None)
+        self.metrics.observe_batches(model, out["batches"])
+        return VectorJSON(list(out["embeddings"]), headers=_stamp_headers(out))
 
     async def token_embeddings(self, req: TokenEmbeddingsRequest) -> Response:
         self._handle(req.model)

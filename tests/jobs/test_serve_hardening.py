@@ -284,6 +284,29 @@ def test_dimensions_truncate_and_pooling_match_the_models(client, tiny_models, m
         np.testing.assert_allclose(vecs, hidden[i, :n].numpy(), atol=TOL)
 
 
+def test_teis_embed_route_answers_its_clients_shape(server, tiny_models, minilm_dir):
+    """TEI's /embed: {"inputs"} -> a bare list of vectors, normalised unless asked not to; this server
+    serves several models, so a request names one ("model"); naming none is a 400 that lists them."""
+    from jobs.serve import ApiError, tei_model
+
+    client = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    texts = ["the river bank", "the bank approved the loan"]
+    hidden, mask = _hidden(tiny_models["bert"][1], minilm_dir, texts)
+    mean = _mean(hidden, mask)
+    r = _post_json(client, "/embed", {"inputs": texts, "model": "tiny"})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), mean / np.linalg.norm(mean, axis=1, keepdims=True), atol=TOL)
+    r = _post_json(client, "/embed", {"inputs": texts[0], "model": "tiny", "normalize": False, "dimensions": 16})
+    np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), mean[:1, :16] / np.linalg.norm(mean[0, :16]), atol=TOL)  # the cut re-normalises, as /v1/embeddings' dimensions
+    r = _post_json(client, "/embed", {"inputs": texts})
+    assert r.status_code == 400 and "serves 3 models (gpt, slow, tiny): name one" in r.json()["error"]["message"]
+    r = _post_json(client, "/embed", {"inputs": texts, "model": "tiny", "prompt_name": "query"})
+    assert r.status_code == 422 and "no named prompts" in r.json()["error"]["message"]
+    assert tei_model(None, ["only"]) == "only" and tei_model("x", ["a", "b"]) == "x"
+    with pytest.raises(ApiError):
+        tei_model(None, [])
+
+
 def test_the_openai_client_embeds(server, tiny_models, minilm_dir):
     """The official client's embeddings.create, with its default base64 encoding and with floats."""
     openai = pytest.importorskip("openai")
