@@ -365,7 +365,7 @@ class TeiEmbedRequest(BaseModel):
     truncate: bool = False
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /v1/embeddings' truncate
     dimensions: int | None = Field(None, ge=1)
-    prompt_name: str | None = None  # TEI's prompts come from a sentence-transformers config; none is read here
+    prompt_name: None = None  # TEI's prompts come from a sentence-transformers config; none is read here
     model: str | None = None
 
     @field_validator("inputs", mode="before")
@@ -373,9 +373,9 @@ class TeiEmbedRequest(BaseModel):
     def _inputs(cls, v: Any) -> Any:
         return check_texts(v, allow_str=True)
 
-    @field_validator("prompt_name")
+    @field_validator("prompt_name", mode="before")
     @classmethod
-    def _prompt_name(cls, v: str | None) -> None:
+    def _prompt_name(cls, v: Any) -> None:
         if v is not None:
             raise ValueError(f"{v!r}: this server has no named prompts; put the prompt at the start of each input")
         return v

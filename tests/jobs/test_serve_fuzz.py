@@ -35,7 +35,7 @@ V = {"vocab_size": 30522}  # MiniLM's vocabulary
 MODELS = ("mlm", "pair", "gpt")
 SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
 # Routes some served model answers with a 200 (no model here tags or answers questions).
-SERVED = ("POST /v1/embeddings", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
+SERVED = ("POST /v1/embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
 LIMITS = {  # small, so a generated list or number reaches each limit quickly instead of running long
     "max_inputs": 16,
     "max_chars_per_text": 2_000,
@@ -79,9 +79,11 @@ def map_body(context, body):
     """A generated model name becomes the model that serves the route, any served one, or stays as
     generated (an unknown model), chosen by its length: deterministic, and every kind is drawn.
     Texts sent to the masked LM get its mask token, else fill-mask would only ever answer 400."""
+    path = context.operation.path if context.operation is not None else ""
+    if path == "/embed" and isinstance(body, dict) and "model" not in body:  # TEI's clients name none; this server serves several
+        body = {**body, "model": "mlm"}
     if not (isinstance(body, dict) and isinstance(body.get("model"), str)):
         return body
-    path = context.operation.path if context.operation is not None else ""
     choices = (SERVES.get(path, "mlm"), *MODELS, body["model"])
     body = {**body, "model": choices[len(body["model"]) % len(choices)]}
     if path == "/v1/fill-mask" and body["model"] == "mlm":
