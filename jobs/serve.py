@@ -91,7 +91,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jobs.identity import checkpoint_version
 from jobs.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
 from jobs.replica import EmbeddingReplica, resolve_checkpoint
-from jobs.serve_tasks import REQUESTS, TaskRequest, cannot_serve, check_texts
+from jobs.serve_tasks import REQUESTS, RerankRequest, TaskRequest, cannot_serve, check_texts
 
 logger = logging.getLogger("ray.serve")
 
@@ -860,7 +860,7 @@ class GatewayBase:
             raise ApiError(400, cannot_serve(req.model, info, route), code="unsupported_task")
         out = await self._call(req.model, "task", route, req.payload())
         self.metrics.observe_batches(req.model, out["batches"])
-        body = out["body"]
+        body = req.answer(out["body"]) if isinstance(req, RerankRequest) else out["body"]
         if isinstance(body, dict):  # /v1/rerank answers TEI's bare list: its version is in the headers
             body = {"model": req.model, "model_version": out["version"], "registry_version": out["registry_version"],
                     "tokenizer_hash": out["tokenizer_hash"], **body}

@@ -291,10 +291,18 @@ class AnswerRequest(TaskRequest):
 
 
 class RerankRequest(TaskRequest):
+    """TEI's body (``texts``, ``raw_scores``, ``return_text``; answered as TEI's bare list, best first) or
+    the one of Cohere's and Jina's rerank APIs, which Infinity and vLLM speak too (``documents`` as
+    strings or {"text": ...}, ``top_n``, ``return_documents``; answered as {"results": [{"index",
+    "relevance_score", "document"}]}, best first)."""
+
     query: str
-    texts_: list[str] = Field(alias="texts")  # "texts" is also the method every request has
+    texts_: list[str] | None = Field(None, alias="texts")  # "texts" is also the method every request has
     raw_scores: bool = False  # the logit (2 labels: logit of the last minus the first) instead of a probability
     return_text: bool = False
+    documents: list[str] | None = None
+    top_n: int | None = Field(None, ge=1)  # the best n only
+    return_documents: bool = False
     truncate: bool = False
 
     @field_validator("query", mode="before")
@@ -307,11 +315,43 @@ class RerankRequest(TaskRequest):
     def _texts(cls, v: Any) -> Any:
         return check_texts(v, allow_str=False)
 
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v: Any) -> Any:
+        if isinstance(v, list):  # Cohere's and Jina's documents may be {"text": ...} objects
+            for i, d in enumerate(v):
+                if isinstance(d, dict) and set(d) != {"text"}:
+                    raise ValueError(f"item {i} must be a string or an object {{\"text\": ...}}, got keys {sorted(d)}")
+            v = [d["text"] if isinstance(d, dict) else d for d in v]
+        return check_texts(v, allow_str=False)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "RerankRequest":
+        if (self.texts_ is None) == (self.documents is None):
+            raise ValueError("give exactly one of texts (TEI's rerank) or documents (Cohere's and Jina's), "
+                             + ("both were given" if self.texts_ is not None else "neither was given"))
+        tei, cohere = ("raw_scores", "return_text"), ("top_n", "return_documents")
+        stray = [k for k in (cohere if self.texts_ is not None else tei) if k in self.model_fields_set]
+        if stray:
+            raise ValueError(f"{stray[0]} belongs to the other body: with texts give {' and '.join(tei)}; "
+                             f"with documents give {' and '.join(cohere)}")
+        return self
+
     def texts(self) -> list[str]:
-        return [self.query, *self.texts_]
+        return [self.query, *(self.texts_ if self.texts_ is not None else self.documents)]
 
     def payload(self) -> dict[str, Any]:
-        return {"query": self.query, "texts": self.texts_, "raw_scores": self.raw_scores, "return_text": self.return_text, "truncate": self.truncate}
+        texts = self.texts_ if self.texts_ is not None else self.documents
+        return {"query": self.query, "texts": texts, "raw_scores": self.raw_scores, "return_text": self.return_text, "truncate": self.truncate}
+
+    def answer(self, ranked: list[dict]) -> list[dict] | dict:
+        """The replica's TEI list as this request's body shape."""
+        if self.documents is None:
+            return ranked
+        results = [{"index": r["index"], "relevance_score": r["score"],
+                    **({"document": {"text": self.documents[r["index"]]}} if self.return_documents else {})}
+                   for r in ranked[: self.top_n]]
+        return {"object": "rerank", "results": results}
 
 
 class FillMaskRequest(TextsRequest):

@@ -82,6 +82,9 @@ def map_body(context, body):
     path = context.operation.path if context.operation is not None else ""
     if path == "/embed" and isinstance(body, dict) and "model" not in body:  # TEI's clients name none; this server serves several
         body = {**body, "model": "mlm"}
+    if path == "/v1/rerank" and isinstance(body, dict):  # one of its two bodies, TEI's or Cohere's, as a client sends it
+        other = ("documents", "top_n", "return_documents") if "texts" in body else ("raw_scores", "return_text")
+        body = {k: v for k, v in body.items() if k not in other}
     if not (isinstance(body, dict) and isinstance(body.get("model"), str)):
         return body
     choices = (SERVES.get(path, "mlm"), *MODELS, body["model"])

@@ -239,6 +239,20 @@ def test_rerank_sorts_by_the_pair_classifier_in_tei_shape(client, built, tok):
     np.testing.assert_allclose([d["score"] for d in body], np.sort(_logits(built["sts"][1], cols))[::-1], atol=TOL)
 
 
+def test_rerank_answers_cohere_and_jinas_shape_too(client):
+    """{"documents", "top_n", "return_documents"} (Cohere's and Jina's rerank API, which Infinity and vLLM
+    speak): the TEI answer's order and scores as {"results": [{"index", "relevance_score", "document"}]}."""
+    query, texts = "where is the bank?", ["the river bank is muddy", "I like cheese", "the bank opens at nine", "banks lend money"]
+    tei = _ok(client.post("/v1/rerank", json={"model": "pair", "query": query, "texts": texts}))
+    body = _ok(client.post("/v1/rerank", json={"model": "pair", "query": query, "documents": [texts[0], {"text": texts[1]}, *texts[2:]],
+                                               "top_n": 3, "return_documents": True}))
+    assert body["object"] == "rerank" and body["model"] == "pair" and body["model_version"]
+    assert [(r["index"], r["document"]["text"]) for r in body["results"]] == [(d["index"], texts[d["index"]]) for d in tei[:3]]
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [d["score"] for d in tei[:3]], atol=1e-6)
+    plain = _ok(client.post("/v1/rerank", json={"model": "pair", "query": query, "documents": texts}))
+    assert len(plain["results"]) == 4 and all("document" not in r for r in plain["results"])
+
+
 def test_tag_words_offsets_and_entities_match_the_model(client, built, tok):
     from jobs.serve_tasks import softmax
     from pipelines.alignment import first_subtokens
@@ -490,7 +504,9 @@ def test_tokenize_gives_ids_tokens_and_offsets(client, tok):
         ("/v1/tag", {"model": "ner"}, 422, ["exactly one of input", "neither was given"]),
         ("/v1/tag", {"model": "ner", "words": [["w"] * 200]}, 400, ["words[0]", "128 tokens", "truncate"]),
         ("/v1/rerank", {"model": "pair", "query": "q", "texts": []}, 422, ["texts", "empty"]),
-        ("/v1/rerank", {"model": "pair", "query": "q", "texts": ["a"], "documents": ["b"]}, 422, ["documents", "unknown field"]),
+        ("/v1/rerank", {"model": "pair", "query": "q", "texts": ["a"], "documents": ["b"]}, 422, ["exactly one of texts", "both were given"]),
+        ("/v1/rerank", {"model": "pair", "query": "q", "documents": ["a"], "raw_scores": True}, 422, ["raw_scores belongs to the other body"]),
+        ("/v1/rerank", {"model": "pair", "query": "q", "documents": [{"title": "a"}]}, 422, ['item 0 must be a string or an object {"text": ...}']),
         ("/tokenize", {"model": "pair", "input": 3}, 422, ["input"]),
     ],
 )
