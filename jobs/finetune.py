@@ -170,7 +170,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     continuing = recipe.model.head == "continue"
     language, names = task_language(recipe, family, model_fields, names, init_task if continuing else None)
     if names or language:
-        log(f"language: the texts are read as {names[language] if names else 'row'} (row {language} of model.init's language table)")
+        log(f"language: the texts are read as {names[language] if names else f'row {language}'} of model.init's language table")
     if continuing:
         from jobs.config import RecipeError
 

@@ -586,7 +586,7 @@ class EmbeddingReplica(TaskServing):
         fine-tuning aligns plain text) and its vector the mean of its sub-tokens' vectors; a word left
         without tokens (cut by truncation, or only characters the tokenizer drops) is left out.
         ``language``: as ``_embed``'s."""
-        row = self._language_row(language)
+        lang_row = self._language_row(language)
         if features is not None:
             layer_ids, width, what = None, self._strategy(features), f"features {features!r}"
         else:
@@ -602,7 +602,7 @@ class EmbeddingReplica(TaskServing):
                 f"more than max_token_embedding_values={cap}: ask for fewer texts, layers or a narrower strategy"
             )
         async with self.model_lock:  # one forward pass at a time in the replica (see __init__)
-            vectors, sizes = await forward(self._token_vectors, ids, layer_ids, features, [row] * len(ids) if row else None)
+            vectors, sizes = await forward(self._token_vectors, ids, layer_ids, features, [lang_row] * len(ids) if lang_row else None)
         if words is None:
             rows = [
                 {"tokens": tok, "offsets": off, "embeddings": vec, "n_tokens": len(row)}
