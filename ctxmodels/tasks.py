@@ -311,22 +311,28 @@ class TaskModel(nn.Module):
             chars = chars * (attention_mask != 0)[..., None]
         return chars
 
-    def _segments(self, input_ids: Tensor, token_type_ids: Tensor | None) -> Tensor | None:
+    def _segments(self, input_ids: Tensor, token_type_ids: Tensor | None, language_ids: Tensor | None = None) -> Tensor | None:
+        """What the backbone's token_type_ids are: segments, none (RoBERTa), or an XLM's language rows:
+        ``language_ids`` (B,), one per sequence, else the task's language for every token."""
+        if self.family == "xlm" and language_ids is not None:
+            return language_ids[:, None].expand_as(input_ids)  # (B, T)
         if self.family == "xlm" and self.task.language:  # the language's row for every token
             return torch.full_like(input_ids, self.task.language)
         return None if self.family in NO_SEGMENTS else token_type_ids  # (XLM language 0: the table's row 0)
 
-    def _states(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None) -> list[Tensor]:
+    def _states(self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None,
+                language_ids: Tensor | None = None) -> list[Tensor]:
         x = self._inputs(input_ids, attention_mask)
-        token_type_ids = self._segments(input_ids, token_type_ids)
+        token_type_ids = self._segments(input_ids, token_type_ids, language_ids)
         if self.task.freeze:
             with torch.no_grad():
                 return [s.detach() for s in self.backbone.hidden_states(x, attention_mask, token_type_ids)]
         return self.backbone.hidden_states(x, attention_mask, token_type_ids)
 
-    def token_vectors(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
-        """(B, T, D'): what token-level heads read."""
-        states = self._states(input_ids, attention_mask, token_type_ids)
+    def token_vectors(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                      language_ids: Tensor | None = None) -> Tensor:
+        """(B, T, D'): what token-level heads read. ``language_ids`` (B,): an XLM's language row per sequence."""
+        states = self._states(input_ids, attention_mask, token_type_ids, language_ids)
         if self.reads != "features":
             return states[-1]
         h = combine_layers(states, self.task.features, self.mix)
@@ -338,25 +344,27 @@ class TaskModel(nn.Module):
         return h
 
     def labelled_vectors(
-        self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None, where: Tensor
+        self, input_ids: Tensor, attention_mask: Tensor | None, token_type_ids: Tensor | None, where: Tensor,
+        language_ids: Tensor | None = None,
     ) -> Tensor:
         """(M, D'): ``token_vectors(...)[where]``, where (B, T) marks the positions to read. A
         backbone with ``last_hidden_at`` computes its last block at those positions alone."""
         fast = getattr(self.backbone, "last_hidden_at", None)
         if fast is not None and self.reads != "features" and not self.task.freeze:
-            return fast(input_ids, attention_mask, self._segments(input_ids, token_type_ids), where)
-        return self.token_vectors(input_ids, attention_mask, token_type_ids)[where]
+            return fast(input_ids, attention_mask, self._segments(input_ids, token_type_ids, language_ids), where)
+        return self.token_vectors(input_ids, attention_mask, token_type_ids, language_ids)[where]
 
-    def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
+    def sequence_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                        language_ids: Tensor | None = None) -> Tensor:
         """(B, D'): what sequence-level heads read (see the module docstring)."""
         if self.reads in ("first", "first-state"):
             fast = getattr(self.backbone, "first_token_state", None)
             if fast is not None and not self.task.freeze:
-                first = fast(input_ids, attention_mask, self._segments(input_ids, token_type_ids))  # only [CLS] runs the last block
+                first = fast(input_ids, attention_mask, self._segments(input_ids, token_type_ids, language_ids))  # only [CLS] runs the last block
             else:
-                first = self._states(input_ids, attention_mask, token_type_ids)[-1][:, 0]
+                first = self._states(input_ids, attention_mask, token_type_ids, language_ids)[-1][:, 0]
             return torch.tanh(self.backbone.pooler(first)) if self.reads == "first" else first  # (B, D)
-        h = self.token_vectors(input_ids, attention_mask, token_type_ids)
+        h = self.token_vectors(input_ids, attention_mask, token_type_ids, language_ids)
         if self.reads == "features":
             return masked_mean(h, attention_mask)
         if self.pool is not None:  # ULMFiT's concat pooling, then its first block
@@ -386,21 +394,26 @@ class TaskModel(nn.Module):
         start_positions: Tensor | None = None,
         end_positions: Tensor | None = None,
         labelled_positions_only: bool = False,
+        language_ids: Tensor | None = None,
     ) -> TaskOutput:
         """``labelled_positions_only`` (token classification with ``labels``): compute the head
         only where ``labels != -100``; ``logits`` is then (M, L), those positions in row-major
-        order, and the loss and gradients are the same (see the module docstring)."""
+        order, and the loss and gradients are the same (see the module docstring).
+        ``language_ids`` (B,): a multilingual XLM's row of its language table per example (a served
+        request's language); None: the task's ``language`` for every token."""
         kind = self.spec
         grouped = input_ids.dim() == 3  # (B, K, T): options, or both orders of a symmetric pair
         B = input_ids.shape[0]
         if grouped:
             T = input_ids.shape[-1]
+            if language_ids is not None:
+                language_ids = language_ids.repeat_interleave(input_ids.shape[1])  # (B*K,)
             input_ids = input_ids.reshape(-1, T)  # (B*K, T)
             attention_mask = attention_mask.reshape(-1, T) if attention_mask is not None else None
             token_type_ids = token_type_ids.reshape(-1, T) if token_type_ids is not None else None
 
         if kind.reads != "tokens":
-            v = self.sequence_vector(input_ids, attention_mask, token_type_ids)  # (B or B*K, D)
+            v = self.sequence_vector(input_ids, attention_mask, token_type_ids, language_ids)  # (B or B*K, D)
             if grouped and kind.reads == "sequence":
                 v = v.view(B, -1, v.shape[-1]).sum(dim=1)  # symmetric: the two orders' vectors added
             logits = self.classifier(self.drop(v))
@@ -412,11 +425,11 @@ class TaskModel(nn.Module):
             # (compiled whole, the head reads every position: the labelled rows' count is found on
             # the device, a shape no graph keeps; the loss and gradients are the same either way)
             where = labels != IGNORE_INDEX  # (B, T)
-            h = self.labelled_vectors(input_ids, attention_mask, token_type_ids, where)  # (M, D)
+            h = self.labelled_vectors(input_ids, attention_mask, token_type_ids, where, language_ids)  # (M, D)
             logits = self.classifier(self.drop(h))  # (M, L)
             labels = labels[where]  # (M,), the loss below reads them as it reads (B, T) labels
         else:
-            h = self.drop(self.token_vectors(input_ids, attention_mask, token_type_ids))  # (B, T, D)
+            h = self.drop(self.token_vectors(input_ids, attention_mask, token_type_ids, language_ids))  # (B, T, D)
             logits = getattr(self, kind.head)(h)  # (B, T, L) or (B, T, 2)
 
         loss, metrics = None, {}

@@ -173,6 +173,7 @@ class TaskRequest(BaseModel):
 class ClassifyRequest(TaskRequest):
     input: str | list[str] | list[tuple[str, str]]  # texts, or [text, text_pair] pairs
     truncate: bool = False  # false: an input longer than the model's max_len is a 400
+    language: str | int | None = None  # a fine-tuned multilingual XLM: the inputs' language (None: the model's `language` setting)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -193,8 +194,8 @@ class ClassifyRequest(TaskRequest):
 
     def payload(self) -> dict[str, Any]:
         if self.is_pairs():
-            return {"texts": [a for a, _ in self.input], "pairs": [b for _, b in self.input], "truncate": self.truncate}
-        return {"texts": _as_list(self.input), "pairs": None, "truncate": self.truncate}
+            return {"texts": [a for a, _ in self.input], "pairs": [b for _, b in self.input], "truncate": self.truncate, "language": self.language}
+        return {"texts": _as_list(self.input), "pairs": None, "truncate": self.truncate, "language": self.language}
 
 
 class TextsRequest(TaskRequest):
@@ -240,6 +241,7 @@ class TagRequest(TaskRequest):
     words: list[list[str]] | None = None
     scheme: Literal["IOB2", "IOBES"] | None = None  # None: conlleval's lenient grouping (what ctx eval scores)
     truncate: bool = False
+    language: str | int | None = None  # a fine-tuned multilingual XLM: the inputs' language (None: the model's `language` setting)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -263,13 +265,14 @@ class TagRequest(TaskRequest):
 
     def payload(self) -> dict[str, Any]:
         texts = None if self.input is None else _as_list(self.input)
-        return {"texts": texts, "words": self.words, "scheme": self.scheme, "truncate": self.truncate}
+        return {"texts": texts, "words": self.words, "scheme": self.scheme, "truncate": self.truncate, "language": self.language}
 
 
 class AnswerRequest(TaskRequest):
     question: str | list[str]
     context: str | list[str]  # one per question; long contexts are read in overlapping windows
     truncate: bool = False  # false: a question longer than the run's max_query_len is a 400
+    language: str | int | None = None  # a fine-tuned multilingual XLM: the inputs' language (None: the model's `language` setting)
 
     @field_validator("question", "context", mode="before")
     @classmethod
@@ -287,7 +290,7 @@ class AnswerRequest(TaskRequest):
         return _as_list(self.question) + _as_list(self.context)
 
     def payload(self) -> dict[str, Any]:
-        return {"questions": _as_list(self.question), "contexts": _as_list(self.context), "truncate": self.truncate}
+        return {"questions": _as_list(self.question), "contexts": _as_list(self.context), "truncate": self.truncate, "language": self.language}
 
 
 class RerankRequest(TaskRequest):
@@ -304,6 +307,7 @@ class RerankRequest(TaskRequest):
     top_n: int | None = Field(None, ge=1)  # the best n only
     return_documents: bool = False
     truncate: bool = False
+    language: str | int | None = None  # a fine-tuned multilingual XLM: the inputs' language (None: the model's `language` setting)
 
     @field_validator("query", mode="before")
     @classmethod
@@ -342,7 +346,8 @@ class RerankRequest(TaskRequest):
 
     def payload(self) -> dict[str, Any]:
         texts = self.texts_ if self.texts_ is not None else self.documents
-        return {"query": self.query, "texts": texts, "raw_scores": self.raw_scores, "return_text": self.return_text, "truncate": self.truncate}
+        return {"query": self.query, "texts": texts, "raw_scores": self.raw_scores, "return_text": self.return_text, "truncate": self.truncate,
+                "language": self.language}
 
     def answer(self, ranked: list[dict]) -> list[dict] | dict:
         """The replica's TEI list as this request's body shape."""
@@ -743,10 +748,13 @@ class TaskServing:
 
         if self.task_config is not None:
             # Cut to the group's longest row: right padding past it is masked anyway.
-            cols = {k: np.stack([r[k][..., :width] for r in rows]) for k in rows[0]}  # (B, [K,] T)
+            cols = {k: np.stack([r[k][..., :width] for r in rows]) for k in rows[0] if k != "language"}  # (B, [K,] T)
             batch = {k: self._on_device(v) for k, v in cols.items()}
+            languages = np.array([r.get("language", 0) for r in rows], dtype=np.int64)  # (B,) rows of an XLM's table
             with torch.inference_mode():
-                if self._task_graphed is not None:  # a GPU replica: the pass replays from a CUDA graph
+                if languages.any():  # requests of other languages than the deployment's: eager, with their ids
+                    copy = HostCopy(self.model(**batch, language_ids=self._on_device(languages)).logits.float())
+                elif self._task_graphed is not None:  # a GPU replica: the pass replays from a CUDA graph
                     copy = HostCopy(self._task_graphed(**batch).float())
                 else:
                     copy = HostCopy(self.model(**batch).logits.float())
@@ -796,12 +804,15 @@ class TaskServing:
             outputs[i] = output
         return outputs, [size for _, size in done if size is not None]
 
-    async def _task_rows(self, records: dict, fields: dict[str, Any], truncate: bool, what: str = "input") -> tuple[np.ndarray, dict[str, np.ndarray], list]:
+    async def _task_rows(self, records: dict, fields: dict[str, Any], truncate: bool, what: str = "input",
+                         language: int | str | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], list]:
         """Records encoded as the fine-tuning run encoded them (its TaskDataConfig with the request's
         field names in place of the recipe's), then every row through the batched forward pass;
-        returns (logits stacked over rows, the encoded columns, the passes' (rows, tokens, padded tokens))."""
+        returns (logits stacked over rows, the encoded columns, the passes' (rows, tokens, padded tokens)).
+        ``language``: a multilingual XLM reads the rows as this language (None: the deployment's)."""
         from pipelines.finetune import RecordError, encode_task
 
+        lang_row = self._language_row(language)
         cfg = dataclasses.replace(self.settings.data, **fields)
         try:
             cols = await asyncio.to_thread(encode_task, records, self.tokenizer, cfg)
@@ -821,29 +832,32 @@ class TaskServing:
         if n_tokens > self.limits.max_tokens_per_request:
             raise LimitError(f"the request encodes to {n_tokens} tokens, more than {self.limits.max_tokens_per_request} (max_tokens_per_request): send fewer or shorter texts")
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in cols]
-        rows = [{k: cols[k][i] for k in keys} for i in range(len(cols["input_ids"]))]
+        rows = [{**{k: cols[k][i] for k in keys}, **({"language": lang_row} if lang_row else {})} for i in range(len(cols["input_ids"]))]
         logits, passes = await self._run_rows(rows)
         return np.stack(logits), cols, passes
 
     # --- routes: each answers (its body, the (rows, tokens, padded tokens) of the forward passes it started) ---
 
-    async def _classify(self, texts: list[str], pairs: list[str] | None, truncate: bool) -> tuple[dict, list]:
+    async def _classify(self, texts: list[str], pairs: list[str] | None, truncate: bool, language: int | str | None = None) -> tuple[dict, list]:
         if self.settings.data.symmetric and pairs is None:
             raise InputError(f"model {self.name!r} compares text pairs (symmetric): send input as [[text, text_pair], ...]")
         records = {"text": texts, **({"text_pair": pairs} if pairs is not None else {})}
         cfg_fields = {"text_field": "text", "pair_field": "text_pair" if pairs is not None else None, "id_field": None}
-        logits, cols, passes = await self._task_rows(records, cfg_fields, truncate)
+        logits, cols, passes = await self._task_rows(records, cfg_fields, truncate, "input", language)
         data = class_results(logits, self.task_config.kind, list(self.task_config.labels))
         return {"object": "list", "task": self.task_config.kind, "data": data, "usage": _usage(cols)}, passes
 
-    async def _rerank(self, query: str, texts: list[str], raw_scores: bool, return_text: bool, truncate: bool) -> tuple[list[dict], list]:
+    async def _rerank(self, query: str, texts: list[str], raw_scores: bool, return_text: bool, truncate: bool,
+                      language: int | str | None = None) -> tuple[list[dict], list]:
         records = {"text": [query] * len(texts), "text_pair": texts}
-        logits, _, passes = await self._task_rows(records, {"text_field": "text", "pair_field": "text_pair", "id_field": None}, truncate, "texts")
+        logits, _, passes = await self._task_rows(records, {"text_field": "text", "pair_field": "text_pair", "id_field": None}, truncate, "texts",
+                                                  language)
         scores = rerank_scores(logits, self.task_config.kind, raw_scores)
         order = np.argsort(-scores, kind="stable")
         return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})} for i in order], passes
 
-    async def _tag(self, texts: list[str] | None, words: list[list[str]] | None, scheme: str | None, truncate: bool) -> tuple[dict, list]:
+    async def _tag(self, texts: list[str] | None, words: list[list[str]] | None, scheme: str | None, truncate: bool,
+                   language: int | str | None = None) -> tuple[dict, list]:
         from pipelines.alignment import joined_words, whitespace_words
 
         what = "input" if words is None else "words"
@@ -852,16 +866,16 @@ class TaskServing:
             spans, splits = whitespace_words(texts)
         else:  # offsets index each word list joined by single spaces, the text the model reads
             texts, spans, splits = joined_words(words)
-        logits, cols, passes = await self._task_rows({"tokens": words}, {"tokens_field": "tokens", "id_field": None}, truncate, what)
+        logits, cols, passes = await self._task_rows({"tokens": words}, {"tokens_field": "tokens", "id_field": None}, truncate, what, language)
         data = word_tags(logits, cols["word_ids"], texts, spans, splits, list(self.task_config.labels), scheme)
         return {"object": "list", "scheme": scheme, "data": data, "usage": _usage(cols)}, passes
 
-    async def _answer(self, questions: list[str], contexts: list[str], truncate: bool) -> tuple[dict, list]:
+    async def _answer(self, questions: list[str], contexts: list[str], truncate: bool, language: int | str | None = None) -> tuple[dict, list]:
         from pipelines.qa import decode_qa
 
         records = {"question": questions, "context": contexts}
         fields = {"question_field": "question", "context_field": "context", "id_field": None}
-        logits, cols, passes = await self._task_rows(records, fields, truncate, "question")
+        logits, cols, passes = await self._task_rows(records, fields, truncate, "question", language)
         s = self.settings
         features = {"example_index": cols["example_index"], "context_offsets": cols["context_offsets"]}
         predictions = decode_qa(logits[..., 0], logits[..., 1], features, contexts, s.max_answer_len, s.null_threshold)

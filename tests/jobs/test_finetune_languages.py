@@ -120,7 +120,7 @@ def test_ctx_eval_scores_a_fine_tuned_xlm_read_as_another_language(ray_session, 
         evaluate(str(path), str(split), language="fr")
 
 
-def test_a_served_fine_tuned_xlm_reads_its_tasks_language_unless_its_settings_name_another(fine_tuned, minilm_dir):
+def test_a_served_fine_tuned_xlm_reads_its_tasks_language_unless_its_settings_or_a_request_name_another(fine_tuned, minilm_dir):
     from jobs.replica import EmbeddingReplica
     from jobs.serve_config import Limits, ModelConfig
 
@@ -133,3 +133,17 @@ def test_a_served_fine_tuned_xlm_reads_its_tasks_language_unless_its_settings_na
         got = np.array([[next(x["score"] for x in d["labels"] if x["label"] == name) for name in LABELS] for d in answer["body"]["data"]])
         want = _logits(model, minilm_dir, row)
         np.testing.assert_allclose(got, np.exp(want) / np.exp(want).sum(1, keepdims=True), atol=1e-5, err_msg=str(setting))
+
+    # A request may name another language: requests of both languages at once, each read as its own
+    replica = EmbeddingReplica("m", str(path), None, ModelConfig(uri=str(path)), Limits())
+
+    async def both():
+        asks = [{"texts": TEXTS, "pairs": None, "truncate": False, "language": lang} for lang in ("en", None, "xx", "fr")]
+        return await asyncio.gather(*(replica.task("/v1/classify", ask) for ask in asks))
+
+    *answers, unknown = asyncio.run(both())
+    for answer, row in zip(answers, (0, 1, 1)):
+        got = np.array([[next(x["score"] for x in d["labels"] if x["label"] == name) for name in LABELS] for d in answer["body"]["data"]])
+        want = _logits(model, minilm_dir, row)
+        np.testing.assert_allclose(got, np.exp(want) / np.exp(want).sum(1, keepdims=True), atol=1e-5, err_msg=str(row))
+    assert "language 'fr' is not one of the model's" in unknown["refused"][1], unknown
