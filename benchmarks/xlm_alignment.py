@@ -20,8 +20,15 @@ over real tokens, language id xx) retrieves the nearest English vector by cosine
 (P@1, and the other way; also with each language's mean vector taken off first), and each language's masked-token accuracy on held-out rows, so that
 alignment is not bought with worse language modelling. Chance is 1 / ``--pairs``.
 
+Then XLM's cross-lingual transfer (sec. 5.1, XNLI's setting): each model is fine-tuned (``--ft-steps``)
+to classify WordNet glosses by lexicographer file (``data/tasks/lexname``, 20 classes) on English
+training glosses only, its texts read as language en (``task.language``), and scored on the
+validation glosses in English and, zero-shot, spelt backwards and read as xx. Both fine-tunings start
+from the same head weights and draw the same batches.
+
 The last lines are ``mlm_p_at_1: X``, ``mlm_tlm_p_at_1: X`` (xx -> en) and ``tlm_gain: X`` (their
-difference).
+difference), then ``mlm_transfer_xx: X``, ``mlm_tlm_transfer_xx: X`` (xx validation accuracy of the
+English-trained classifier) and ``tlm_transfer_gain: X``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ctxmodels.registry import build_model  # noqa: E402
+from ctxmodels.tasks import TaskConfig, TaskModel, load_backbone  # noqa: E402
 from jobs.loop import param_groups  # noqa: E402
 from pipelines.dataset import StreamSpec, local_batches  # noqa: E402
 from pipelines.masking import MlmConfig  # noqa: E402
@@ -50,6 +58,7 @@ from pipelines.sources import iter_documents, sample_text  # noqa: E402
 from pipelines.tokenizers import Tokenizer, train_tokenizer  # noqa: E402
 
 SHARDS = sorted(str(p) for p in (REPO / "data" / "sample").glob("*.txt.gz"))
+LEXNAME = REPO / "data" / "tasks" / "lexname"
 KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels")
 
 
@@ -94,19 +103,24 @@ def train(model: torch.nn.Module, sources: list[Iterator[dict[str, np.ndarray]]]
     return time.perf_counter() - t0
 
 
+def encode(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), (N, seq_len): ``[CLS] s [SEP]`` per text, cut to fit, right-padded."""
+    ids = tok.encode_batch(texts)
+    rows = np.full((len(ids), seq_len), tok.pad_id, dtype=np.int64)
+    for k, s in enumerate(ids):
+        s = s[: seq_len - 2]
+        rows[k, : len(s) + 2] = [tok.cls_id, *s, tok.sep_id]
+    x = torch.as_tensor(rows)
+    return x, (x != tok.pad_id).long()
+
+
 @torch.no_grad()
 def sentence_vectors(model: torch.nn.Module, tok: Tokenizer, texts: list[str], language: int, seq_len: int) -> torch.Tensor:
     """(N, D) unit vectors: the last layer's mean over each sentence's real tokens, ``[CLS] s [SEP]``."""
     model.eval()
     out = []
     for i in range(0, len(texts), 128):
-        ids = tok.encode_batch(texts[i : i + 128])
-        rows = np.full((len(ids), seq_len), tok.pad_id, dtype=np.int64)
-        for k, s in enumerate(ids):
-            s = s[: seq_len - 2]
-            rows[k, : len(s) + 2] = [tok.cls_id, *s, tok.sep_id]
-        x = torch.as_tensor(rows)
-        mask = (x != tok.pad_id).long()
+        x, mask = encode(tok, texts[i : i + 128], seq_len)
         h = model.backbone.hidden_states(x, mask, torch.full_like(x, language) * mask)[-1]  # (B, T, D)
         v = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         out.append(torch.nn.functional.normalize(v, dim=-1))
@@ -132,8 +146,47 @@ def masked_accuracy(model: torch.nn.Module, spec: StreamSpec, tok: Tokenizer, n_
     return float(np.mean(accs))
 
 
+def transfer(pretrained: torch.nn.Module, tok: Tokenizer, seq_len: int, steps: int, seed: int, lr: float = 1e-3,
+             batch_size: int = 32) -> dict[str, float]:
+    """Fine-tune on English lexname glosses (language en), score English and backwards (xx) validation.
+    The global RNG (dropout's draws) is left as it was, so the models trained after this one are not
+    moved by it."""
+    with torch.random.fork_rng(devices=[]):
+        return _transfer(pretrained, tok, seq_len, steps, seed, lr, batch_size)
+
+
+def _transfer(pretrained: torch.nn.Module, tok: Tokenizer, seq_len: int, steps: int, seed: int, lr: float,
+              batch_size: int) -> dict[str, float]:
+    split = {name: [json.loads(line) for line in (LEXNAME / f"{name}.jsonl").read_text().splitlines()] for name in ("train", "validation")}
+    labels = sorted({r["label"] for r in split["train"]})
+    x, mask = encode(tok, [r["sentence1"] for r in split["train"]], seq_len)
+    y = torch.tensor([labels.index(r["label"]) for r in split["train"]])
+    model = TaskModel("xlm", pretrained.cfg, TaskConfig(kind="classification", num_labels=len(labels), labels=labels, language=0),
+                      torch.Generator().manual_seed(seed))  # the same head weights for every pretrained model
+    load_backbone(model, pretrained)
+    opt = torch.optim.AdamW(param_groups(model, 0.01), lr=lr)
+    draws = torch.Generator().manual_seed(seed)  # the same batches for every pretrained model
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(y), (batch_size,), generator=draws)
+        loss = model(x[pick], mask[pick], labels=y[pick]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    gold = torch.tensor([labels.index(r["label"]) if r["label"] in labels else -1 for r in split["validation"]])
+    out = {"majority": float(gold.eq(gold.mode().values).float().mean())}
+    for name, row, texts in (("en", 0, [r["sentence1"] for r in split["validation"]]),
+                             ("xx", 1, [backwards(r["sentence1"]) for r in split["validation"]])):
+        model.task.language = row  # every token read as this language: XLM's zero-shot transfer
+        vx, vmask = encode(tok, texts, seq_len)
+        with torch.no_grad():
+            out[f"transfer_{name}_acc"] = float(model(vx, vmask).logits.argmax(-1).eq(gold).float().mean())
+    return out
+
+
 def run(steps: int = 1500, seed: int = 0, pairs: int = 500, seq_len: int = 64, batch_size: int = 32, lr: float = 2e-3,
-        d_model: int = 128, layers: int = 4, vocab: int = 4000, log=print) -> dict[str, dict[str, float]]:
+        d_model: int = 128, layers: int = 4, vocab: int = 4000, ft_steps: int = 400, log=print) -> dict[str, dict[str, float]]:
     """Train both models and measure them (module docstring); {"mlm": {...}, "mlm+tlm": {...}}."""
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="xlm-align-") as d:
@@ -164,6 +217,7 @@ def run(steps: int = 1500, seed: int = 0, pairs: int = 500, seq_len: int = 64, b
                 "centred_p_at_1_xx_en": p_at_1(centred(xx), centred(en)),
                 "mlm_acc_en": masked_accuracy(model, held_specs[0], tok), "mlm_acc_xx": masked_accuracy(model, held_specs[1], tok),
                 "train_s": seconds,
+                **transfer(model, tok, seq_len, ft_steps, seed),  # (on a forked RNG: the next model trains as without it)
             }
             log(f"{name:8s} " + "  ".join(f"{k} {v:.3f}" for k, v in results[name].items()))
     return results
@@ -177,14 +231,18 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--ft-steps", type=int, default=400, help="fine-tuning steps of the transfer test")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads; {args.steps} steps a model, chance P@1 {1 / args.pairs:.3f}")
-    r = run(args.steps, args.seed, args.pairs, args.seq_len, d_model=args.d_model, layers=args.layers)
+    r = run(args.steps, args.seed, args.pairs, args.seq_len, d_model=args.d_model, layers=args.layers, ft_steps=args.ft_steps)
     print(f"mlm_p_at_1: {r['mlm']['p_at_1_xx_en']:.3f}")
     print(f"mlm_tlm_p_at_1: {r['mlm+tlm']['p_at_1_xx_en']:.3f}")
     print(f"tlm_gain: {r['mlm+tlm']['p_at_1_xx_en'] - r['mlm']['p_at_1_xx_en']:.3f}")
+    print(f"mlm_transfer_xx: {r['mlm']['transfer_xx_acc']:.3f}")
+    print(f"mlm_tlm_transfer_xx: {r['mlm+tlm']['transfer_xx_acc']:.3f}")
+    print(f"tlm_transfer_gain: {r['mlm+tlm']['transfer_xx_acc'] - r['mlm']['transfer_xx_acc']:.3f}")
 
 
 if __name__ == "__main__":
