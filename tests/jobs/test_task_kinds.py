@@ -24,7 +24,7 @@ from pipelines.metrics import METRICS
 
 # Settings of a recipe's task section that encoding does not read (the model, decoding and the
 # checkpoint choice do); every other one must reach pipelines.finetune.TaskDataConfig by name.
-RECIPE_ONLY = {"max_answer_len", "null_threshold", "lm_weight", "metric"}
+RECIPE_ONLY = {"max_answer_len", "null_threshold", "lm_weight", "metric", "language"}  # language: the XLM task model's row
 
 
 def test_one_table_names_every_kind_once():
