@@ -29,11 +29,14 @@ from tests.jobs.exactly_once import (
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 200  # ~3 epochs of 65 steps: room for Ray to notice the new node (up to ~25 s of 1-worker steps)
+MAX_STEPS = 200  # 2.5 epochs of 80 steps
 ELASTIC = [
     "scaling.num_workers=[1, 2]", "scaling.cpus_per_worker=1", "scaling.resources_per_worker={ctx_trainer: 1}",
     "scaling.resize_interval_s=2", "scaling.max_failures=3", "train.checkpoint_every=5",
     f"train.max_steps={MAX_STEPS}", "data.max_epochs=4",
+    # A wider, deeper model than the other exactly-once runs': their steps (~20 a second on 2 cores)
+    # finished all 200 before Ray Train had grown the group onto the new node, so the run never grew.
+    "model.d_model=128", "model.n_layer=4", "model.d_ff=512",
 ]
 
 
