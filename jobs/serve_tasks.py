@@ -93,7 +93,7 @@ def cannot_serve(name: str, info: dict, route: str) -> str:
     """The 400's message for a model asked for what it does not do: what it is and what it serves."""
     what = f"a fine-tuned {info['family']} {info['task']} model" if info["task"] else f"a pretrained {info['family']} model"
     why = ""
-    if route == "/v1/fill-mask" and "/v1/generate" in info["routes"] and not info["task"]:
+    if route == "/v1/fill-mask" and info["family"] in MLM_FAMILIES and "/v1/generate" in info["routes"] and not info["task"]:
         why = " pretrained as a causal LM (objective clm)"
     elif route == "/v1/fill-mask" and info["family"] in MLM_FAMILIES and not info["task"]:
         why = " whose checkpoint has no trained masked-LM head"
@@ -746,11 +746,11 @@ class TaskServing:
 
         from jobs.passes import HostCopy
 
+        languages = np.array([r.get("language", 0) for r in rows], dtype=np.int64)  # (B,) rows of an XLM's table
         if self.task_config is not None:
             # Cut to the group's longest row: right padding past it is masked anyway.
             cols = {k: np.stack([r[k][..., :width] for r in rows]) for k in rows[0] if k != "language"}  # (B, [K,] T)
             batch = {k: self._on_device(v) for k, v in cols.items()}
-            languages = np.array([r.get("language", 0) for r in rows], dtype=np.int64)  # (B,) rows of an XLM's table
             with torch.inference_mode():
                 if languages.any():  # requests of other languages than the deployment's: eager, with their ids
                     copy = HostCopy(self.model(**batch, language_ids=self._on_device(languages)).logits.float())
@@ -774,7 +774,6 @@ class TaskServing:
             selected = np.zeros(tuple(ids.shape), dtype=bool)  # (B, T)
             for b, r in enumerate(rows):
                 selected[b, r["positions"]] = True
-            languages = np.array([r.get("language", 0) for r in rows], dtype=np.int64)  # (B,) rows of an XLM's table
             language_ids = self._on_device(np.repeat(languages[:, None], ids.shape[1], axis=1)) if languages.any() else None  # (B, T)
             with torch.inference_mode():  # (reading the selected positions waits for the device anyway)
                 probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, self._on_device(selected), language_ids).float(),
