@@ -52,7 +52,7 @@ gpu-folder: $(STAMP)
 	src = pathlib.Path(m.__file__).parent / 'model'; dst = pathlib.Path('.gpu/minilm'); \
 	shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns('model.safetensors', '*.md')); \
 	save_file({k: v.half().contiguous() for k, v in load_file(src / 'model.safetensors').items()}, dst / 'model.safetensors', metadata={'format': 'pt'})"
-	# pydantic's wheels for the GPU machine's Python 3.12, which lacks it (jobs.replica's settings): gpu.sh installs them
+	# pydantic's wheels for the GPU machine's Python 3.12, which lacks it (jobs.serving.replica's settings): gpu.sh installs them
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
 	  pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0

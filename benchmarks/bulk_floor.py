@@ -12,7 +12,7 @@ The steps, each measured in every round, in this order:
    length-sorted batches of 32, normalised; the faster of ours and transformers'), before and after
    the other steps of the round (their mean).
 2. ``replica direct``: a Ray Serve replica (``EmbeddingModel`` as ``ctx serve`` builds it, 2 CPUs, the
-   request-path settings of ``jobs.serve.SERVE_ENV``) running every text in length-sorted passes of
+   request-path settings of ``jobs.serving.serve.SERVE_ENV``) running every text in length-sorted passes of
    32 on its forward thread, back to back: what being a Ray worker process costs.
 3. ``replica bulk`` / ``replica langchain``: the same replica answering in-replica callers through
    its own request path minus HTTP (``EmbeddingModel._embed``: tokenizing, the cross-request batcher,
@@ -59,8 +59,8 @@ class FloorReplica:
     """A Serve replica holding ``ctx serve``'s model object, timed from inside (no HTTP)."""
 
     def __init__(self, model_dir: str, texts: list[str]):
-        from jobs.replica import EmbeddingReplica
-        from jobs.serve_config import Limits, ModelConfig
+        from jobs.serving.replica import EmbeddingReplica
+        from jobs.serving.serve_config import Limits, ModelConfig
 
         settings = ModelConfig(uri=model_dir, max_batch_size=serving.BATCH, batch_wait_timeout_s=0.01)  # serving.py's
         self.model = EmbeddingReplica("minilm", model_dir, None, settings, Limits())
@@ -75,7 +75,7 @@ class FloorReplica:
 
     async def direct(self, seconds: float) -> tuple[float, float]:
         """(texts/s, cores busy) of length-sorted passes of serving.BATCH over every text, back to back."""
-        from jobs.passes import forward
+        from jobs.serving.passes import forward
 
         _, items = self.model._embed_inputs(self.texts, "mean", None, False, "last")
         order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
@@ -115,7 +115,7 @@ def replica_steps(model_dir: Path, texts: list[str], seconds: float) -> dict[str
     import ray
     from ray import serve
 
-    from jobs import serve as ctx_serve
+    from jobs.serving import serve as ctx_serve
 
     temp_dir = tempfile.mkdtemp(prefix="ray-bulk-floor-")
     ray.init(address="local", num_cpus=serving.CORES, object_store_memory=500_000_000, include_dashboard=False,

@@ -98,8 +98,8 @@ def tokenization(tok_dir: Path) -> float:
 
 
 def data_wait(out: Path) -> tuple[float, float]:
-    from jobs.config import load_recipe
-    from jobs.train import pretrain
+    from jobs.training.config import load_recipe
+    from jobs.training.train import pretrain
 
     recipe = load_recipe(REPO / "configs" / "bert-tiny.yaml", [
         f"output_dir={out}", "name=data-wait", "tokenizer.vocab_size=8000", "tokenizer.sample_chars=2000000",

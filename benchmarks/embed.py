@@ -43,7 +43,7 @@ round so machine load falls on both alike. Numbers are medians over rounds. The 
 compare ratios, not absolute numbers, across runs.
 
 The ceiling (``--floor``): each round also runs ``ctx embed``'s pipeline with a no-op actor in a fresh
-process over the ``--small-rows`` file: ``jobs.loop.init_ray`` as ``ctx embed`` starts Ray, the rows
+process over the ``--small-rows`` file: ``jobs.session.init_ray`` as ``ctx embed`` starts Ray, the rows
 read by the driver and handed over as in-memory blocks (what ``ctx embed`` does with an input this
 small), an actor pool of ``ctx embed``'s default size whose actors import nothing and answer each
 batch with its ids, ``write_parquet``, ``ray.shutdown``. Its wall time is what Ray and Ray Data cost
@@ -118,8 +118,8 @@ def floor_child(src: str, out: str) -> None:
     import pyarrow.parquet as pq
     import ray
 
-    from jobs.embed import ACTOR_BATCH_ROWS, CPUS_PER_ACTOR, IO_CPUS, pool_size
-    from jobs.loop import init_ray
+    from jobs.serving.embed import ACTOR_BATCH_ROWS, CPUS_PER_ACTOR, IO_CPUS, pool_size
+    from jobs.session import init_ray
 
     init_ray(False, num_cpus=(os.cpu_count() or 1) + IO_CPUS)
     table = pq.read_table(src, columns=["id", "text"])

@@ -14,7 +14,7 @@ the script checks both give the same loss (dropout off).
 Batches: real text, the way a fine-tuning run sees it. Sentences of the bundled WordNet corpus
 (``data/sample``), tokenized with MiniLM's WordPiece vocabulary, 32 rows a batch padded to the
 longest row (what ``DataCollatorWithPadding`` does for transformers, and what our loop does by
-trimming its fixed-width rows: ``jobs.finetune_inputs``, which on a GPU rounds the length up to a
+trimming its fixed-width rows: ``jobs.training.finetune_inputs``, which on a GPU rounds the length up to a
 multiple of 32), so rows carry padding as they do in practice. Classification:
 sentence pairs (two consecutive sentences) with one of 4 labels; token classification: single
 sentences with one of 9 tags per token (-100 at [CLS], [SEP] and padding). Labels are random: only
@@ -24,14 +24,14 @@ One timed step: forward with labels, ``loss.backward()``, gradient clipping to n
 ``AdamW.step()`` (what transformers' Trainer uses by default with this PyTorch),
 ``zero_grad(set_to_none=True)``. Transformers' side clips as its Trainer does (``clip_grad_norm_``,
 which scales every gradient in place, then the step); ours as ``ctx finetune`` does
-(``jobs.parallel.clipped_step``: the same clipping folded into the fused step, no pass of its own);
+(``jobs.training.parallel.clipped_step``: the same clipping folded into the fused step, no pass of its own);
 ``--same-optimizer-step`` gives ours transformers' way too, to time the models alone. A round times one step of each model on every batch, the two
 taking turns step by step (ABBA) so both run under the same machine load; rows/s are medians over
 rounds. The machine is shared: compare the ratios, not the absolute numbers. ``--precision bf16``
 runs both forwards and losses under CPU bf16 autocast (fp32 weights and AdamW), as
 ``train.precision: bf16`` trains on a CPU with AVX512-BF16 or AMX. ``--compile``: both models under
 ``torch.compile`` (inductor, dynamic shapes), compiled during the warm-up steps. ``--blocks`` /
-``--graphs``: ours only, as ``train.compile: true`` / ``graphs`` compiles it (``jobs.parallel.wrap_model``;
+``--graphs``: ours only, as ``train.compile: true`` / ``graphs`` compiles it (``jobs.training.parallel.wrap_model``;
 on one GPU ``graphs`` is the whole model as CUDA graphs), every batch shape warmed up twice first.
 ``--unpad``: ours eager, as ``train.unpad: true`` runs it: on a GPU nothing computed for padding,
 attention over nested jagged tensors (``ctxmodels.bert.JaggedPacking``, FlashAttention's
@@ -66,8 +66,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from jobs import parallel  # noqa: E402
-from jobs.parallel import cpu_has_native_bf16  # noqa: E402
+from jobs.training import parallel  # noqa: E402
+from jobs.training.parallel import cpu_has_native_bf16  # noqa: E402
 
 BATCH, MAX_LEN = 32, 128
 N_BATCHES = 4
@@ -159,8 +159,8 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, ours: bool) -> None:
-    """What follows ``backward()``: ours as ``ctx finetune``'s ``jobs.loop.Stepper`` does it (the
-    gradient norm, then the clipping folded into the fused AdamW step: ``jobs.parallel.clipped_step``),
+    """What follows ``backward()``: ours as ``ctx finetune``'s ``jobs.training.loop.Stepper`` does it (the
+    gradient norm, then the clipping folded into the fused AdamW step: ``jobs.training.parallel.clipped_step``),
     transformers' as its ``Trainer`` does (``clip_grad_norm_``, then ``step()``)."""
     if ours:
         parallel.clipped_step(model, optimizer, parallel.grad_norm(model), MAX_NORM)
@@ -183,19 +183,19 @@ def make_step(model: nn.Module, inputs, precision: str = "fp32", ours: bool = Fa
 
 
 def our_inputs(kind: str):
-    """The keywords ``ctx finetune``'s training step gives our model (``jobs.finetune_inputs.train_inputs``):
+    """The keywords ``ctx finetune``'s training step gives our model (``jobs.training.finetune_inputs.train_inputs``):
     the columns cut to the batch's trim length (``our_batch``), and token classification computes
     its head and last block at the labelled positions only (except compiled whole: every position)."""
-    from jobs.finetune_inputs import train_inputs
+    from jobs.training.finetune_inputs import train_inputs
 
     return train_inputs
 
 
 def our_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch as ``ctx finetune``'s loop holds it: its rows padded to ``MAX_LEN`` (the data stage's
-    task.max_len) and the length its step cuts them to, found on the host (``jobs.finetune_inputs.trim_length``:
+    task.max_len) and the length its step cuts them to, found on the host (``jobs.training.finetune_inputs.trim_length``:
     the longest row on the CPU, rounded up to a multiple of 32 on a GPU)."""
-    from jobs.finetune_inputs import TRIM_LENGTH, trim_length
+    from jobs.training.finetune_inputs import TRIM_LENGTH, trim_length
 
     out = {}
     for k, v in batch.items():
@@ -233,10 +233,10 @@ def prepare(kind: str, dropout: float) -> tuple[list[dict[str, torch.Tensor]], n
 def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int, compiled: bool = False) -> dict[str, list[float]]:
     """Seconds per round for each side: every batch once, the sides taking turns step by step
     (ABBA), after ``WARMUP_STEPS`` steps each. On CUDA ours' batches go through
-    ``jobs.loop.to_device`` (pinned, asynchronous) as ``ctx finetune``'s do (``our_batch``: padded
+    ``jobs.training.loop.to_device`` (pinned, asynchronous) as ``ctx finetune``'s do (``our_batch``: padded
     to max_len, then cut to a multiple of 32 by the step), transformers' (padded to the longest
     row) through ``.to``, and each step ends when the GPU is done."""
-    from jobs.loop import to_device
+    from jobs.training.loop import to_device
 
     cuda = DEVICE.type == "cuda"
     inputs = {"ours": [to_device(our_batch(b), DEVICE) for b in batches],
@@ -267,9 +267,9 @@ def time_rounds(sides: dict, batches: list[dict[str, torch.Tensor]], rounds: int
 def bench(kind: str, rounds: int, dropout: float, precision: str = "fp32", compile: bool = False,
           same_optimizer_step: bool = False, blocks: bool = False, graphs: bool = False, unpad: bool = False) -> float:
     batches, ours, theirs = prepare(kind, dropout)
-    if unpad:  # ours as train.unpad: true runs it (jobs.parallel.skip_padding)
+    if unpad:  # ours as train.unpad: true runs it (jobs.training.parallel.skip_padding)
         parallel.skip_padding(ours, True, DEVICE)
-    if blocks or graphs:  # ours as train.compile: true / graphs runs it (jobs.parallel.wrap_model)
+    if blocks or graphs:  # ours as train.compile: true / graphs runs it (jobs.training.parallel.wrap_model)
         plan = parallel.ParallelPlan(compile="graphs" if graphs else True)
         print(f"ours compiled as train.compile: {plan.compile} compiles it here: {parallel.compile_scope(ours, plan, DEVICE, 1)}")
         ours = parallel.wrap_model(ours, plan, DEVICE)

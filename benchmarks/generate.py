@@ -5,7 +5,7 @@ defaults). Options: ``--preset`` (a GPT preset: ``gpt2-tiny``, the default, or `
 ``--prompt-tokens`` (16), ``--new-tokens`` (128), ``--rounds`` (3), ``--threads`` (torch threads, 1),
 ``--device`` (cpu). The last line is ``cached_vs_uncached: X`` (tokens/s over tokens/s).
 
-What runs is ``jobs.serve_tasks.generate_ids``, the replica's loop, greedy, with ``use_cache`` True
+What runs is ``jobs.serving.serve_tasks.generate_ids``, the replica's loop, greedy, with ``use_cache`` True
 (``decode_step``: the prompt once, then one position per token) and False (the whole sequence again
 for every token, what /v1/generate did before the cache). A random-weight model of the preset, its
 ``max_seq_len`` raised to prompt + new tokens where it is shorter (positions are only an embedding
@@ -26,7 +26,7 @@ import time
 import torch
 
 from ctxmodels.gpt import PRESETS, GPTForPreTraining
-from jobs.serve_tasks import generate_ids
+from jobs.serving.serve_tasks import generate_ids
 
 NO_STOP = -1
 

@@ -8,7 +8,7 @@ the replicas' own code (texts sorted by length, cut into passes of ``--batch`` t
 its longest, through ``ctxmodels.bert.BertModel``, SDPA with a key-padding mask, mean-pooled over
 the real tokens and L2-normalised), in float32 and float16 (``dtype``, whose "auto" is float16 on a
 GPU), each pass replayed from a CUDA graph (``cuda_graphs``, ``ctxmodels.graphs``) and a request's
-texts tokenized on as many threads as torch has (``jobs.passes.tokenizing_pool``). The peers, same
+texts tokenized on as many threads as torch has (``jobs.serving.passes.tokenizing_pool``). The peers, same
 folder, same batch size, same dtype:
 
 - ``SentenceTransformer.encode`` (it sorts by length too), in this process;
@@ -77,14 +77,14 @@ def texts(n: int) -> list[str]:
 
 
 class Ours:
-    """What ``ctx serve``'s replicas and ``ctx embed`` run: ``jobs.replica.EmbeddingReplica.embed_now``
+    """What ``ctx serve``'s replicas and ``ctx embed`` run: ``jobs.serving.replica.EmbeddingReplica.embed_now``
     (texts tokenized, sorted by length into passes of at most ``batch`` texts, each padded to its
     longest, the model in ``dtype`` (``ModelSettings.dtype``), mean-pooled in float32, normalised)."""
 
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, batch: int, cuda_graphs: bool = True):
-        from jobs.embed import UNBOUNDED_TOKENS
-        from jobs.replica import EmbeddingReplica
-        from jobs.serve_config import Limits, ModelConfig
+        from jobs.serving.embed import UNBOUNDED_TOKENS
+        from jobs.serving.replica import EmbeddingReplica
+        from jobs.serving.serve_config import Limits, ModelConfig
 
         name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
         settings = ModelConfig(uri=str(folder), max_batch_size=batch, max_batch_tokens=batch * 512, dtype=name,
@@ -169,8 +169,8 @@ def rerank(folder: Path, device: torch.device, items: list[str], n_pairs: int, r
     from ctxmodels.checkpoint import save_checkpoint
     from ctxmodels.hf import export_hf_folder, load_hf_folder
     from ctxmodels.tasks import TaskConfig, build_task_model, load_backbone
-    from jobs.replica import EmbeddingReplica
-    from jobs.serve_config import Limits, ModelConfig
+    from jobs.serving.replica import EmbeddingReplica
+    from jobs.serving.serve_config import Limits, ModelConfig
 
     passages = [t for t in items if len(t.split()) <= 60]
     queries = [t for t in passages if len(t.split()) <= 12]

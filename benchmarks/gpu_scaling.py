@@ -8,11 +8,11 @@ the GPUs there), ``--batch`` rows of 128 tokens per device (default 32), ``--ste
 
 Each world size runs in its own processes (``torch.multiprocessing``, one per device, NCCL on CUDA
 and gloo on the CPU), and each process trains as ``ctx pretrain``'s workers do: the model wrapped by
-``jobs.parallel.wrap_model`` (DDP, or FSDP2 with bf16 gathers and fp32 gradient reductions), bf16
-autocast on CUDA (``--precision``), batches moved by ``jobs.loop.to_device`` (the masked positions
-found on the host, padded), the clipped fused AdamW step of ``jobs.parallel.clipped_step``. Weak
+``jobs.training.parallel.wrap_model`` (DDP, or FSDP2 with bf16 gathers and fp32 gradient reductions), bf16
+autocast on CUDA (``--precision``), batches moved by ``jobs.training.loop.to_device`` (the masked positions
+found on the host, padded), the clipped fused AdamW step of ``jobs.training.parallel.clipped_step``. Weak
 scaling: every device takes ``--batch`` rows per step (parameters the loss never reaches, the
-pooler without NSP, frozen first by ``jobs.loop.freeze_unused``, as there), so N devices train N times the tokens of one
+pooler without NSP, frozen first by ``jobs.training.loop.freeze_unused``, as there), so N devices train N times the tokens of one
 in a step; its time grows by what the gradient all-reduce (DDP) or the parameter all-gathers and
 gradient reduce-scatters (FSDP2) cost beyond what overlaps the computation. A world of 1 is the
 single device with no wrapper at all, the baseline of both strategies.
@@ -53,8 +53,8 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    from jobs import parallel
-    from jobs.loop import freeze_unused, model_inputs, to_device
+    from jobs.training import parallel
+    from jobs.training.loop import freeze_unused, model_inputs, to_device
     from train_throughput import MAX_NORM, SEQ_LEN, make_batches, model_config, param_groups
 
     from ctxmodels.bert import BertForPreTraining

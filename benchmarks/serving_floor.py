@@ -6,7 +6,7 @@ machine should be otherwise idle: CPU is counted for the whole machine). The las
 ``path_cpu_ms_per_request: X`` and ``serving_vs_limit_ceiling: X``.
 
 The no-op server: a Serve app started as ``ctx serve`` starts its own (a local Ray inside
-``jobs.serve.local_ray_env()``: HAProxy ingress straight to the replica's uvicorn), one replica, a
+``jobs.serving.serve.local_ray_env()``: HAProxy ingress straight to the replica's uvicorn), one replica, a
 FastAPI ingress with ``POST /v1/embeddings`` that validates an OpenAI-style body with pydantic and
 answers every text with the same fixed 384-float vector (what a MiniLM answer weighs as JSON), no
 model, no tokenizer, no batching. The load: ``serving.py``'s clients, texts and timing.
@@ -74,7 +74,7 @@ def measure_path(clients: int, seconds: float, texts: list[str]) -> tuple[float,
     import ray
     from ray import serve
 
-    from jobs import serve as ctx_serve
+    from jobs.serving import serve as ctx_serve
 
     port = serving.free_port()
     with ctx_serve.local_ray_env() as haproxy_files:

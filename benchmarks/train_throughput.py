@@ -7,9 +7,9 @@ The last two lines are ``speedup_vs_transformers: X`` (our tokens/s over theirs)
 
 On a GPU (``--device cuda``): both models and batches on the device, ``--precision bf16`` runs both
 forwards and losses under ``torch.autocast(bfloat16)`` (fp32 weights and AdamW, as
-``jobs.parallel.autocast`` in training), every timed step ends with ``torch.cuda.synchronize``, and
+``jobs.training.parallel.autocast`` in training), every timed step ends with ``torch.cuda.synchronize``, and
 MFU is against the GPU's datasheet dense peak for that precision (``ctxmodels.flops.device_peak_flops``).
-On a CPU with native bf16 products (AVX512-BF16 or AMX, where ``jobs.parallel.autocast`` trains in
+On a CPU with native bf16 products (AVX512-BF16 or AMX, where ``jobs.training.parallel.autocast`` trains in
 bf16), ``--precision bf16`` autocasts both sides the same way and MFU is against measured bf16 products.
 
 The same network on both sides: 4 layers, d_model 256, 4 heads, d_ff 1024, vocab 30522, exact GELU,
@@ -22,8 +22,8 @@ both give the same loss and the same word-embedding gradient on a batch (dropout
 One timed step, on both sides: ``model(input_ids, attention_mask, labels).loss``, its backward,
 clipping to gradient norm 1.0, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; transformers
 clips with ``clip_grad_norm_`` as its ``Trainer`` does, ours as ``ctx pretrain`` does
-(``jobs.parallel.clipped_step``, the same clipping folded into a fused step). AdamW: lr 1e-4,
-weight decay 0.01 on matrices, none on biases and LayerNorm (as ``jobs.train.param_groups``), and
+(``jobs.training.parallel.clipped_step``, the same clipping folded into a fused step). AdamW: lr 1e-4,
+weight decay 0.01 on matrices, none on biases and LayerNorm (as ``jobs.training.train.param_groups``), and
 ``fused=True``, which transformers' ``Trainer`` uses by default with this PyTorch;
 ``--adamw default`` gives both sides the Python loop over parameters that ``AdamW()`` runs on CPU
 without the flag (0.1 s or more per step, the same for both). Batches: 32 rows of 128 random
@@ -79,8 +79,8 @@ from ctxmodels.compiling import compile_blocks  # noqa: E402
 from ctxmodels.flops import device_peak_flops, measure_matmul_peak, train_flops_per_step  # noqa: E402
 from ctxmodels.hf import to_hf  # noqa: E402
 from ctxmodels.ops import low_precision_layernorms  # noqa: E402
-from jobs.loop import POSITIONS_MULTIPLE, model_inputs, to_device  # noqa: E402
-from jobs.parallel import cpu_has_native_bf16  # noqa: E402
+from jobs.training.loop import POSITIONS_MULTIPLE, model_inputs, to_device  # noqa: E402
+from jobs.training.parallel import cpu_has_native_bf16  # noqa: E402
 from pipelines.masking import MlmConfig, VocabInfo, mask_tokens  # noqa: E402
 
 BATCH, SEQ_LEN = 32, 128  # rows per batch (--batch), tokens per row
@@ -165,7 +165,7 @@ def counted_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """Weight decay on matrices only, as ``jobs.train.param_groups`` (not imported: it pulls in Ray)."""
+    """Weight decay on matrices only, as ``jobs.training.train.param_groups`` (not imported: it pulls in Ray)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
@@ -174,9 +174,9 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 
 def make_step(model: nn.Module, fused_adamw: bool = True, autocast=contextlib.nullcontext, ours: bool = False):
-    """Ours clips as ``ctx pretrain`` does (``jobs.parallel.clipped_step``: folded into the fused
+    """Ours clips as ``ctx pretrain`` does (``jobs.training.parallel.clipped_step``: folded into the fused
     step), transformers' as its ``Trainer`` does (``clip_grad_norm_``, then ``step()``)."""
-    from jobs import parallel
+    from jobs.training import parallel
 
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR, fused=fused_adamw or None)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -432,7 +432,7 @@ def main() -> None:
         stepped = torch.compile(ours, **options)
         print(f"ours: the whole model under torch.compile {options or ''} (compiled during the warm-up steps; "
               f"masked positions padded to a multiple of {POSITIONS_MULTIPLE} by to_device)")
-    # Ours gets its batches as ctx pretrain moves them (jobs.loop.to_device: pinned, asynchronous,
+    # Ours gets its batches as ctx pretrain moves them (jobs.training.loop.to_device: pinned, asynchronous,
     # an all-ones mask found on the host and left out, the masked positions found on the host); transformers gets the mask, as users pass it.
     batches_ours = [model_inputs(to_device(b, device, label_positions=True)) for b in batches]
     batches = [{k: v.to(device) for k, v in b.items()} for b in batches]

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from ctxmodels.registry import build_model  # noqa: E402
 from ctxmodels.tasks import TaskConfig, TaskModel, load_backbone  # noqa: E402
-from jobs.loop import param_groups  # noqa: E402
+from jobs.training.loop import param_groups  # noqa: E402
 from pipelines.dataset import StreamSpec, local_batches  # noqa: E402
 from pipelines.masking import MlmConfig  # noqa: E402
 from pipelines.sources import iter_documents, sample_text  # noqa: E402

@@ -211,7 +211,7 @@ class AlbertModel(nn.Module):
         x = self.emb_proj(self.emb_drop(self.emb_ln(e)))  # (B, T, C)
         attn_mask = None  # no padding: let SDPA pick its fastest kernel
         # A mask of all ones is dropped on the CPU (eager) only, as BERT's: on a GPU the check would
-        # wait for the device (``jobs.loop.to_device`` finds unpadded batches on the host instead),
+        # wait for the device (``jobs.training.loop.to_device`` finds unpadded batches on the host instead),
         # and under torch.compile it would break the graph.
         cpu_eager = attention_mask is not None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling()
         if attention_mask is not None and not (cpu_eager and bool(attention_mask.all())):
@@ -312,7 +312,7 @@ class AlbertForPreTraining(nn.Module):
     ) -> PretrainOutput:
         """``labels`` (B, T): target ids at masked positions, -100 elsewhere. ``next_sentence_label``
         (B,) is the project's column for SOP too: 0 = in order, 1 = swapped. ``label_positions``
-        (N,): where ``labels != -100`` as flat indices found on the host (``jobs.loop.to_device``
+        (N,): where ``labels != -100`` as flat indices found on the host (``jobs.training.loop.to_device``
         on a GPU, padded by ``ops.padded_positions``: padding rows count in no loss or metric);
         found here when None."""
         if labels is None:

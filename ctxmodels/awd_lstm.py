@@ -31,7 +31,7 @@ of the stream is always a window start. The paper scales the learning rate by se
 that every token weighs the same whatever its window's length; here the loss is one mean over all
 the batch's tokens, every token already weighs the same, and the rate needs no scaling. The
 window lengths are drawn from torch's global generator, as the dropout masks are (seeded per
-worker by ``jobs.loop.seed_worker_rng``). With ``bptt`` 0, or outside training, a batch is one
+worker by ``jobs.training.loop.seed_worker_rng``). With ``bptt`` 0, or outside training, a batch is one
 window.
 
 Shape legend:

@@ -963,7 +963,7 @@ class BertForPreTraining(nn.Module):
         the tokens just before / after the token's span and its 0-based position in the span
         (``pipelines.spans.span_mask``). Given together, and only to a model with ``cfg.sbo``.
         ``label_positions`` (N,): where ``labels != -100``, as flat indices found on the host
-        (``ops.predicted_positions``; ``jobs.loop.to_device`` on a GPU, padded to a few fixed
+        (``ops.predicted_positions``; ``jobs.training.loop.to_device`` on a GPU, padded to a few fixed
         counts by ``ops.padded_positions``: padding rows count in no loss or metric); found here
         when None. ``position_ids`` (B, T): XLM's translation LM (``pipelines.xlm``); None counts
         positions from each row's start."""

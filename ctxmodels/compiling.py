@@ -30,10 +30,10 @@ The whole step as CUDA graphs (``train.compile: graphs`` on one GPU): replaying 
 CUDA graph still leaves the embedding, the head, the loss and every launch between blocks to the
 host, which bounds a small batch (BERT-base at 32 x 128: the GPU busy a third of the step). A
 masked-LM model whose predicted rows come as ``label_positions`` padded to a few fixed counts
-(``jobs.loop.to_device``, ``ctxmodels.ops.padded_positions``) has the same shapes from step to
+(``jobs.training.loop.to_device``, ``ctxmodels.ops.padded_positions``) has the same shapes from step to
 step, so it compiles whole in one graph (``has_static_step``): forward and backward each replay
 as one CUDA graph (``mode="reduce-overhead"``), and only the optimizer runs eager. Fine-tuning
-takes the same step for a task model on such a backbone: ``jobs.finetune_inputs.trim_length``
+takes the same step for a task model on such a backbone: ``jobs.training.finetune_inputs.trim_length``
 cuts a GPU batch to its longest row rounded up to a multiple of 32 (a handful of lengths a run, a
 graph recorded for each), and the head reads every position while compiled
 (``labelled_positions_only`` would count the labelled rows on the device).
@@ -73,11 +73,11 @@ def is_compiled(module: nn.Module) -> bool:
 
 def has_static_step(model: nn.Module) -> bool:
     """Whether ``model``'s training forward keeps its shapes from batch to batch when given its
-    inputs as ``jobs.loop.to_device`` moves them to a GPU: its forward takes ``label_positions``
+    inputs as ``jobs.training.loop.to_device`` moves them to a GPU: its forward takes ``label_positions``
     (BERT, RoBERTa, SpanBERT, ALBERT), so no row count is found on the device and the whole model
     compiles in one graph. Other families find theirs on the device (a boolean gather) and are
     compiled by block. A model that says so itself (``static_step``: a ``ctxmodels.tasks.TaskModel``
-    on one of those backbones, whose GPU batches ``jobs.finetune_inputs.trim_length`` cuts to a few lengths) is taken at
+    on one of those backbones, whose GPU batches ``jobs.training.finetune_inputs.trim_length`` cuts to a few lengths) is taken at
     its word."""
     own = getattr(model, "static_step", None)
     if own is not None:

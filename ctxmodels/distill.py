@@ -22,7 +22,7 @@ exact forms.
     ``/v1/embeddings`` serves), for teachers whose use is sentence embeddings.
   The reference's weights are soft 5, mlm 2, cos 1 at ``T = 2``. A teacher with no trained MLM
   head (an embedding model such as all-MiniLM-L6-v2) is distilled through ``cos`` and ``sentence``
-  alone: ``soft`` and ``mlm`` must be 0 then (``jobs.config.TeacherSettings`` checks).
+  alone: ``soft`` and ``mlm`` must be 0 then (``jobs.training.config.TeacherSection`` checks).
 - The teacher runs in inference mode beside the student, on the student's device; it is not a
   submodule of the ``Distiller`` (not trained, not in the state dict, not DDP's), and the
   ``Distiller``'s state dict is the student's own, so checkpoints hold a plain student.

@@ -29,7 +29,7 @@ until the next call).
 
 What is graphed is a function of the inputs with no host synchronisation and no data-dependent
 shape on a GPU: the last hidden state of a BERT, RoBERTa, SpanBERT or ALBERT backbone, or a task
-model's logits on one (``jobs.replica.GRAPHED_FAMILIES``). ``record=False`` runs that function
+model's logits on one (``jobs.serving.replica.GRAPHED_FAMILIES``). ``record=False`` runs that function
 eagerly on the bucket's padded inputs instead: what a replay computes, checkable on a CPU.
 """
 

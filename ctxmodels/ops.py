@@ -240,7 +240,7 @@ def predicted_positions(labels: Tensor, given: Tensor | None = None, ignore_inde
     """(N,) flat indices into ``labels``' B * T positions where a target exists (``!= -100``), in
     row-major order: the rows ``h[labels != -100]`` gathers, as indices.
 
-    ``given``: the same indices found on the host (``jobs.loop.to_device``), returned as they are.
+    ``given``: the same indices found on the host (``jobs.training.loop.to_device``), returned as they are.
     On a GPU, finding them there (a boolean gather, its backward likewise) makes the host wait for
     every kernel queued before it, twice a step; with indices, ``index_select`` and its backward
     need no wait, and N is known on the host.
@@ -258,7 +258,7 @@ def padded_positions(labels: Tensor, multiple: int, ignore_index: int = IGNORE_I
     the heads' losses and accuracies, which skip ignored targets, are those of the unpadded
     positions. What it buys: the number of predicted rows, which the masking draws afresh for every
     batch, takes a handful of values over a run instead of one per batch, so a compiled model keeps
-    its graphs and CUDA graphs can replay the step (``jobs.loop.to_device`` on a GPU). With 15% of
+    its graphs and CUDA graphs can replay the step (``jobs.training.loop.to_device`` on a GPU). With 15% of
     32 x 128 tokens masked (605 +- 23 targets) and ``multiple`` 128, nearly every batch has 640 rows.
     """
     if multiple < 1:

@@ -17,7 +17,7 @@ NumPy encoding and torch heads in different packages):
 - ``ctxmodels.hf.CONVERTERS[family].tasks``: the transformers head class per family and kind.
 
 Adding a kind is one ``Task`` here plus its line in ``TaskKind``, and an entry in each of those
-dicts where its behaviour is new; ``tests/jobs/test_task_kinds.py`` fails, naming the dict,
+dicts where its behaviour is new; ``tests/jobs/training/test_task_kinds.py`` fails, naming the dict,
 until every layer knows it.
 """
 

@@ -33,7 +33,7 @@ def _quiet_env(verbose: bool) -> None:
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from jobs.submit import QUIET_RAY_ENV
+        from jobs.operations.submit import QUIET_RAY_ENV
 
         for name, value in QUIET_RAY_ENV.items():  # a local Ray's processes inherit them
             os.environ.setdefault(name, value)
@@ -44,8 +44,8 @@ def _quiet_env(verbose: bool) -> None:
 
 def _exit_on_sigterm() -> None:
     """SIGTERM raises SystemExit(143): `finally` blocks run and the run lock is released
-    (``jobs.loop.exit_on_sigterm``, which ``init_ray`` calls again after ``ray.init``)."""
-    from jobs.loop import exit_on_sigterm
+    (``jobs.session.exit_on_sigterm``, which ``init_ray`` calls again after ``ray.init``)."""
+    from jobs.session import exit_on_sigterm
 
     exit_on_sigterm()
 
@@ -100,7 +100,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from jobs.config import load_recipe
+    from jobs.training.config import load_recipe
 
     recipe = load_recipe(args.config, args.set)  # fails before Ray starts
     return _pretrain_run(args, recipe, "pretrain", ("step", "loss", "mlm_acc", "lm_acc", "ppl", "tokens_per_s"))
@@ -109,8 +109,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def _pretrain_run(args: argparse.Namespace, recipe, command: str, shown: tuple[str, ...]):
     """``ctx pretrain`` and ``ctx distill``: run the recipe; the result's ``shown`` metrics, or the
     exit status of a failed registration or an interruption."""
-    from jobs.tracking import RegistrationError
-    from jobs.train import pretrain
+    from jobs.training.tracking import RegistrationError
+    from jobs.training.train import pretrain
 
     _quiet_env(args.verbose)
     _exit_on_sigterm()
@@ -130,7 +130,7 @@ def _pretrain_run(args: argparse.Namespace, recipe, command: str, shown: tuple[s
 def cmd_distill(args: argparse.Namespace) -> int:
     """``ctx pretrain`` with a ``teacher`` section: the student (the teacher's family, fewer layers)
     learns from the teacher on the recipe's corpus (ctxmodels/distill.py)."""
-    from jobs.config import RecipeError, load_recipe
+    from jobs.training.config import RecipeError, load_recipe
 
     recipe = load_recipe(args.config, args.set)  # fails before Ray starts
     if recipe.teacher is None:
@@ -142,7 +142,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def _serve_config(args: argparse.Namespace):
     """The ServeConfig from --config and/or the flags (flags win); errors name the file and key."""
-    from jobs import serve_config as sc
+    from jobs.serving import serve_config as sc
 
     def pairs(flag: str, items: list[str]) -> dict[str, str]:
         out = {}
@@ -178,9 +178,9 @@ def _serve_config(args: argparse.Namespace):
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from jobs.finetune import finetune
-    from jobs.finetune_config import load_finetune_recipe
-    from jobs.tracking import RegistrationError
+    from jobs.training.finetune import finetune
+    from jobs.training.finetune_config import load_finetune_recipe
+    from jobs.training.tracking import RegistrationError
 
     recipe = load_finetune_recipe(args.config, args.set)  # fails before Ray starts
     _quiet_env(args.verbose)
@@ -214,13 +214,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> int:
     if args.suite == "wic":
-        from jobs.wic import evaluate_wic, write_output
+        from jobs.evaluation.wic import evaluate_wic, write_output
 
         if args.language is not None:
             raise SystemExit("ctx eval wic: --language is for a fine-tuned XLM's split, not the word-in-context test")
         print(write_output(evaluate_wic(args.model, args.data or "data/tasks/wic", store=_store(args)), args.output))
         return 0
-    from jobs.evaluate import evaluate, write_result
+    from jobs.evaluation.evaluate import evaluate, write_result
 
     if not args.data:
         raise SystemExit("ctx eval: --data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
@@ -229,7 +229,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jobs import serve
+    from jobs.serving import serve
 
     config = _serve_config(args)
     _quiet_env(args.verbose)
@@ -240,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_serve_build(args: argparse.Namespace) -> int:
     import yaml
 
-    from jobs.serve_config import deploy_config
+    from jobs.serving.serve_config import deploy_config
 
     config = _serve_config(args)
     text = yaml.safe_dump(deploy_config(config), sort_keys=False)
@@ -254,7 +254,7 @@ def cmd_serve_build(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from jobs.submit import submit
+    from jobs.operations.submit import submit
 
     rest = list(args.ctx_args)
     if rest and rest[0] == "--":
@@ -265,8 +265,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    """`ctx jobs list|status|logs|stop`: one Jobs API client, one function of jobs/submit.py each."""
-    from jobs import submit as js
+    """`ctx jobs list|status|logs|stop`: one Jobs API client, one function of jobs/operations/submit.py each."""
+    from jobs.operations import submit as js
 
     client = js.connect(args.address)
     if args.subcommand == "list":
@@ -291,7 +291,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
     import ray
 
-    from jobs.embed import reembed
+    from jobs.serving.embed import reembed
 
     _quiet_env(args.verbose)
     try:
@@ -310,7 +310,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from jobs.demo import DemoSettings, main as demo_main
+    from jobs.operations.demo import DemoSettings, main as demo_main
 
     settings = DemoSettings(steps=args.steps, finetune_epochs=args.finetune_epochs, finetune_steps=args.finetune_steps,
                             train_rows=args.train_rows, new_rows=args.new_rows, test_rows=args.test_rows, probes=args.probes,
@@ -324,7 +324,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from jobs.report import write_report
+    from jobs.evaluation.report import write_report
 
     _exit_on_sigterm()
     try:
@@ -402,7 +402,7 @@ def _export_sentence_transformers(loaded, out, pad_id: int | None, pooling: str,
 
 
 def _schedule(args: argparse.Namespace):
-    from jobs.schedule_config import load_schedule
+    from jobs.operations.schedule_config import load_schedule
 
     if not args.config:
         raise SystemExit("ctx schedule: --config schedule.yaml is required, e.g. configs/schedule/bert-tiny.yaml")
@@ -410,7 +410,7 @@ def _schedule(args: argparse.Namespace):
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from jobs import schedule
+    from jobs.operations import schedule
 
     cfg = _schedule(args)
     _quiet_env(args.verbose)
@@ -427,7 +427,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_schedule_status(args: argparse.Namespace) -> int:
     import json
 
-    from jobs import schedule
+    from jobs.operations import schedule
 
     cfg = _schedule(args)
     _quiet_env(args.verbose)
@@ -437,7 +437,7 @@ def cmd_schedule_status(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule_stop(args: argparse.Namespace) -> int:
-    from jobs import schedule
+    from jobs.operations import schedule
 
     cfg = _schedule(args)
     _quiet_env(args.verbose)
@@ -448,7 +448,7 @@ def cmd_schedule_stop(args: argparse.Namespace) -> int:
 
 def _add_schedule(p: argparse.ArgumentParser) -> None:
     # not required=True: `ctx schedule status --config ...` gives it to the subcommand, not to `ctx schedule`
-    p.add_argument("--config", default=None, help="schedule YAML, e.g. configs/schedule/bert-tiny.yaml (every key: jobs/schedule_config.py)")
+    p.add_argument("--config", default=None, help="schedule YAML, e.g. configs/schedule/bert-tiny.yaml (every key: jobs/operations/schedule_config.py)")
     p.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, else a running `ray start` on this machine)")
 
 
@@ -532,7 +532,7 @@ def cmd_models_rollback(args: argparse.Namespace) -> int:
 
 def cmd_models_register(args: argparse.Namespace) -> int:
     """A checkpoint registered by hand (e.g. after a run whose registration failed): source and tokenizer hash."""
-    from jobs.tracking import checkpoint_tokenizer_hash
+    from jobs.training.tracking import checkpoint_tokenizer_hash
 
     _exit_on_sigterm()
     reg = _registry(args)
@@ -607,7 +607,7 @@ def _add_tokenizer_train(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="serve.yaml: models, replicas, autoscaling, batching, limits, auth (see jobs/serve_config.py)")
+    p.add_argument("--config", default=None, help="serve.yaml: models, replicas, autoscaling, batching, limits, auth (see jobs/serving/serve_config.py)")
     p.add_argument("--model", action="append", default=[], metavar="NAME=URI", help="checkpoint, HF or run folder (local or s3://); repeatable")
     p.add_argument("--multiplexed", action="append", default=[], metavar="NAME=URI",
                    help="a model loaded on its first request by the shared multiplexed deployment (Ray Serve model multiplexing); repeatable")
@@ -657,7 +657,7 @@ def _add_jobs_logs(p: argparse.ArgumentParser) -> None:
 
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    from jobs.demo import DemoSettings
+    from jobs.operations.demo import DemoSettings
 
     d = DemoSettings()
     p.add_argument("--steps", type=int, default=d.steps, help="pretraining steps of the tiny BERT (default %(default)s)")
@@ -698,7 +698,7 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    from jobs.embed import DTYPES  # the names ModelSettings.dtype takes
+    from jobs.serving.embed import DTYPES  # the names ModelSettings.dtype takes
 
     p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
     p.add_argument("--input", required=True, help="Parquet file or folder with an id and a text column (local, file://, s3://)")
@@ -789,14 +789,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """The errors that are the user's to fix: one line on stderr, no traceback. Imported only once one
-    was raised: jobs.config imports torch (through ctxmodels), a second and more that a command which
+    was raised: jobs.training.config imports torch (through ctxmodels), a second and more that a command which
     needs no torch in its driver (`ctx embed`) would otherwise spend before it starts."""
-    from jobs.config import RecipeError
+    from jobs.training.config import RecipeError
     from jobs.registry import RegistryError
-    from jobs.runlock import RunLockHeld
-    from jobs.schedule_config import ScheduleError
-    from jobs.serve_config import ConfigError
-    from jobs.submit import SubmitError
+    from jobs.training.runlock import RunLockHeld
+    from jobs.operations.schedule_config import ScheduleError
+    from jobs.serving.serve_config import ConfigError
+    from jobs.operations.submit import SubmitError
     from pipelines.storage import StorageError
 
     return (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError)
@@ -825,8 +825,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _leave_without_finalizing(status: int) -> bool:
     """A command interrupted while connected to Ray, or while Ray Train's ``fit`` ran
-    (``jobs.progress.fit_running``): threads of the driver may be waiting inside Ray's C++ calls."""
-    progress, ray = sys.modules.get("jobs.progress"), sys.modules.get("ray")  # not imported: neither ran
+    (``jobs.training.progress.fit_running``): threads of the driver may be waiting inside Ray's C++ calls."""
+    progress, ray = sys.modules.get("jobs.training.progress"), sys.modules.get("ray")  # not imported: neither ran
     if progress is not None and progress.fit_running():
         return True
     return status in INTERRUPTED and ray is not None and ray.is_initialized()
@@ -837,7 +837,7 @@ def _exit_without_finalizing(status: int) -> None:
     temporary folders removed), leaving the thread that waits in ``fit`` (and any other inside Ray's
     calls) where it is. Exiting the usual way, Python finalizes around that thread, which then
     crashes taking the GIL for its next signal check: a stopped driver ended with SIGSEGV instead of
-    143 in 4 of 26 stops timed during Ray Train's start (``jobs.progress.fit_running``). The atexit
+    143 in 4 of 26 stops timed during Ray Train's start (``jobs.training.progress.fit_running``). The atexit
     handlers still run (``ray.shutdown``: a Ray started here stops; logging flushes); then
     ``os._exit``."""
     import atexit

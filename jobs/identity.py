@@ -1,7 +1,7 @@
 """What training and serving both say about a checkpoint: its version and its tokenizer's hash.
 
 ``ctx serve`` answers with them (``X-Model-Version``, ``X-Tokenizer-Hash``), ``ctx embed`` writes
-them beside every vector, and registering a training run (``jobs.tracking``) tags the version with
+them beside every vector, and registering a training run (``jobs.training.tracking``) tags the version with
 the same tokenizer hash; so they live here, apart from the serving module, and neither side imports
 the other for them.
 """

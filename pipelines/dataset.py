@@ -34,7 +34,7 @@ whole per-worker batch: every column is (B_worker, ...) in one row, B_worker =
 ``_stream_block`` (a stable id of the block of consecutive batches: a hash of shard key, epoch and
 block index) and ``_stream_index`` (the batch's position in its block). One Ray block holds one
 stream block, so its batches go to one worker in order; the training loop iterates with
-``batch_size=1`` and sets ``reset_memory`` itself (``jobs.train.stream_resets``): 1 unless this
+``batch_size=1`` and sets ``reset_memory`` itself (``jobs.training.train.stream_resets``): 1 unless this
 batch is the successor of the previous batch *that worker* processed, whatever order Ray delivers
 blocks in. ``local_batches`` yields the same batches in order, with the batcher's ``reset_memory``.
 
@@ -147,7 +147,7 @@ def row_kind(spec: StreamSpec) -> RowKind:
 
 
 def char_table(tok: Tokenizer, max_chars: int) -> np.ndarray:
-    """ELMo's characters of every token id, built as serving builds them (``jobs.serve``)."""
+    """ELMo's characters of every token id, built as serving builds them (``jobs.serving.serve``)."""
     tokens = [tok.id_to_token(i) for i in range(tok.vocab_size)]
     return build_char_table(tokens, max_chars, {role: getattr(tok, f"{role}_id") for role in ROLES})
 

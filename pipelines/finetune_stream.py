@@ -16,7 +16,7 @@
 Every row has a name that does not depend on Ray, worker counts or timing: ``epoch``, ``_shard``
 = the unit's number in its epoch, and ``sample_id = record index in the split << 16 | window``
 (the context window of a question-answering row, else 0); ``_shard_total`` is the unit's row
-count. The data position (``pipelines.position``) and the commit of ``jobs.loop.Checkpointer``
+count. The data position (``pipelines.position``) and the commit of ``jobs.training.loop.Checkpointer``
 then make resume exact as in pretraining (``docs/EXACTLY_ONCE.md``): a unit whose rows are all
 committed is skipped, committed rows of the others are dropped.
 

@@ -14,7 +14,7 @@ it means everywhere in the pipeline:
   reduces them over steps and workers;
 * ``predicted``: how many positions of a row reach the output layer, for the model FLOPs (MFU).
 
-Its settings are the recipe's ``data.*`` keys (``jobs.config.DataSection``), carried to the
+Its settings are the recipe's ``data.*`` keys (``jobs.training.config.DataSection``), carried to the
 workers in ``StreamSpec`` and to stage 2 in ``TransformContext``. Adding an objective is one
 function here and one line in ``OBJECTIVES``.
 """

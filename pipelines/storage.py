@@ -350,7 +350,7 @@ def _delete_if_present(fs: pafs.FileSystem, path: str) -> None:
 # The manifest that ctxmodels.checkpoint.save_checkpoint writes last, and the files every checkpoint
 # has: from ctxmodels.files, which imports no torch.
 REQUIRED_FILES = (WEIGHTS, CONFIG)
-TRAINER_STATE = "trainer_state.json"  # jobs.loop.TrainState, in every checkpoint of a ctx run
+TRAINER_STATE = "trainer_state.json"  # jobs.training.loop.TrainState, in every checkpoint of a ctx run
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of the run's reported checkpoints
 
 

@@ -115,8 +115,8 @@ def serving(config: dict):
     global _serve_port
     from ray import serve
 
-    from jobs import serve as ctx_serve
-    from jobs.serve_config import ServeConfig
+    from jobs.serving import serve as ctx_serve
+    from jobs.serving.serve_config import ServeConfig
 
     if _serve_port is None or not _serve_running():
         serve.shutdown()  # a Serve something else started, on another port
@@ -202,7 +202,7 @@ def ray_session(request, s3_server):
     temp folder (/tmp/ray-tests-*: sessions, logs) is removed at the end unless a test failed."""
     import ray
 
-    from jobs import serve as ctx_serve
+    from jobs.serving import serve as ctx_serve
 
     haproxy_files = temp_dir = None
     if not ray.is_initialized():

@@ -871,7 +871,7 @@ def test_padded_positions_pad_to_a_multiple_with_a_position_that_has_no_target()
 @pytest.mark.parametrize("family", ["bert", "roberta", "spanbert", "albert"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_padded_label_positions_give_the_unpadded_loss_metrics_and_gradients(family, precision):
-    """The positions ``jobs.loop.to_device`` gives on a GPU (``ops.padded_positions``: padded with a
+    """The positions ``jobs.training.loop.to_device`` gives on a GPU (``ops.padded_positions``: padded with a
     position whose label is -100, so the step's shapes repeat): the same loss, accuracy, count and
     gradients as the unpadded ones, through the fused masked-LM loss (fp32) and the plain one (bf16
     autocast, as on a GPU)."""

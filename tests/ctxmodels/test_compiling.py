@@ -1,7 +1,7 @@
 """The GPU path's kernels, checked on the CPU (CI has no GPU; tests/jobs/test_cuda.py repeats the
 checks on one): regional compilation equals eager, SDPA's fused kernels equal its reference (math)
 path for every family that attends through it and every mask kind, a batch with no padding
-gives the same loss with its mask left out (what ``jobs.loop.to_device`` lets the model do), and a
+gives the same loss with its mask left out (what ``jobs.training.loop.to_device`` lets the model do), and a
 masked-LM model with padded positions traces whole in one graph (``train.compile: graphs``)."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_the_masked_lm_families_have_a_static_step_and_the_others_not():
 @pytest.mark.parametrize("family", ["bert", "spanbert", "albert"])
 def test_a_masked_lm_model_with_padded_positions_traces_whole_in_one_graph(family):
     """``train.compile: graphs`` on one GPU compiles these models whole, as CUDA graphs: with the
-    positions ``jobs.loop.to_device`` gives (``ops.padded_positions``, no attention mask for packed
+    positions ``jobs.training.loop.to_device`` gives (``ops.padded_positions``, no attention mask for packed
     rows) the forward and backward trace as one graph each, with no break (``fullgraph=True``; the
     ``aot_eager`` backend traces as inductor does, without compiling kernels, so this runs on any
     CPU), and give eager's loss, metrics and gradients."""
@@ -157,7 +157,7 @@ def test_a_masked_lm_model_with_padded_positions_traces_whole_in_one_graph(famil
     model.eval()  # no dropout: the same draws on both sides would need the same RNG use
     inputs = {k: v for k, v in batch.items() if k != "attention_mask"}
     inputs["label_positions"] = ops.padded_positions(batch["labels"], 64)
-    torch._dynamo.maybe_mark_dynamic(inputs["label_positions"], 0)  # as jobs.loop.to_device marks them
+    torch._dynamo.maybe_mark_dynamic(inputs["label_positions"], 0)  # as jobs.training.loop.to_device marks them
     eager = _loss_and_grads(model, inputs)
     want_metrics = {k: v.item() for k, v in model(**inputs).metrics.items()}
     counter = CompileCounterWithBackend("aot_eager")
@@ -202,7 +202,7 @@ def test_a_task_model_traces_whole_in_one_graph_for_every_trimmed_length(family,
     backward trace as one graph each (``fullgraph=True``, ``aot_eager``), with ``ctx finetune``'s
     keywords (token classification asks for the labelled positions only, which a compiled model
     reads at every position: the same loss), give eager's loss and gradients (eager skips the
-    padding on the CPU: ``Packing``), and batches trimmed to other lengths (``jobs.finetune``
+    padding on the CPU: ``Packing``), and batches trimmed to other lengths (``jobs.training.finetune``
     rounds them to a multiple of 32 on a GPU) compile once more, with dynamic sizes, then no more."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend

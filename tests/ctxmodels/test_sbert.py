@@ -24,7 +24,7 @@ TEXTS = MIXED_TEXTS
 
 
 def server_vectors(checkpoint, texts: list[str], pooling: str, normalize: bool) -> np.ndarray:
-    """What /v1/embeddings computes (jobs/replica.py EmbeddingReplica._encode / _pool), in-process."""
+    """What /v1/embeddings computes (jobs/serving/replica.py EmbeddingReplica._encode / _pool), in-process."""
     loaded = load_checkpoint(checkpoint)
     tok = load_tokenizer(loaded.tokenizer_dir or checkpoint)
     backbone = getattr(loaded.model, "backbone", loaded.model).eval()

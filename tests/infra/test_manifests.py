@@ -17,7 +17,7 @@
 * A broken copy of each manifest (an unknown key in its spec and in its first container) is
   rejected, so the checks above can fail.
 * Every `ctx submit` / `ctx jobs` (and every container pointing RAY_ADDRESS at a dashboard) would
-  be let through by jobs/submit.py's own address and token-transport checks.
+  be let through by jobs/operations/submit.py's own address and token-transport checks.
 * The plain schedule CronJob's kubectl script parses (bash -n), creates the RayJob it mounts, and
   its ServiceAccount may do exactly that in its namespace.
 """
@@ -375,8 +375,8 @@ def check_ctx(argv: list[str], where: str) -> None:
         assert rest, f"{where}: `ctx submit` without a command after --"
         check_ctx(rest, f"{where} (submitted)")
     if command in ("pretrain", "finetune"):
-        from jobs.config import RecipeError, load_recipe
-        from jobs.finetune_config import load_finetune_recipe
+        from jobs.training.config import RecipeError, load_recipe
+        from jobs.training.finetune_config import load_finetune_recipe
 
         config = _local(args.config)
         assert config.is_file(), f"{where}: --config {args.config} is not in the image ({config} is missing)"
@@ -497,8 +497,8 @@ def test_rayservice_serves_what_ctx_serve_build_writes(tmp_path, monkeypatch):
 def test_every_cluster_node_starts_serve_as_ctx_serve_starts_its_own_ray():
     """Serve's controller and proxies read these when a node's Ray starts, not per app: every container
     of the RayService, and every node of the cluster launcher's cluster, sets SERVE_ENV and HAProxy
-    ingress as jobs.serve does for the Ray it starts."""
-    from jobs.serve import INGRESS_ENV, SERVE_ENV
+    ingress as jobs.serving.serve does for the Ray it starts."""
+    from jobs.serving.serve import INGRESS_ENV, SERVE_ENV
 
     (service,) = [doc for _, doc in DOCS if doc["kind"] == "RayService"]
     cluster = service["spec"]["rayClusterConfig"]
@@ -517,7 +517,7 @@ def test_every_cluster_node_starts_serve_as_ctx_serve_starts_its_own_ray():
 
 # ----------------------------------------------------------------------------- the cluster token's way
 
-# What makes `ctx submit` / `ctx jobs` send the cluster token (jobs/submit.py auth_headers and
+# What makes `ctx submit` / `ctx jobs` send the cluster token (jobs/operations/submit.py auth_headers and
 # check_token_transport): one of these set, or RAY_AUTH_MODE=token.
 TOKEN_VARIABLES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 DASHBOARD_VARIABLES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
@@ -533,7 +533,7 @@ def _container_env(container: dict) -> dict[str, str]:
 
 def _jobs_api_addresses(argvs: list[list[str]]) -> list[str | None]:
     """The --address (None: not given) of each `ctx submit` / `ctx jobs ...` among ``argvs``: the
-    commands that talk to the Jobs API through jobs/submit.py's connect()."""
+    commands that talk to the Jobs API through jobs/operations/submit.py's connect()."""
     from jobs.cli import build_parser
 
     out = []
@@ -575,8 +575,8 @@ def _dashboard_clients(node, where: str, env: dict[str, str] | None = None) -> l
 
 def token_transport_error(address: str | None, env: dict[str, str]) -> str | None:
     """What `ctx submit --address ADDRESS` would refuse with, run in ``env`` (None: it goes ahead).
-    The real checks of jobs/submit.py: the address it resolves, and whether the token may travel there."""
-    from jobs.submit import SubmitError, check_token_transport, resolve_address
+    The real checks of jobs/operations/submit.py: the address it resolves, and whether the token may travel there."""
+    from jobs.operations.submit import SubmitError, check_token_transport, resolve_address
 
     try:
         resolved = resolve_address(address, env)
@@ -588,7 +588,7 @@ def token_transport_error(address: str | None, env: dict[str, str]) -> str | Non
 
 
 def test_every_dashboard_client_in_the_manifests_would_be_allowed_to_send_its_token():
-    """A `ctx submit` in a manifest that jobs/submit.py refuses (a token over plain HTTP to a
+    """A `ctx submit` in a manifest that jobs/operations/submit.py refuses (a token over plain HTTP to a
     cluster Service, no address at all) fails at every run: the schemas and the parser cannot see it."""
     for where, address, env in [c for w, doc in DOCS for c in _dashboard_clients(doc, w)]:
         error = token_transport_error(address, env)

@@ -2,17 +2,17 @@
 
 Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Checked:
 - fp32 forward and backward on CUDA equal the CPU's (loss, every gradient), TF32 off;
-- under ``jobs.parallel.autocast`` (bf16, as ``train.precision: bf16`` trains) each family's loss is
+- under ``jobs.training.parallel.autocast`` (bf16, as ``train.precision: bf16`` trains) each family's loss is
   finite and falls over steps of fused AdamW on one batch, the weights stay float32;
 - the masked-LM loss of ``ctxmodels.ops`` equals cross-entropy on CUDA (its plain version there;
   padding rows skipped), gradients included, under autocast too;
 - cached decoding (GPT's key-value cache, Transformer-XL's memory) on CUDA equals the CPU's full forward;
 - each block compiled (``ctxmodels.compiling``) equals eager CUDA; SDPA's flash and
   memory-efficient kernels equal its math path under bf16 autocast, for every family and mask
-  kind, XLM's causal mask too; ``jobs.loop.to_device`` pins, copies and finds unpadded batches on the host;
+  kind, XLM's causal mask too; ``jobs.training.loop.to_device`` pins, copies and finds unpadded batches on the host;
 - a BERT, SpanBERT and ALBERT step with the masked positions found on the host makes no
   synchronizing call; the bf16 residual stream (``train.residual: bf16``) compiles like eager and learns;
-- ``train.compile: graphs`` on one GPU (``jobs.parallel.wrap_model``): BERT, SpanBERT and ALBERT
+- ``train.compile: graphs`` on one GPU (``jobs.training.parallel.wrap_model``): BERT, SpanBERT and ALBERT
   compiled whole, forward and backward replayed as CUDA graphs, train like eager over AdamW steps
   whose padded position counts change; so does a fine-tuning task model on those backbones, on
   batches cut to two trim lengths;
@@ -24,7 +24,7 @@ Run on a machine with a GPU: ``python -m pytest tests/jobs/test_cuda.py``. Check
 - ``train.unpad: true``: a fine-tuning step on the real tokens only, attention over nested jagged
   tensors (FlashAttention's variable-length kernel), equals the padded step, fp32 and bf16, and
   finding a batch's sequences waits for the GPU once.
-No Ray: jobs.parallel and ctxmodels only.
+No Ray: jobs.training.parallel and ctxmodels only.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ctxmodels.compiling import compile_blocks, compile_regions
 from ctxmodels.registry import FAMILIES, build_model
 from tests.ctxmodels.test_compiling import BLOCK_FAMILIES, SDPA_FAMILIES, _assert_same, _loss_and_grads, _padded
 from tests.ctxmodels.test_flops import family_batch
-from tests.jobs.test_parallel import LEARNS_WITH, assert_bf16_training_learns
+from tests.jobs.training.test_parallel import LEARNS_WITH, assert_bf16_training_learns
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -229,7 +229,7 @@ def test_a_causal_xlm_on_cuda_equals_the_cpu_and_its_fused_kernel_the_math_path(
 
 
 def test_to_device_pins_copies_and_finds_unpadded_batches_on_the_host():
-    from jobs.loop import NO_PADDING, model_inputs, to_device
+    from jobs.training.loop import NO_PADDING, model_inputs, to_device
 
     ids = torch.randint(5, 100, (4, 16))
     packed = to_device({"input_ids": ids, "attention_mask": torch.ones_like(ids), "sample_id": torch.arange(4)}, CUDA)
@@ -294,7 +294,7 @@ def test_a_masked_lm_step_with_host_positions_never_waits_for_the_gpu(family):
     """``to_device(..., label_positions=True)`` finds the masked positions on the host; a training
     step (forward, backward, fused AdamW) then makes no synchronizing call at all
     (``torch.cuda.set_sync_debug_mode("error")``), and its loss equals the one found on the GPU."""
-    from jobs.loop import LABEL_POSITIONS, POSITIONS_MULTIPLE, model_inputs, to_device
+    from jobs.training.loop import LABEL_POSITIONS, POSITIONS_MULTIPLE, model_inputs, to_device
 
     cfg, model, batch = _tiny(family)
     model.to(CUDA).train()
@@ -322,18 +322,18 @@ def test_a_masked_lm_step_with_host_positions_never_waits_for_the_gpu(family):
 @pytest.mark.parametrize("family", ["bert", "spanbert", "albert"])
 def test_whole_model_cuda_graphs_train_like_eager_over_steps(family, monkeypatch):
     """``train.compile: graphs`` on one GPU compiles a masked-LM model whole as CUDA graphs
-    (``jobs.parallel.wrap_model``, ``ctxmodels.compiling.has_static_step``): four AdamW steps on
+    (``jobs.training.parallel.wrap_model``, ``ctxmodels.compiling.has_static_step``): four AdamW steps on
     batches moved by ``to_device`` (positions padded to a multiple, then a batch padded to another
     count: a second recording of the same compiled graph) give eager's losses and weights. fp32,
     TF32 off, no dropout."""
-    from jobs.loop import LABEL_POSITIONS, model_inputs, to_device
+    from jobs.training.loop import LABEL_POSITIONS, model_inputs, to_device
 
     _, model, batch = _tiny(family)
     model.to(CUDA).eval()
     wider = dict(batch)  # about twice the targets: another padded count
     wider["labels"] = torch.where(batch["labels"] == -100, batch["input_ids"], batch["labels"])
     wider["labels"][:, 0] = -100
-    monkeypatch.setattr("jobs.loop.POSITIONS_MULTIPLE", 16)  # the tiny batch has 4 x 24 positions
+    monkeypatch.setattr("jobs.training.loop.POSITIONS_MULTIPLE", 16)  # the tiny batch has 4 x 24 positions
     moved = [to_device(b, CUDA, label_positions=True) for b in (batch, batch, wider, batch)]
     counts = [m[LABEL_POSITIONS].numel() for m in moved]
     assert counts[0] % 16 == 0 and counts[0] < counts[2]
@@ -350,7 +350,7 @@ def _whole_graphs_train_like_eager(model, inputs: list[dict], what: str) -> None
 
     import torch._dynamo
 
-    from jobs.parallel import ParallelPlan, wrap_model
+    from jobs.training.parallel import ParallelPlan, wrap_model
 
     twin = copy.deepcopy(model)
     eager = _adamw_losses(model, inputs)
@@ -375,8 +375,8 @@ def test_a_task_model_as_whole_cuda_graphs_fine_tunes_like_eager(family, kind):
     recordings) give eager's losses and weights; token classification asks for the labelled
     positions only, which eager computes and the compiled model reads at every position. fp32,
     TF32 off, no dropout."""
-    from jobs.finetune_inputs import TRIM_LENGTH, train_inputs
-    from jobs.loop import to_device
+    from jobs.training.finetune_inputs import TRIM_LENGTH, train_inputs
+    from jobs.training.loop import to_device
     from tests.ctxmodels.test_tasks import batch_for, tiny_task
 
     model = tiny_task(family, kind).to(CUDA).eval()
@@ -449,17 +449,17 @@ def test_task_passes_replayed_from_cuda_graphs_equal_eager_ones(family, kind, ta
 
 
 def test_a_replicas_passes_queue_without_waiting_for_the_gpu_and_give_the_eager_vectors(tmp_path):
-    """A serving replica on the GPU (``jobs.replica.EmbeddingReplica``, a tiny BERT with a WordPiece
+    """A serving replica on the GPU (``jobs.serving.replica.EmbeddingReplica``, a tiny BERT with a WordPiece
     vocabulary trained here): once its buckets are recorded, its sentence-vector passes make no
-    synchronizing call but the wait for each pass's copy off the device (``jobs.passes.HostCopy``:
+    synchronizing call but the wait for each pass's copy off the device (``jobs.serving.passes.HostCopy``:
     pinned inputs, graph replays, pooling and non-blocking copies otherwise), and the vectors equal
     those of a replica with ``cuda_graphs: false``."""
     import numpy as np
 
     from ctxmodels.checkpoint import save_checkpoint
-    from jobs import passes
-    from jobs.replica import EmbeddingReplica
-    from jobs.serve_config import Limits, ModelConfig
+    from jobs.serving import passes
+    from jobs.serving.replica import EmbeddingReplica
+    from jobs.serving.serve_config import Limits, ModelConfig
     from pipelines.sources import sample_text
     from pipelines.tokenizers import train_tokenizer
     from tests.conftest import REPO, corpus_texts
@@ -510,7 +510,7 @@ def test_unpadded_steps_on_cuda_equal_padded_ones_and_take_a_fused_kernel(family
 
     from ctxmodels.registry import make_config
     from ctxmodels.tasks import TaskConfig, build_task_model
-    from jobs import parallel
+    from jobs.training import parallel
     from tests.ctxmodels.test_bert import lengths_mask, random_lengths
 
     cfg = make_config(family, "tiny", {"dropout": 0.0, "attn_dropout": 0.0, "d_model": 64, "n_head": 4})

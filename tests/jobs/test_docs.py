@@ -1,6 +1,6 @@
 """The README and docs/ are true to the code. The `ctx` commands they show are real: each parses with
 the CLI's own parser, and each recipe, serving config and schedule such a command names loads with
-its overrides. The code they name (`jobs.loop.run_worker`, `ctxmodels.bert.JaggedPacking` ...)
+its overrides. The code they name (`jobs.training.loop.run_worker`, `ctxmodels.bert.JaggedPacking` ...)
 exists. A flag, a recipe key or a function renamed in the code fails here, not in the terminal of a
 user copying the docs. (The manifests' commands are checked in tests/infra/test_manifests.py.)"""
 
@@ -66,9 +66,9 @@ def _load(ns) -> bool:
     """Load what the command names (recipe with --set, serving config with its flags, schedule), as
     the command does before anything starts; False when it names nothing to load."""
     from jobs import cli
-    from jobs.config import load_recipe
-    from jobs.finetune_config import load_finetune_recipe
-    from jobs.schedule_config import load_schedule
+    from jobs.training.config import load_recipe
+    from jobs.training.finetune_config import load_finetune_recipe
+    from jobs.operations.schedule_config import load_schedule
 
     config = getattr(ns, "config", None)
     if not config or any(m in config for m in MOUNTED):

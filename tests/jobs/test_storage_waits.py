@@ -217,7 +217,7 @@ def test_sigterm_while_training_exits_143_with_the_lock_released_and_ray_gone(tm
 @pytest.mark.parametrize("after_s", [0.5, 1.0])
 def test_sigterm_while_ray_starts_exits_143_and_leaves_no_process_of_its_ray(tmp_path, after_s):
     """SIGTERM while `ray.init` starts the local Ray (``after_s`` after its raylet appears): status
-    143, and within 8 s no process of that Ray is left. Before ``jobs.loop.init_ray`` stopped what
+    143, and within 8 s no process of that Ray is left. Before ``jobs.session.init_ray`` stopped what
     it had started, the raylet died of SIGKILL and its DashboardAgent and RuntimeEnvAgent stayed a
     minute, reporting it to a GCS that was gone (4 of 6 such stops)."""
     cmd = Command(["pretrain", "--config", "configs/bert-tiny.yaml", "--no-progress", "--set", "data.input=data/sample/wordnet-0000-of-0008.txt.gz",
@@ -243,7 +243,7 @@ def test_sigterm_whose_handler_runs_in_an_at_fork_hook_of_ray_init_still_ends_th
 import os, signal, subprocess, sys, types
 sys.path.insert(0, {str(REPO)!r})
 os.environ["RAY_ADDRESS"] = "stand-in"  # a cluster's: no local processes to stop
-from jobs import loop
+from jobs import session
 
 state = {{"forking": False, "up": False}}
 
@@ -261,7 +261,7 @@ def signal_after_fork():
 
 os.register_at_fork(after_in_parent=signal_after_fork)
 sys.modules["ray"] = types.SimpleNamespace(is_initialized=lambda: state["up"], init=ray_init)
-loop.init_ray(verbose=True)
+session.init_ray(verbose=True)
 print("went on", flush=True)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -277,8 +277,8 @@ def test_sigterm_that_lands_on_another_thread_ends_the_wait_for_ray_train():
     script = f"""
 import signal, sys, threading
 sys.path.insert(0, {str(REPO)!r})
-from jobs.loop import exit_on_sigterm
-from jobs.progress import FIT_THREAD, run_with_progress
+from jobs.session import exit_on_sigterm
+from jobs.training.progress import FIT_THREAD, run_with_progress
 
 exit_on_sigterm()
 
@@ -296,7 +296,7 @@ run_with_progress(threading.Event().wait, board=None, max_steps=1, enabled=False
 
 
 @pytest.mark.parametrize("waiting, ends, finalizes", [
-    ("fit", "sigterm", False),  # the fit thread (jobs.progress.FIT_THREAD) still waits
+    ("fit", "sigterm", False),  # the fit thread (jobs.training.progress.FIT_THREAD) still waits
     ("ray", "sigterm", False),  # connected to Ray: its threads may be inside its calls
     ("ray", "ctrl-c", False),
     ("ray", "status 1", True),  # not interrupted: Python exits as usual
@@ -321,7 +321,7 @@ keep = Finalized()
 
 def command(args):
     if {waiting!r} == "fit":
-        from jobs.progress import FIT_THREAD
+        from jobs.training.progress import FIT_THREAD
         threading.Thread(target=threading.Event().wait, name=FIT_THREAD, daemon=True).start()
     else:
         sys.modules["ray"] = types.SimpleNamespace(is_initialized=lambda: True)
@@ -344,8 +344,8 @@ sys.exit(cli.main([]))
 def test_pretrain_in_process_says_so_within_2_s_and_gives_up_at_the_deadline(closed_port, tmp_path, monkeypatch):
     """The same wait timed inside the process: from calling ``pretrain`` to the first line, and to
     the StorageError."""
-    from jobs.config import load_recipe
-    from jobs.train import pretrain
+    from jobs.training.config import load_recipe
+    from jobs.training.train import pretrain
 
     said: list[tuple[float, str]] = []
     monkeypatch.setattr(storage, "_say", lambda line: said.append((time.monotonic(), line)))
@@ -434,7 +434,7 @@ def test_an_outage_mid_command_is_waited_out_and_said_and_one_past_the_deadline_
 
 
 def test_taking_the_run_lock_on_s3_waits_until_the_deadline_and_names_the_lock(closed_port, sleeps, fake_keys, capsys):
-    from jobs.runlock import RunLock
+    from jobs.training.runlock import RunLock
 
     with pytest.raises(storage.StorageError, match=rf"write s3://corp/runs/r/LOCK.json \(endpoint {closed_port}\): "
                                                    rf"gave up after \d+ attempts in 4 s \(data.retry_deadline_s=4\)"):
@@ -444,7 +444,7 @@ def test_taking_the_run_lock_on_s3_waits_until_the_deadline_and_names_the_lock(c
 
 
 def test_releasing_the_run_lock_during_an_outage_waits_briefly_and_says_what_happens_next(s3_server, s3_bucket, closed_port, sleeps, capsys):
-    from jobs.runlock import RELEASE_WAIT_S, RunLock
+    from jobs.training.runlock import RELEASE_WAIT_S, RunLock
 
     lock = RunLock(f"s3://{s3_bucket}/runs/r", storage.Store(s3_server, 300)).acquire()
     lock.backend.client = storage.s3_client(closed_port)  # the store goes away
@@ -534,7 +534,7 @@ def test_marker_credentials_appear_nowhere_a_finished_pretraining_run_wrote(s3_s
 
 
 def test_the_registry_keeps_an_endpoint_without_its_password():
-    from jobs.tracking import _shown
+    from jobs.training.tracking import _shown
 
     assert _shown("data.endpoint_url", "http://AKIAMARKER:secret@store:9000") == "http://store:9000"
     assert _shown("data.endpoint_url", "None") == "None" and _shown("name", "a:b@c") == "a:b@c"

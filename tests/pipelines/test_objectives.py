@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ctxmodels.registry import build_model
-from jobs.config import FAMILY_OBJECTIVES
-from jobs.train import model_inputs, stream_resets
+from jobs.training.config import FAMILY_OBJECTIVES
+from jobs.training.train import model_inputs, stream_resets
 from pipelines.dataset import (
     OBJECTIVES,
     StreamSpec,

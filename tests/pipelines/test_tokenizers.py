@@ -689,7 +689,7 @@ def test_cli_and_recipe_accept_every_trained_kind(tmp_path):
     from typing import get_args
 
     from jobs.cli import build_parser
-    from jobs.config import TokenizerKind
+    from jobs.training.config import TokenizerKind
     from pipelines.tokenizers import TrainKind
 
     assert get_args(TokenizerKind) == get_args(TrainKind)

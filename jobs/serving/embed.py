@@ -1,0 +1,351 @@
+"""Bulk re-embedding: recompute stored embeddings for a new model version with Ray Data.
+
+    ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v7/
+
+    Parquet (id, text) --read (the driver, up to DRIVER_READ_BYTES; else read_parquet)--> blocks of
+    --actor-batch-size rows --map_batches(Embedder, a fixed pool of --actors)--> (id, embedding,
+    model_version, tokenizer_hash) --write_parquet--> a NEW folder
+
+On a machine with no cluster to use, an input the driver reads runs on the local engine instead
+(``engine``, ``reembed``'s docstring): one ``Embedder`` in this process over the same chunks, no Ray.
+
+Each actor loads the model once, through the serving code (``jobs.serving.replica.EmbeddingReplica.embed_now``),
+so a stored vector equals what /v1/embeddings answers for that text with the same ``pooling`` and
+``normalize`` (and ``"truncate": true``: a stored text longer than the model reads is cut, not
+refused). The output is written beside the old embeddings, never over them: a folder that already
+holds files is refused before anything is read. Every row carries the model version (folder name +
+MANIFEST.json hash) and the tokenizer hash, as the server's answers do, so an index never mixes two
+embedding spaces unknowingly.
+
+Two batch sizes: Ray Data hands an actor ``actor_batch_size`` rows (1024) at a time, and ``embed_now``
+sorts them by length into forward passes of at most ``batch_size`` rows (32, the server's
+``max_batch_size``) and ``max_batch_tokens`` padded tokens (``jobs.serving.passes.token_budget_groups``): the
+more rows one call sorts, the less padding its passes carry, while each pass stays small.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from pipelines import storage
+
+Pooling = Literal["mean", "cls", "last"]
+POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
+Engine = Literal["auto", "ray", "local"]
+ENGINES: tuple[str, ...] = ("auto", "ray", "local")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")  # jobs.serving.serve_config.ModelSettings.dtype
+LOCAL_FILE_ROWS = 16384  # rows per Parquet file the local engine writes (~25 MB of 384-dim vectors)
+# A bulk job bounds its work by the pass sizes below; the server's per-request token cap protects a
+# server from one client and would only refuse a large batch of long texts here.
+UNBOUNDED_TOKENS = 2**62
+PASS_ROWS = 32  # rows per forward pass: the server's max_batch_size (jobs.serving.serve_config.ModelSettings)
+PASS_TOKENS = 16384  # padded tokens (rows x longest row) per forward pass: the server's max_batch_tokens
+# Rows an actor is handed per call and sorts by length into passes. Sorting 512 or more rows leaves little
+# padding (one actor, one thread: 296 rows/s sorting 128 rows at a time, 347 at 512, 344 at 1024); more rows
+# per call means fewer, longer calls and a longer tail at the end of a run.
+ACTOR_BATCH_ROWS = 1024
+# One torch thread per actor, as many actors as the CPUs hold. On 2 cores 2 actors x 1 thread ran a steady
+# 729 rows/s and 0.62 of the in-process limit end to end (16,384 rows), 1 actor x 2 threads 559 rows/s and
+# 0.55 (it starts 2 s sooner); at load 2-3, 588 rows/s against 205-300 (README, Benchmarks). One actor's
+# OpenMP threads wait for each other at every operation, and Ray's own processes keep taking a core from one.
+CPUS_PER_ACTOR = 1.0
+# Ray Data's listing, reading, repartitioning and writing tasks each ask for a whole CPU (ListFiles and
+# StreamingRepartition cannot be told less): a pool that held every CPU would leave them waiting, and itself
+# waiting for their blocks, forever. The pool leaves this many CPUs to them, and a local Ray that ctx embed
+# starts counts that many more than the machine's cores: those tasks spend little of one.
+IO_CPUS = 1
+# An input this small (its Parquet files' bytes) is read by the driver, which has its footers open already, and
+# handed to Ray Data as in-memory blocks of actor_batch_size rows (ray.data.from_arrow): no listing, reading
+# or repartitioning task, each of which starts a Ray worker process first. On 2 cores that took a no-op
+# pipeline over 1,024 rows from 13.4-13.7 s to 9.7-10.3 s (Ray's start and shutdown included). A larger
+# input streams from storage through Ray Data's read tasks, as before.
+DRIVER_READ_BYTES = 64 << 20
+
+
+class Embedder:
+    """Ray Data actor: one model per actor, loaded once; a pyarrow batch of (id, text) -> vectors.
+
+    ``batch_size`` and ``max_batch_tokens`` bound each forward pass (``embed_now`` sorts the batch it is
+    handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor;
+    ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU);
+    ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
+    ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``)."""
+
+    def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool,
+                 batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
+                 dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None):
+        import torch
+
+        from jobs.serving.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
+        from jobs.serving.serve_config import Limits, ModelConfig
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, dtype=dtype,
+                               cuda_graphs=cuda_graphs, language=language)
+        # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
+        self.model = EmbeddingReplica("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
+        self.id_column, self.text_column = id_column, text_column
+        self.pooling, self.normalize = pooling, normalize
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ids = batch.column(self.id_column)
+        texts = batch.column(self.text_column).to_pylist()
+        missing = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+        if missing:
+            bad = ids[missing[0]].as_py()
+            raise ValueError(f"row with {self.id_column}={bad!r} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
+        out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True)
+        vectors = out["embeddings"]
+        dim = len(vectors[0]) if vectors else self.model.dim
+        flat = pa.array(np.concatenate(vectors).astype(np.float32) if vectors else np.zeros(0, np.float32))
+        n = len(texts)
+        return pa.table({
+            "id": ids,
+            "embedding": pa.FixedSizeListArray.from_arrays(flat, dim),  # (n, dim) float32
+            "model_version": pa.array([out["version"]] * n, pa.string()),
+            "tokenizer_hash": pa.array([out["tokenizer_hash"]] * n, pa.string()),
+        })
+
+
+def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> bool:
+    """Raise FileExistsError when ``output`` is a file or a folder holding anything; True when it is
+    an empty folder already (the write then adds to it), False when it does not exist. ``store``:
+    the endpoint and retry deadline (or an endpoint URL, with the default deadline)."""
+    store = store if isinstance(store, storage.Store) else storage.Store(store)
+    fs, path = store.filesystem(output)
+    info = store.retry(lambda: fs.get_file_info(path), f"stat {output}")
+    if info.type != pafs.FileType.File:
+        # A prefix with objects under it can read as NotFound on some S3 stores (no folder markers): list it.
+        listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
+        if not listed:
+            return info.type == pafs.FileType.Directory
+    raise FileExistsError(
+        f"--output {output} already holds embeddings or other files: re-embedding writes a new folder "
+        f"beside the old ones and never over them; give a new folder (e.g. one named after the model version)"
+    )
+
+
+def reembed(
+    model: str,
+    input: str,
+    output: str,
+    *,
+    id_column: str = "id",
+    text_column: str = "text",
+    pooling: Pooling = "mean",
+    normalize: bool = False,
+    store: storage.Store = storage.Store(),
+    batch_size: int = PASS_ROWS,
+    max_batch_tokens: int = PASS_TOKENS,
+    actor_batch_size: int = ACTOR_BATCH_ROWS,
+    actors: int | None = None,
+    cpus_per_actor: float = CPUS_PER_ACTOR,
+    num_gpus: float = 0.0,
+    verbose: bool = False,
+    started: float | None = None,
+    driver_read_bytes: int = DRIVER_READ_BYTES,
+    engine: Engine = "auto",
+    dtype: str = "auto",
+    cuda_graphs: bool = True,
+    language: int | str | None = None,
+) -> dict[str, Any]:
+    """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
+
+    ``model``: a checkpoint, a training run folder (its best or newest complete checkpoint), a Hugging
+    Face folder or ``pkg:PACKAGE/PATH``, local or ``s3://``, or a registry version ``models:/NAME@alias``
+    / ``models:/NAME/N`` (looked up once, in $MLFLOW_TRACKING_URI's registry) (a model on S3 is read with
+    AWS_ENDPOINT_URL, as ``ctx serve`` reads it). ``store``: the endpoint and retry deadline of ``input``
+    and ``output`` (``ctx embed --endpoint-url --retry-deadline``); every wait on them is said and bounded.
+
+    ``batch_size`` / ``max_batch_tokens``: rows and padded tokens per forward pass; ``actor_batch_size``:
+    rows handed to an actor per call, sorted by length into those passes. ``actors``: a fixed pool of that
+    many model actors, each with ``cpus_per_actor`` CPUs (its torch threads) and ``num_gpus``; default as
+    many as the cluster's CPUs hold (its GPUs, when ``num_gpus`` is set). Ray is started (``jobs.training.loop.
+    init_ray``, quiet unless ``verbose``) only after the input, output and model have been checked.
+    An input of at most ``driver_read_bytes`` (its files' sizes) is read here and handed to Ray Data in
+    memory (``DRIVER_READ_BYTES``); a larger one streams through Ray Data's read tasks.
+
+    ``engine``: "ray" runs the Ray Data pipeline above; "local" embeds in this process, one model with a
+    torch thread per core over the same ``actor_batch_size`` chunks, and writes the Parquet itself (no Ray
+    started: its start and shutdown alone take 10 s on 2 cores, ``benchmarks/embed.py --floor``); "auto"
+    (the default) is "local" where there is no cluster to use (no Ray running here, no RAY_ADDRESS), the
+    input is one the driver reads (at most ``driver_read_bytes``) and no ``actors`` or ``num_gpus`` were
+    asked for, else "ray". ``dtype``: the forward passes' ("auto": float16 on a GPU, float32 on the CPU).
+    ``cuda_graphs``: on a GPU, each pass of a BERT-family model replayed from a CUDA graph (False: eager).
+    ``language``: the language a multilingual XLM reads the texts as (``ctx serve``'s model setting).
+
+    Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
+    "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
+    is wall time from ``started`` (a ``time.perf_counter()`` value, default this call's start).
+    """
+    started = time.perf_counter() if started is None else started
+    import pyarrow.dataset as pads
+    import ray
+
+    from jobs.session import init_ray
+    from jobs.registry import resolve
+    from jobs.identity import checkpoint_version  # not jobs.serving.serve: the driver needs neither torch nor Ray Serve
+    from jobs.runs import resolve_checkpoint
+
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
+    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens), ("actor_batch_size", actor_batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} ({value}) must be at least 1")
+    if (actors is not None and actors < 1) or cpus_per_actor <= 0:
+        raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
+    in_fs, in_path = store.filesystem(input)
+    out_fs, out_path = store.filesystem(output)
+    files, rows_in, size = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # Parquet footers only: no Ray yet
+    source, registered = resolve(model)  # models:/NAME@alias -> the version's checkpoint, once
+    checkpoint = resolve_checkpoint(source)
+    version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
+
+    if engine == "auto":
+        no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+        engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
+    chunks = None  # the input in actor_batch_size rows, where this process reads it (DRIVER_READ_BYTES)
+    if engine == "local" or size <= driver_read_bytes:
+        table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format="parquet").to_table(columns=[id_column, text_column]),
+                            f"read {input}")
+        chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
+    model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
+    if engine == "local":
+        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language)
+        _write_local(out_fs, out_path, map(embedder, chunks), output, store)
+        pool = 0
+    else:
+        # --- Ray seam: Ray Data read -> actor pool -> write ---
+        init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
+        pool = actors or pool_size(cpus_per_actor, num_gpus)
+        _check_pool(pool, cpus_per_actor)
+        if chunks is not None:  # small: read here, no Ray Data read tasks
+            ds = ray.data.from_arrow(chunks)
+        else:
+            ds = ray.data.read_parquet(files, filesystem=in_fs).select_columns([id_column, text_column])  # read only these two
+            # One Parquet file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
+            # every actor of the pool gets work (streaming: no barrier before the model starts).
+            ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
+        threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
+        vectors = ds.map_batches(
+            Embedder,
+            fn_constructor_args=(*model_args, threads, dtype, cuda_graphs, language),
+            batch_size=actor_batch_size,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=pool),
+            num_cpus=cpus_per_actor,
+            num_gpus=num_gpus,
+        )
+        # SaveMode.ERROR: Ray Data refuses too if another writer created the folder since the check above.
+        mode = ray.data.SaveMode.APPEND if existed_empty else ray.data.SaveMode.ERROR
+        vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
+
+    summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
+    seconds = time.perf_counter() - started
+    return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
+            "seconds": round(seconds, 2), "rows_per_s": round(rows_in / seconds, 1)}
+
+
+def _write_local(fs: pafs.FileSystem, path: str, parts, output: str, store: storage.Store) -> None:
+    """The local engine's output: Parquet files of at least LOCAL_FILE_ROWS rows each (the last one
+    fewer), in the folder ``refuse_existing`` found empty or absent."""
+    import pyarrow.parquet as pq
+
+    store.retry(lambda: fs.create_dir(path, recursive=True), f"create {output}")
+    pending: list[pa.Table] = []
+
+    def flush(k: int) -> None:
+        table = pa.concat_tables(pending)
+        name = f"embeddings-{k:05d}.parquet"
+        store.retry(lambda: pq.write_table(table, f"{path.rstrip('/')}/{name}", filesystem=fs), f"write {storage.join(output, name)}")
+        pending.clear()
+
+    k = rows = 0
+    for part in parts:
+        pending.append(part)
+        rows += part.num_rows
+        if rows >= LOCAL_FILE_ROWS:
+            flush(k)
+            k, rows = k + 1, 0
+    if pending:
+        flush(k)
+
+
+def pool_size(cpus_per_actor: float, num_gpus: float = 0.0) -> int:
+    """Actors the cluster's CPUs hold beside IO_CPUS for Ray Data's own tasks (and its GPUs, when each
+    actor takes some); at least 1."""
+    import ray
+
+    resources = ray.cluster_resources()
+    n = int((resources.get("CPU", 0) - IO_CPUS) // cpus_per_actor)
+    if num_gpus > 0:
+        n = min(n, int(resources.get("GPU", 0) // num_gpus))
+    return max(1, n)
+
+
+def _check_pool(actors: int, cpus_per_actor: float) -> None:
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if actors * cpus_per_actor > cpus - IO_CPUS:
+        raise ValueError(
+            f"{actors} actors x {cpus_per_actor:g} CPUs leave less than {IO_CPUS} of the cluster's {cpus:g} CPUs to Ray Data's "
+            f"read and write tasks, which would wait for them forever: ask for fewer --actors or --cpus-per-actor"
+        )
+
+
+def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text_column: str,
+                store: storage.Store) -> tuple[list[str], int, int]:
+    """The Parquet files at ``path``, their row count (from the files' footers) and their bytes. The files are those
+    Ray Data's read_parquet would read there: ``path`` itself, or every ``*.parquet`` under the folder
+    whose path below it starts with neither "." nor "_"."""
+    import pyarrow.dataset as pads
+
+    info = store.retry(lambda: fs.get_file_info(path), f"stat {input}")
+    if info.type == pafs.FileType.File:
+        files, size = [path], info.size
+    else:
+        listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {input}")
+        base = path.rstrip("/") + "/"
+        chosen = [
+            i for i in listed
+            if i.type == pafs.FileType.File and i.path.endswith(".parquet") and not i.path[len(base):].startswith((".", "_"))
+        ]
+        files, size = sorted(i.path for i in chosen), sum(i.size or 0 for i in chosen)
+        if not files:
+            raise ValueError(f"--input {input}: no Parquet file (*.parquet) there")
+    dataset = pads.dataset(files, filesystem=fs, format="parquet")
+    for col in (id_column, text_column):
+        if col not in dataset.schema.names:
+            raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(dataset.schema.names)}); name it with --id-column / --text-column")
+    rows = store.retry(dataset.count_rows, f"count rows of {input}")
+    if rows == 0:
+        raise ValueError(f"--input {input}: no rows to embed")
+    return files, rows, size or 0
+
+
+def _summary(fs: pafs.FileSystem, path: str, rows_in: int, **where: str) -> dict[str, Any]:
+    """What was written, read back: row count, width and the single model version of the rows."""
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(path, filesystem=fs, format="parquet").to_table(columns=["model_version", "tokenizer_hash"])
+    if table.num_rows != rows_in:
+        raise RuntimeError(f"{where['output']}: wrote {table.num_rows} rows for {rows_in} input rows")
+    versions = sorted(set(table.column("model_version").to_pylist()))
+    hashes = sorted(set(table.column("tokenizer_hash").to_pylist()))
+    if len(versions) > 1 or len(hashes) > 1:
+        raise RuntimeError(f"{where['output']}: rows of several model versions {versions} / tokenizers {hashes}")
+    dim = pads.dataset(path, filesystem=fs, format="parquet").schema.field("embedding").type.list_size
+    return {"rows": rows_in, "dim": dim, "model_version": versions[0], "tokenizer_hash": hashes[0], **where}

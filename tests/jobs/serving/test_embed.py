@@ -1,0 +1,261 @@
+"""``ctx embed`` / ``jobs.serving.embed.reembed``: stored texts re-embedded with Ray Data give every id once,
+with the vectors the serving code computes (and sentence-transformers' for all-MiniLM-L6-v2), into a
+new folder; a second run into a folder that holds vectors is refused and leaves them as they were.
+An actor sorts the rows Ray Data hands it into small length-sorted forward passes; the command prints
+rows, seconds and rows/s, and none of Ray Data's own log lines without --verbose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.serving.embed import Embedder, reembed
+from jobs.registry import Registry
+from jobs.identity import checkpoint_version
+from jobs.serving.serve import EmbeddingModel
+from jobs.serving.serve_config import Limits, ModelConfig
+from pipelines import storage
+from tests.conftest import MIXED_TEXTS
+
+TEXTS = [
+    *MIXED_TEXTS,
+    "bank",
+    "The bank raised its interest rates again this quarter, which worried the small savers.",
+]
+IDS = [907, 3, 41, 1000000007, 12, 5, 88]  # not in row order: rows must keep their own id
+
+
+def _input_table() -> pa.Table:
+    return pa.table({"id": pa.array(IDS, pa.int64()), "text": TEXTS, "lang": ["en"] * len(TEXTS)})
+
+
+def _serving_vectors(minilm_dir, normalize: bool) -> np.ndarray:
+    """What a /v1/embeddings replica computes for TEXTS (the Serve deployment's class, in-process)."""
+    model = EmbeddingModel.func_or_class("ref", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir)), Limits())
+    return np.stack(model.embed_now(TEXTS, pooling="mean", normalize=normalize, truncate=True)["embeddings"])
+
+
+def _read(uri: str) -> pa.Table:
+    fs, path = storage.filesystem(uri)
+    return pads.dataset(path, filesystem=fs, format="parquet").to_table()
+
+
+def _check_rows(table: pa.Table, expected: np.ndarray, version: str) -> None:
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)  # fixed-size list<float32>[384]
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(IDS)  # every id once
+    got = np.asarray(table.column("embedding").to_pylist(), dtype=np.float32)
+    by_id = dict(zip(ids, got))
+    np.testing.assert_allclose(np.stack([by_id[i] for i in IDS]), expected, atol=1e-5)
+    assert set(table.column("model_version").to_pylist()) == {version}
+    assert len(set(table.column("tokenizer_hash").to_pylist())) == 1
+
+
+@pytest.mark.slow
+def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrites(ray_session, minilm_dir, tmp_path):
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    out = tmp_path / "vectors" / "minilm"
+    # the model named as a registry version (the session's SQLite registry), as a scheduled round does
+    registry = Registry()
+    registered = registry.register("embed-minilm", str(minilm_dir))
+    registry.promote("embed-minilm", registered.version)
+    # Ray Data hands the actor 3 rows at a time (the last call 1 row), run in passes of at most 2; the input is
+    # small, so the driver reads it and hands Ray Data in-memory blocks (DRIVER_READ_BYTES)
+    summary = reembed("models:/embed-minilm@production", str(src), str(out), actor_batch_size=3, batch_size=2)
+    version = checkpoint_version(str(minilm_dir))
+    assert summary["rows"] == len(IDS) and summary["dim"] == 384 and summary["model_version"] == version
+    assert summary["checkpoint"] == str(minilm_dir) and summary["registry_version"] == registered.ref
+    assert summary["actors"] >= 1 and summary["seconds"] > 0
+    assert summary["rows_per_s"] == pytest.approx(summary["rows"] / summary["seconds"], rel=0.02, abs=0.06)  # rounded to 0.1
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), version)
+
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(FileExistsError, match="never over them"):
+        reembed(str(minilm_dir), str(src), str(out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old vectors are untouched
+
+    with pytest.raises(ValueError, match="no column 'body'.*--text-column"):
+        reembed(str(minilm_dir), str(src), str(tmp_path / "other"), text_column="body")
+
+
+@pytest.mark.slow
+def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, minilm_dir, s3_bucket):
+    st = pytest.importorskip("sentence_transformers")
+    fs, _ = storage.filesystem(f"s3://{s3_bucket}")
+    with fs.open_output_stream(f"{s3_bucket}/index/texts/part-0.parquet") as f:
+        pq.write_table(_input_table(), f)
+    out = f"s3://{s3_bucket}/index/vectors/minilm-v1"
+    # streamed from the store by Ray Data's read tasks, as an input over DRIVER_READ_BYTES is
+    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out, normalize=True, actor_batch_size=4, driver_read_bytes=0)
+    assert summary["output"] == out and summary["rows"] == len(IDS)
+    expected = _serving_vectors(minilm_dir, normalize=True)
+    _check_rows(_read(out), expected, checkpoint_version(str(minilm_dir)))
+    reference = st.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS, batch_size=4, convert_to_numpy=True)
+    np.testing.assert_allclose(expected, reference, atol=2e-5)
+
+    with pytest.raises(FileExistsError):  # a second run into the same prefix
+        reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out)
+
+
+def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(minilm_dir, tmp_path, monkeypatch):
+    """engine="local" (what "auto" picks for a small input with no cluster): this process embeds, no Ray."""
+    import jobs.serving.embed
+
+    monkeypatch.setattr(jobs.serving.embed, "LOCAL_FILE_ROWS", 4)  # 7 rows in chunks of 3, 3, 1: files of 6 and 1 rows
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    out = tmp_path / "vectors"
+    summary = reembed(str(minilm_dir), str(src), str(out), actor_batch_size=3, batch_size=2, engine="local")
+    assert summary["engine"] == "local" and summary["actors"] == 0 and summary["rows"] == len(IDS)
+    assert sorted(pq.read_metadata(f).num_rows for f in out.glob("*.parquet")) == [1, 6]
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), checkpoint_version(str(minilm_dir)))
+    with pytest.raises(FileExistsError, match="never over them"):
+        reembed(str(minilm_dir), str(src), str(out), engine="local")
+    with pytest.raises(ValueError, match="engine 'spark'"):
+        reembed(str(minilm_dir), str(src), str(tmp_path / "other"), engine="spark")
+
+
+def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir):
+    from jobs.cli import main
+
+    out = tmp_path / "old-vectors"
+    out.mkdir()
+    (out / "part-0.parquet").write_bytes(b"old")
+    with pytest.raises(FileExistsError, match="old-vectors"):
+        reembed(str(minilm_dir), str(tmp_path / "nothing.parquet"), str(out))
+    with pytest.raises(SystemExit, match="ctx embed: .*never over them"):  # the command says why, no traceback
+        main(["embed", "--model", str(minilm_dir), "--input", str(tmp_path / "nothing.parquet"), "--output", str(out),
+              "--id-column", "doc", "--text-column", "body", "--pooling", "cls", "--normalize", "--batch-size", "8"])
+    assert (out / "part-0.parquet").read_bytes() == b"old"
+
+
+def test_an_actor_sorts_the_rows_it_is_handed_into_small_length_sorted_passes(minilm_dir):
+    """What Ray Data hands an actor (--actor-batch-size rows, in stored order) runs as several forward passes
+    of at most --batch-size rows and --max-batch-tokens padded tokens, shortest texts first, and every id
+    keeps its own text's vector."""
+    rng = np.random.default_rng(7)
+    words = "the river bank was muddy after the flood and she deposited a cheque there".split()
+    texts = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(1, 40, size=45)]  # lengths in no order
+    ids = [int(i) for i in rng.permutation(10_000)[: len(texts)]]
+    embedder = Embedder(str(minilm_dir), None, "id", "text", "mean", False, batch_size=6, max_batch_tokens=120, threads=1)
+    embedder.model.recent_passes.clear()
+    out = embedder(pa.table({"id": pa.array(ids, pa.int64()), "text": texts}))
+
+    passes = list(embedder.model.recent_passes)  # (rows, padded length) per forward pass, in order
+    n_tokens = embedder.model.embed_now(texts, truncate=True)["n_tokens"]
+    assert sum(rows for rows, _ in passes) == len(texts)
+    assert len(passes) > len(texts) / 6  # the token budget cuts the passes of long texts shorter still
+    for rows, length in passes:
+        assert rows <= 6 and (rows * length <= 120 or rows == 1)
+    assert [length for _, length in passes] == sorted(length for _, length in passes)  # shortest first
+    assert sorted(length for _, length in passes)[-1] == max(n_tokens)
+    assert sum(rows * length for rows, length in passes) < len(texts) * max(n_tokens) * 0.7  # little padding left
+
+    assert out.column("id").to_pylist() == ids  # the rows come back in the order given
+    one_by_one = np.stack([embedder.model.embed_now([t], truncate=True)["embeddings"][0] for t in texts])
+    np.testing.assert_allclose(np.asarray(out.column("embedding").to_pylist(), np.float32), one_by_one, atol=1e-5)
+
+
+def test_passes_run_in_the_dtype_asked_for_and_vectors_stay_float32(minilm_dir, tmp_path):
+    """``dtype`` (``ctx serve``'s model setting, ``ctx embed --dtype``): "auto" is float16 on a GPU
+    and float32 on the CPU; a dtype named runs the model's weights and passes in it, pools in float32
+    and gives float32 vectors that agree with float32's (cosine > 0.999, as TEI's and Infinity's
+    half-precision vectors do). A dtype nobody knows is refused naming the setting. ``cuda_graphs``
+    (``ctx embed --no-cuda-graphs``) reaches the replica's settings."""
+    import torch
+    from pydantic import ValidationError
+
+    from jobs.serving.replica import serving_dtype
+
+    assert serving_dtype("auto", torch.device("cpu")) is torch.float32
+    assert serving_dtype("auto", torch.device("cuda", 0)) is torch.float16  # decided without a GPU
+    assert serving_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    table = _input_table()
+    ref = np.asarray(Embedder(str(minilm_dir), None, "id", "text", "mean", True, threads=1)(table).column("embedding").to_pylist())
+    for dtype in ("bfloat16", "float16"):
+        embedder = Embedder(str(minilm_dir), None, "id", "text", "mean", True, threads=1, dtype=dtype)
+        assert embedder.model.info()["dtype"] == dtype
+        assert {p.dtype for p in embedder.model.backbone.parameters()} == {getattr(torch, dtype)}
+        out = embedder(table)
+        assert out.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+        got = np.asarray(out.column("embedding").to_pylist())
+        cosine = (got * ref).sum(-1)  # both normalized
+        assert cosine.min() > 0.999, (dtype, cosine)
+        assert not np.array_equal(got, ref)  # the passes did run in the lower precision
+    from jobs.serving.replica import EmbeddingReplica
+
+    asked = []
+    setup = EmbeddingReplica._setup
+    EmbeddingReplica._setup = lambda self, *args: asked.append(args[3].cuda_graphs) or setup(self, *args)
+    try:
+        for graphs in (False, True):  # ctx embed --no-cuda-graphs, and its default
+            Embedder(str(minilm_dir), None, "id", "text", "mean", True, threads=1, cuda_graphs=graphs)
+    finally:
+        EmbeddingReplica._setup = setup
+    assert asked == [False, True]
+    with pytest.raises(ValidationError, match="dtype"):
+        ModelConfig(uri=str(minilm_dir), dtype="fp8")
+    with pytest.raises(ValueError, match="dtype 'half'"):
+        reembed(str(minilm_dir), str(tmp_path / "texts.parquet"), str(tmp_path / "out"), dtype="half")
+
+
+def _ctx_embed(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    """``ctx embed ARGS`` in a fresh process with its own local Ray, as a user runs it; (result, wall seconds)."""
+    ctx = Path(sys.executable).parent / "ctx"
+    cmd = [str(ctx)] if ctx.exists() else [sys.executable, "-c", "import sys; from jobs.cli import main; sys.exit(main())"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    start = time.perf_counter()
+    done = subprocess.run([*cmd, "embed", *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=Path(__file__).resolve().parents[3])
+    return done, time.perf_counter() - start
+
+
+RAY_DATA_LINES = ("Starting execution of Dataset", "Execution plan of Dataset", "logging_progress", "Total Progress",
+                  "Progress will be logged", "execution finished in", "Data sink Parquet finished")
+
+
+@pytest.mark.slow
+def test_ctx_embed_prints_rows_seconds_and_rate_and_no_ray_data_lines_without_verbose(minilm_dir, tmp_path):
+    n = 150
+    texts = [TEXTS[i % len(TEXTS)] + f" ({i})" for i in range(n)]
+    pq.write_table(pa.table({"id": pa.array(range(n), pa.int64()), "text": texts}), tmp_path / "texts.parquet")
+    common = ["--model", str(minilm_dir), "--input", str(tmp_path / "texts.parquet"), "--actor-batch-size", "64", "--batch-size", "8"]
+
+    done, wall = _ctx_embed(*common, "--engine", "ray", "--output", str(tmp_path / "quiet"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout  # the summary, nothing else
+    summary = json.loads(lines[0])
+    assert summary["rows"] == n and summary["dim"] == 384 and summary["engine"] == "ray" and summary["actors"] >= 1
+    assert 0 < summary["seconds"] < wall  # from the command's start, Ray's start included, within the process's life
+    assert summary["rows_per_s"] == pytest.approx(n / summary["seconds"], rel=0.02, abs=0.06)  # rounded to 0.1
+    assert sorted(_read(str(tmp_path / "quiet")).column("id").to_pylist()) == list(range(n))
+    both = done.stdout + done.stderr
+    shown = [line for line in both.splitlines() if any(s in line for s in RAY_DATA_LINES) or "\tINFO " in line]
+    assert not shown, "\n".join(shown[:20])
+
+    # the control: --verbose shows them, so the check above reads the streams where they would be
+    done, _ = _ctx_embed(*common, "--engine", "ray", "--output", str(tmp_path / "verbose"), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Starting execution of Dataset" in done.stdout + done.stderr
+
+    # the default on this small input with no cluster: the local engine, no Ray at all, the same vectors
+    done, _ = _ctx_embed(*common, "--output", str(tmp_path / "local"), "--verbose")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["engine"] == "local" and summary["actors"] == 0 and summary["rows"] == n
+    assert "Ray instance" not in done.stdout + done.stderr  # --verbose would show Ray's start
+    by_ray, local = (_read(str(tmp_path / d)).sort_by("id") for d in ("quiet", "local"))
+    assert local.column("id").to_pylist() == list(range(n))
+    np.testing.assert_allclose(np.asarray(local.column("embedding").to_pylist()), np.asarray(by_ray.column("embedding").to_pylist()), atol=1e-5)
