@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bulk_floor.py
 	$(BIN)/python benchmarks/host_floor.py
 	$(BIN)/python benchmarks/embed.py
+	$(BIN)/python benchmarks/local_encode.py
 	$(BIN)/python benchmarks/generate.py
 	$(BIN)/python benchmarks/xlm_alignment.py
 

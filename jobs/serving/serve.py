@@ -690,7 +690,7 @@ def authorized(header: str | None, key_digests: list[bytes]) -> bool:
 class GatewayBase:
     """Routes requests by model name to the EmbeddingModel deployments' handles, and a multiplexed
     model's to the MultiplexedModels deployment with its name as the multiplexed model id; in a
-    ``ModelGateway`` to the model object in its own replica (``LocalModel``, called the same way)."""
+    ``ModelGateway`` to the model object in its own replica (``InProcessHandle``, called the same way)."""
 
     def __init__(self, models: dict[str, DeploymentHandle], config: ServeConfig, multiplexed: DeploymentHandle | None = None):
         self.pinned, self.config = dict(models), config
@@ -917,7 +917,7 @@ class Gateway(GatewayBase):
     """The app's HTTP ingress in front of the model deployments (GatewayBase)."""
 
 
-class LocalModel:
+class InProcessHandle:
     """A model object in the ingress replica itself, called the way a DeploymentHandle is
     (``handle.method.remote(*args)`` gives an awaitable that can be cancelled), with the model's bounded
     queue kept here: beyond ``max_ongoing_requests + max_queued_requests`` requests in the model, a call
@@ -926,7 +926,7 @@ class LocalModel:
     def __init__(self, model: Any, limit: int):
         self.model, self.limit, self.in_model = model, limit, 0
 
-    def options(self, **_: Any) -> "LocalModel":
+    def options(self, **_: Any) -> "InProcessHandle":
         return self
 
     def __getattr__(self, method: str) -> Any:
@@ -955,7 +955,7 @@ class ModelGateway(GatewayBase):
     def __init__(self, name: str, checkpoint: str, version: str | None, settings: ModelSettings, limits: Limits,
                  registry_version: str | None, config: ServeConfig):
         self.model = EmbeddingModel.func_or_class(name, checkpoint, version, settings, limits, registry_version)
-        super().__init__({name: LocalModel(self.model, settings.max_ongoing_requests + settings.max_queued_requests)}, config)
+        super().__init__({name: InProcessHandle(self.model, settings.max_ongoing_requests + settings.max_queued_requests)}, config)
 
 
 async def _result(response) -> Any:

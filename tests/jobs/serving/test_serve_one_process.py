@@ -1,5 +1,5 @@
 """An app of one pinned model on one replica (jobs/serving/serve.py ``ModelGateway``): the Gateway and the model
-in one replica, the model called in-process through a bounded queue (``LocalModel``).
+in one replica, the model called in-process through a bounded queue (``InProcessHandle``).
 
 In-process: the queue bound answers Serve's BackPressureError (the Gateway's 429), a cancelled request
 stops the model's work. Served: the app is that single deployment, a burst of concurrent requests runs
@@ -41,10 +41,10 @@ class Slow:
 def test_local_model_bounds_its_queue_with_servers_backpressure_error():
     from ray.serve.exceptions import BackPressureError
 
-    from jobs.serving.serve import LocalModel
+    from jobs.serving.serve import InProcessHandle
 
     model = Slow(0.05)
-    local = LocalModel(model, limit=3)
+    local = InProcessHandle(model, limit=3)
 
     async def main():
         calls = [local.options(multiplexed_model_id="ignored").work.remote(i) for i in range(5)]
@@ -61,10 +61,10 @@ def test_local_model_bounds_its_queue_with_servers_backpressure_error():
 
 def test_cancelling_a_local_call_cancels_the_models_work():
     """What the Gateway does when a client goes away or the request times out (response.cancel())."""
-    from jobs.serving.serve import LocalModel
+    from jobs.serving.serve import InProcessHandle
 
     model = Slow(10.0)
-    local = LocalModel(model, limit=2)
+    local = InProcessHandle(model, limit=2)
 
     async def main():
         response = local.work.remote(1)

@@ -1,0 +1,213 @@
+"""A model in this Python process: what ``ctx serve``'s routes answer, without a server or Ray.
+
+    from jobs.serving.local import LocalModel
+
+    model = LocalModel("runs/minilm-lexname")   # checkpoint, run or HF folder; s3://; pkg:; models:/NAME@ALIAS
+    vectors = model.encode(["the river bank", "the bank raised rates"], normalize=True)  # (2, 384) float32
+    model.classify("a small dog")                 # [{"index": 0, "label": ..., "score": ..., "scores": {...}}]
+
+It runs ``jobs.serving.replica.EmbeddingReplica``, the class behind every served replica and ``ctx
+embed``'s actors: the same loading (a run folder's best or newest checkpoint), tokenizer, length-sorted
+passes of at most ``max_batch_size`` rows and ``max_batch_tokens`` padded tokens, pooling and task heads.
+So ``encode`` gives the vectors /v1/embeddings gives, and each task method the ``data`` of its route
+(``token_embeddings`` the ``data`` of /v1/token-embeddings with arrays for vectors; ``rerank`` TEI's
+list). Inputs are checked by the routes' own request models, so a bad one raises ``ValueError`` with the
+message a client would read in its 4xx, and a model asked for a route it does not serve says which it
+serves. Requests have no size limits here: the caller owns the memory.
+
+Unlike the server, ``truncate`` defaults to True, as sentence-transformers' ``encode`` cuts a text to
+the model's length: a script embedding a corpus should not stop at its first long text.
+
+Thread-safe: calls from several threads share the replica's forward passes (task rows are batched
+across them, as the server batches requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import ValidationError
+
+from jobs.serving.replica import EmbeddingReplica, resolve_checkpoint
+from jobs.serving.serve_config import Limits, ModelConfig
+from jobs.serving.serve_tasks import REQUESTS, check_texts
+
+UNBOUNDED = 2**62  # no request limits in-process
+
+
+class LocalModel:
+    """One model loaded in this process (see the module's docstring). ``model``: what ``ctx serve``'s
+    ``uri`` takes. ``dtype``, ``language``, ``max_batch_size``, ``max_batch_tokens`` and ``cuda_graphs``
+    are the serve config's model settings, with its defaults ("auto" is float16 on a GPU, float32 on
+    the CPU)."""
+
+    def __init__(self, model: str, *, dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto",
+                 language: int | str | None = None, max_batch_size: int = 32, max_batch_tokens: int = 16384,
+                 cuda_graphs: bool = True, name: str = "local"):
+        from jobs.registry import resolve as resolve_model
+
+        source, registered = resolve_model(model)  # models:/NAME@ALIAS through the registry; anything else as it is
+        checkpoint = resolve_checkpoint(source)
+        try:
+            settings = ModelConfig(uri=checkpoint, dtype=dtype, language=language, max_batch_size=max_batch_size,
+                                   max_batch_tokens=max_batch_tokens, cuda_graphs=cuda_graphs,
+                                   batch_wait_timeout_s=0.0)  # a caller alone never waits for company
+        except ValidationError as e:
+            raise ValueError(_message(e)) from None
+        limits = Limits(max_inputs=UNBOUNDED, max_chars_per_text=UNBOUNDED, max_chars_per_request=UNBOUNDED,
+                        max_tokens_per_request=UNBOUNDED, max_token_embedding_values=UNBOUNDED, max_new_tokens=UNBOUNDED)
+        # The task routes batch through asyncio (jobs.serving.batching.Batcher): one loop of this object's
+        # own, on a thread, serves every caller.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ctx-local-model", daemon=True)
+        self._thread.start()
+        self.name = name
+        self._replica = self._run(self._load(name, checkpoint, settings, limits, registered.ref if registered else None))
+
+    async def _load(self, name: str, checkpoint: str, settings: ModelConfig, limits: Limits, registry_version: str | None):
+        return EmbeddingReplica(name, checkpoint, None, settings, limits, registry_version)
+
+    def _run(self, coro):
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError(f"model {self.name!r} is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # --- what the model is ---
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What /v1/models says of it: family, dim, max_len, dtype, version, tokenizer_hash, task, labels, routes..."""
+        return self._replica.info()
+
+    @property
+    def dim(self) -> int:
+        return self._replica.dim
+
+    # --- embeddings ---
+
+    def encode(self, texts: str | list[str], *, pooling: Literal["mean", "cls", "last"] = "mean", normalize: bool = False,
+               dimensions: int | None = None, truncate: bool = True, features: str = "last",
+               language: int | str | None = None) -> np.ndarray:
+        """Sentence vectors: float32 (N, dim), or (dim,) for one string, as /v1/embeddings gives them.
+        ``dimensions`` keeps the first ones (Matryoshka), re-normalised when ``normalize``; ``features``
+        combines layers as ELMo's and BERT's papers did (``ctxmodels.features``)."""
+        batch = _texts(texts)
+        out = self._replica.embed_now(batch, pooling=pooling, normalize=normalize, dimensions=dimensions, truncate=truncate,
+                                      features=features, language=language)
+        vectors = np.stack(out["embeddings"]).astype(np.float32, copy=False)
+        return vectors[0] if isinstance(texts, str) else vectors
+
+    def token_embeddings(self, texts: str | list[str], *, layers: str | list[int] = "last", features: str | None = None,
+                         granularity: Literal["token", "word"] = "token", truncate: bool = True,
+                         language: int | str | None = None) -> list[dict[str, Any]]:
+        """Per text a dict of its ``tokens`` (or ``words``), character ``offsets``, ``n_tokens`` and
+        ``embeddings``, float32 (tokens or words, width): the layers asked, concatenated, or ``features``
+        combined, as /v1/token-embeddings gives them."""
+        coro = self._replica._token_embeddings(_texts(texts), layers=layers, truncate=truncate, features=features,
+                                               granularity=granularity, language=language)
+        return self._run(coro)["rows"]
+
+    # --- the task routes: each gives its route's answer ---
+
+    def _task(self, route: str, **fields: Any) -> Any:
+        try:
+            request = REQUESTS[route].model_validate({"model": self.name, **fields})
+        except ValidationError as e:
+            raise ValueError(_message(e)) from None
+        problem = request.limit_problem(self._replica.limits)
+        if problem is not None:
+            raise ValueError(problem)
+        body = self._run(self._replica._task(route, request.payload()))["body"]
+        return request.answer(body) if route == "/v1/rerank" else body
+
+    def classify(self, texts: str | list[str] | list[tuple[str, str]], *, truncate: bool = True,
+                 language: int | str | None = None) -> list[dict[str, Any]]:
+        """A classification or regression model's answer per input (texts, or (text, text_pair) pairs):
+        /v1/classify's ``data``."""
+        return self._task("/v1/classify", input=texts, truncate=truncate, language=language)["data"]
+
+    def tag(self, texts: str | list[str] | None = None, *, words: list[list[str]] | None = None, scheme: str | None = None,
+            truncate: bool = True, language: int | str | None = None) -> list[dict[str, Any]]:
+        """A token-classification model's tags per text (``texts``, split at whitespace) or per
+        pre-split text (``words``): /v1/tag's ``data``."""
+        return self._task("/v1/tag", input=texts, words=words, scheme=scheme, truncate=truncate, language=language)["data"]
+
+    def answer(self, questions: str | list[str], contexts: str | list[str], *, truncate: bool = True,
+               language: int | str | None = None) -> list[dict[str, Any]]:
+        """A question-answering model's answer (text, character span, score) per question, one context
+        each: /v1/answer's ``data``."""
+        return self._task("/v1/answer", question=questions, context=contexts, truncate=truncate, language=language)["data"]
+
+    def rerank(self, query: str, texts: list[str], *, raw_scores: bool = False, return_text: bool = False,
+               truncate: bool = True, language: int | str | None = None) -> list[dict[str, Any]]:
+        """``texts`` ranked against ``query`` by a pair model, best first: [{"index", "score", "text"?}]
+        (TEI's /rerank answer, which /v1/rerank gives)."""
+        return self._task("/v1/rerank", query=query, texts=texts, raw_scores=raw_scores, return_text=return_text,
+                          truncate=truncate, language=language)
+
+    def fill_mask(self, texts: str | list[str], *, top_k: int = 5, truncate: bool = True,
+                  language: int | str | None = None) -> list[dict[str, Any]]:
+        """A masked-LM model's ``top_k`` tokens for each mask token of each text: /v1/fill-mask's ``data``."""
+        return self._task("/v1/fill-mask", input=texts, top_k=top_k, truncate=truncate, language=language)["data"]
+
+    def generate(self, prompt: str, *, max_tokens: int = 16, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, language: int | str | None = None) -> dict[str, Any]:
+        """A causal model's continuation of ``prompt``: /v1/generate's answer ({"choices": [{"text",
+        "token_ids", "tokens", "finish_reason"}], "seed", "usage"}); the same seed gives the same text."""
+        return self._task("/v1/generate", prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=seed, language=language)
+
+    def tokenize(self, texts: str | list[str], *, add_special_tokens: bool = True) -> list[dict[str, Any]]:
+        """Per text its ids, tokens, offsets, n_tokens and whether it fits the model: /tokenize's ``data``."""
+        return self._task("/tokenize", input=texts, add_special_tokens=add_special_tokens)["data"]
+
+    # --- lifetime ---
+
+    def close(self) -> None:
+        """Stop this object's event loop and tokenizing threads; the weights go with the object."""
+        if self._loop.is_closed():
+            return
+        self._run(_cancel_tasks())  # the batchers' workers, idle between calls
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        if self._replica._tokenizing is not None:
+            self._replica._tokenizing.shutdown(wait=False)
+
+    def __enter__(self) -> LocalModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        info = self._replica.info()
+        return f"LocalModel({info['checkpoint']!r}, family={info['family']!r}, dim={info['dim']}, task={info['task']!r})"
+
+
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _texts(texts: Any) -> list[str]:
+    """A string or a list of strings (any other iterable of them is listed), checked as /v1/embeddings
+    checks its input."""
+    if not isinstance(texts, (str, list)) and hasattr(texts, "__iter__"):  # a tuple, a pandas Series, an array
+        texts = [t.item() if isinstance(t, np.generic) else t for t in texts]
+    try:
+        check_texts(texts, allow_str=True)
+    except ValueError as e:
+        raise ValueError(f"texts {e}") from None
+    return [texts] if isinstance(texts, str) else list(texts)
+
+
+def _message(e: ValidationError) -> str:
+    """pydantic's errors in one line each: ``field: what was wrong``."""
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'input'}: {err['msg'].removeprefix('Value error, ')}"
+                     for err in e.errors())
