@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any, Literal
 
 import numpy as np
@@ -64,7 +65,10 @@ class LocalModel:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ctx-local-model", daemon=True)
         self._thread.start()
         self.name = name
+        self._closed = weakref.finalize(self, _stop, self._loop, self._thread, None)  # at close, collection or exit
         self._replica = self._run(self._load(name, checkpoint, settings, limits, registered.ref if registered else None))
+        self._closed.detach()
+        self._closed = weakref.finalize(self, _stop, self._loop, self._thread, self._replica._tokenizing)
 
     async def _load(self, name: str, checkpoint: str, settings: ModelConfig, limits: Limits, registry_version: str | None):
         return EmbeddingReplica(name, checkpoint, None, settings, limits, registry_version)
@@ -167,15 +171,9 @@ class LocalModel:
     # --- lifetime ---
 
     def close(self) -> None:
-        """Stop this object's event loop and tokenizing threads; the weights go with the object."""
-        if self._loop.is_closed():
-            return
-        self._run(_cancel_tasks())  # the batchers' workers, idle between calls
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-        if self._replica._tokenizing is not None:
-            self._replica._tokenizing.shutdown(wait=False)
+        """Stop this object's event loop and tokenizing threads; the weights go with the object. Also
+        done when it is garbage-collected, and at exit."""
+        self._closed()
 
     def __enter__(self) -> LocalModel:
         return self
@@ -186,6 +184,19 @@ class LocalModel:
     def __repr__(self) -> str:
         info = self._replica.info()
         return f"LocalModel({info['checkpoint']!r}, family={info['family']!r}, dim={info['dim']}, task={info['task']!r})"
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, tokenizing) -> None:
+    """End a LocalModel's loop: its tasks (the batchers' workers, idle between calls) cancelled first,
+    so none is left pending, then the loop, its thread and the tokenizing threads."""
+    if loop.is_closed():
+        return
+    asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+    if tokenizing is not None:
+        tokenizing.shutdown(wait=False)
 
 
 async def _cancel_tasks() -> None:

@@ -200,3 +200,14 @@ def test_tokenize_info_and_a_closed_model(pretrained, minilm_dir):
     model.close()
     with pytest.raises(RuntimeError, match="closed"):
         model.classify("a text")
+
+
+def test_a_missing_folder_or_a_bad_setting_is_named_and_leaves_no_thread(minilm_dir, tmp_path):
+    from jobs.serving.local import LocalModel
+
+    before = set(threading.enumerate())
+    with pytest.raises(Exception, match="does not exist"):
+        LocalModel(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="dtype"):
+        LocalModel(str(minilm_dir), dtype="float8")
+    assert set(threading.enumerate()) <= before
