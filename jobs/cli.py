@@ -33,6 +33,9 @@ def _quiet_env(verbose: bool) -> None:
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # MLflow's INFO lines ("Creating initial MLflow database tables...", the first time a registry
+        # is used): read when mlflow is first imported, so set before any command imports it
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         from jobs.operations.submit import QUIET_RAY_ENV
 
         for name, value in QUIET_RAY_ENV.items():  # a local Ray's processes inherit them
@@ -303,7 +306,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           cuda_graphs=args.cuda_graphs, language=_language(args.language))
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
-        raise SystemExit(f"ctx embed: {e}") from None
+        print(f"ctx: error: {e}", file=sys.stderr)  # as every command's user errors (main)
+        return 2
     finally:
         ray.shutdown()  # a local Ray this command started; a cluster's driver just disconnects
     return 0
@@ -466,6 +470,7 @@ def _add_schedule_status(p: argparse.ArgumentParser) -> None:
 def _registry(args: argparse.Namespace):
     from jobs.registry import Registry
 
+    _quiet_env(False)  # ctx models has no --verbose: MLflow's own lines stay off
     return Registry(args.tracking_uri)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -126,7 +127,7 @@ def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(
         reembed(str(minilm_dir), str(src), str(tmp_path / "other"), engine="spark")
 
 
-def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir):
+def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir, capsys):
     from jobs.cli import main
 
     out = tmp_path / "old-vectors"
@@ -134,9 +135,10 @@ def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm
     (out / "part-0.parquet").write_bytes(b"old")
     with pytest.raises(FileExistsError, match="old-vectors"):
         reembed(str(minilm_dir), str(tmp_path / "nothing.parquet"), str(out))
-    with pytest.raises(SystemExit, match="ctx embed: .*never over them"):  # the command says why, no traceback
-        main(["embed", "--model", str(minilm_dir), "--input", str(tmp_path / "nothing.parquet"), "--output", str(out),
-              "--id-column", "doc", "--text-column", "body", "--pooling", "cls", "--normalize", "--batch-size", "8"])
+    code = main(["embed", "--model", str(minilm_dir), "--input", str(tmp_path / "nothing.parquet"), "--output", str(out),
+                 "--id-column", "doc", "--text-column", "body", "--pooling", "cls", "--normalize", "--batch-size", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(r"^ctx: error: .*never over them", err), err  # the command says why, no traceback
     assert (out / "part-0.parquet").read_bytes() == b"old"
 
 
