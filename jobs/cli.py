@@ -28,6 +28,11 @@ import tempfile
 REGISTRATION_FAILED = 3  # exit status of a run that trained and kept its checkpoint but was not registered
 
 
+class CommandError(Exception):
+    """A command's refusal of what it was given (a missing flag, a split it cannot score): ``main``
+    prints it as every user error, ``ctx: error: ...``, and exits with 2."""
+
+
 def _quiet_env(verbose: bool) -> None:
     if not verbose:
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -176,7 +181,7 @@ def _serve_config(args: argparse.Namespace):
     if args.config:
         return sc.load_config(args.config, flags)
     if not models and not multiplexed:
-        raise SystemExit("ctx serve: give --model NAME=URI or --multiplexed NAME=URI (repeatable), or --config serve.yaml")
+        raise CommandError("give --model NAME=URI or --multiplexed NAME=URI (repeatable), or --config serve.yaml")
     return sc.validate(flags, where="ctx serve")
 
 
@@ -210,23 +215,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         return _run_eval(args)
     except ValueError as e:  # a model or split that cannot be scored: say why, no traceback
-        raise SystemExit(f"ctx eval: {e}") from None
+        raise CommandError(str(e)) from None
     except KeyboardInterrupt:
         return _interrupted("eval")
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     if args.suite == "wic":
-        from jobs.evaluation.wic import evaluate_wic, write_output
+        from jobs.evaluation.wic import DEFAULT_DATA, evaluate_wic, write_output
 
         if args.language is not None:
-            raise SystemExit("ctx eval wic: --language is for a fine-tuned XLM's split, not the word-in-context test")
-        print(write_output(evaluate_wic(args.model, args.data or "data/tasks/wic", store=_store(args)), args.output))
+            raise CommandError("ctx eval wic: --language is for a fine-tuned XLM's split, not the word-in-context test")
+        print(write_output(evaluate_wic(args.model, args.data or DEFAULT_DATA, store=_store(args)), args.output))
         return 0
     from jobs.evaluation.evaluate import evaluate, write_result
 
     if not args.data:
-        raise SystemExit("ctx eval: --data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
+        raise CommandError("--data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
     print(write_result(evaluate(args.model, args.data, _store(args), _language(args.language)), args.output))
     return 0
 
@@ -263,7 +268,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if rest and rest[0] == "--":
         rest = rest[1:]
     if not rest:
-        raise SystemExit("ctx submit: give the ctx command to run after --, e.g. -- pretrain --config configs/bert-tiny.yaml")
+        raise CommandError("give the ctx command to run after --, e.g. -- pretrain --config configs/bert-tiny.yaml")
     return submit(args.address, rest, follow=not args.no_follow, python=args.python, new=args.new)
 
 
@@ -306,8 +311,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           cuda_graphs=args.cuda_graphs, language=_language(args.language))
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
-        print(f"ctx: error: {e}", file=sys.stderr)  # as every command's user errors (main)
-        return 2
+        raise CommandError(str(e)) from None
     finally:
         ray.shutdown()  # a local Ray this command started; a cluster's driver just disconnects
     return 0
@@ -382,7 +386,7 @@ def _run_export(args: argparse.Namespace) -> int:
             else:
                 _export_sentence_transformers(loaded, out, pad_id, args.pooling, args.normalize)
         except ValueError as e:  # a head transformers lacks: say which, no traceback
-            raise SystemExit(f"ctx export: {checkpoint}: {e}") from None
+            raise CommandError(f"{checkpoint}: {e}") from None
         if tok is not None and tok.kind.startswith("sentencepiece") and not (out / "tokenizer.json").exists():
             tok.save(out)  # a checkpoint from before SentencePiece folders held the tokenizer.json transformers reads
         if storage.is_remote(args.output):
@@ -409,7 +413,7 @@ def _schedule(args: argparse.Namespace):
     from jobs.operations.schedule_config import load_schedule
 
     if not args.config:
-        raise SystemExit("ctx schedule: --config schedule.yaml is required, e.g. configs/schedule/bert-tiny.yaml")
+        raise CommandError("--config schedule.yaml is required, e.g. configs/schedule/bert-tiny.yaml")
     return load_schedule(args.config)  # fails before Ray starts, naming the key
 
 
@@ -679,7 +683,7 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", choices=["wic"], help="wic: the word-in-context test on a model's contextual vectors")
     p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic any model")
-    p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl)")
+    p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl; default: the shipped data/tasks/wic)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
     p.add_argument("--language", default=None,
                    help="a fine-tuned multilingual XLM: read the split's texts as this language, a name of the model's "
@@ -804,7 +808,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from jobs.operations.submit import SubmitError
     from pipelines.storage import StorageError
 
-    return (RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError)
+    return (CommandError, RecipeError, ConfigError, ScheduleError, StorageError, ConnectionError, RunLockHeld, SubmitError, RegistryError)
 
 
 INTERRUPTED = (130, 128 + 15)  # the statuses of Ctrl-C (_interrupted) and SIGTERM (exit_on_sigterm)

@@ -24,12 +24,17 @@ from pipelines.wic import accuracy_at, cosine_rows, fit_threshold
 
 STRATEGIES = ("first", "last", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix")
 CONTEXT_FREE = "context-free"
+# The shipped WiC split (data/README.md), found from this file, so `ctx eval wic` reads it from any folder
+DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "data" / "tasks" / "wic")
 FIELDS = ("sentence1", "sentence2", "label", "start1", "end1", "start2", "end2")
 
 
 def read_split(uri: str, store: Store | str | None = None) -> dict[str, list]:
     """A WiC split (JSONL) as columns; a record without one of ``FIELDS`` is an error naming its line."""
-    lines = as_store(store).read_bytes(uri).decode("utf-8").splitlines()
+    data = as_store(store).read_bytes(uri, missing_ok=True)
+    if data is None:
+        raise ValueError(f"{uri}: no such file; a WiC folder holds validation.jsonl and test.jsonl (--data)")
+    lines = data.decode("utf-8").splitlines()
     cols: dict[str, list] = {k: [] for k in FIELDS}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -126,7 +131,7 @@ def pair_scores(wv: WordVectors, split: dict[str, list], strategies: tuple[str, 
     return scores
 
 
-def evaluate_wic(model_uri: str, data_uri: str = "data/tasks/wic", strategies: tuple[str, ...] = STRATEGIES,
+def evaluate_wic(model_uri: str, data_uri: str = DEFAULT_DATA, strategies: tuple[str, ...] = STRATEGIES,
                  max_len: int = 128, store: Store | str | None = None) -> dict[str, Any]:
     """Fit each strategy's threshold on ``<data>/validation.jsonl``, score on ``<data>/test.jsonl``.
     ``store``: the command's Store (``ctx eval --retry-deadline``), or an endpoint URL."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -335,11 +336,12 @@ def test_ctx_export_gives_an_old_sentencepiece_checkpoint_the_tokenizer_transfor
     assert ref(texts)["input_ids"] == load_tokenizer(tmp_path / "hf").encode_for_model(texts, 64)[0]
 
 
-def test_ctx_export_refusal_names_family_kind_and_supported(tmp_path):
+def test_ctx_export_refusal_names_family_kind_and_supported(tmp_path, capsys):
     from jobs.cli import main
 
     _, mc = our_task_model("gpt2", "multiple-choice")
     save_checkpoint(tmp_path / "ck", mc, "gpt", mc.cfg, task=mc.task)
-    with pytest.raises(SystemExit, match=r"ctx export: .*family 'gpt' \(gpt2\) and task kind 'multiple-choice'.*"
-                                         r"'classification', 'question-answering', 'regression', 'token-classification'"):
-        main(["export", "--model", str(tmp_path / "ck"), "--format", "hf", "--output", str(tmp_path / "hf")])
+    code = main(["export", "--model", str(tmp_path / "ck"), "--format", "hf", "--output", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(r"^ctx: error: .*family 'gpt' \(gpt2\) and task kind 'multiple-choice'.*"
+                                   r"'classification', 'question-answering', 'regression', 'token-classification'", err), err

