@@ -23,7 +23,7 @@ One timed step, on both sides: ``model(input_ids, attention_mask, labels).loss``
 clipping to gradient norm 1.0, ``AdamW.step()``, ``zero_grad(set_to_none=True)``; transformers
 clips with ``clip_grad_norm_`` as its ``Trainer`` does, ours as ``ctx pretrain`` does
 (``jobs.training.parallel.clipped_step``, the same clipping folded into a fused step). AdamW: lr 1e-4,
-weight decay 0.01 on matrices, none on biases and LayerNorm (as ``jobs.training.train.param_groups``), and
+weight decay 0.01 on matrices, none on biases and LayerNorm (as ``jobs.training.loop.param_groups``), and
 ``fused=True``, which transformers' ``Trainer`` uses by default with this PyTorch;
 ``--adamw default`` gives both sides the Python loop over parameters that ``AdamW()`` runs on CPU
 without the flag (0.1 s or more per step, the same for both). Batches: 32 rows of 128 random
@@ -165,7 +165,7 @@ def counted_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """Weight decay on matrices only, as ``jobs.training.train.param_groups`` (not imported: it pulls in Ray)."""
+    """Weight decay on matrices only, as ``jobs.training.loop.param_groups``."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},

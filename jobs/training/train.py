@@ -24,17 +24,14 @@ from jobs.training.config import FAMILY_OBJECTIVES, Recipe, RecipeError, languag
 from jobs.registry import ModelVersion, resolve
 from jobs.training.tracking import record_run
 from jobs.session import init_ray
-from jobs.training.loop import (  # noqa: F401 (re-exported: lr_factor, param_groups, model_inputs, row_digests)
+from jobs.training.loop import (
     StepMeter,
     WorkerJob,
     evaluate_batches,
     fit,
-    lr_factor,
     model_inputs,
-    param_groups,
     perplexity,
     resume_state,
-    row_digests,
     run_folder,
     run_worker,
     seed_worker_rng,

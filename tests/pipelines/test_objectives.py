@@ -16,7 +16,8 @@ import torch
 
 from ctxmodels.registry import build_model
 from jobs.training.config import FAMILY_OBJECTIVES
-from jobs.training.train import model_inputs, stream_resets
+from jobs.training.loop import model_inputs
+from jobs.training.train import stream_resets
 from pipelines.dataset import (
     OBJECTIVES,
     StreamSpec,

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from jobs.training.config import load_recipe
-from jobs.training.train import row_digests, stream_spec
+from jobs.training.loop import row_digests
+from jobs.training.train import stream_spec
 from pipelines.dataset import local_batches
 from pipelines.tokenizers import load_tokenizer
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from jobs.training.config import load_recipe
-from jobs.training.train import pretrain, row_digests, stream_spec
+from jobs.training.loop import row_digests
+from jobs.training.train import pretrain, stream_spec
 from pipelines.dataset import local_batches
 from pipelines.tokenizers import load_tokenizer
 from tests.jobs.training.exactly_once import committed, overrides, state, write_corpus

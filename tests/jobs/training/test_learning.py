@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ctxmodels.registry import build_model
-from jobs.training.train import lr_factor, param_groups
+from jobs.training.loop import lr_factor, param_groups
 from pipelines.dataset import StreamSpec, local_batches
 from pipelines.sources import sample_text
 from pipelines.tokenizers import train_tokenizer

@@ -90,7 +90,7 @@ def trainable(model) -> list[torch.nn.Parameter]:
 
 
 def adamw(model) -> torch.optim.AdamW:
-    """Two parameter groups, as jobs.training.train.param_groups builds them (no decay on vectors)."""
+    """Two parameter groups, as jobs.training.loop.param_groups builds them (no decay on vectors)."""
     params = trainable(model)
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
