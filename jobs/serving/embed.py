@@ -77,7 +77,7 @@ class Embedder:
     ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
     ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``)."""
 
-    def __init__(self, checkpoint: str, version: str | None, id_column: str, text_column: str, pooling: str, normalize: bool,
+    def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str, normalize: bool,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
                  dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None):
         import torch
@@ -95,23 +95,107 @@ class Embedder:
         self.pooling, self.normalize = pooling, normalize
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        ids = batch.column(self.id_column)
+        vectors, out = self._vectors(batch)
+        n = batch.num_rows
+        return pa.table({
+            "id": batch.column(self.id_column),
+            "embedding": vectors,
+            "model_version": pa.array([out["version"]] * n, pa.string()),
+            "tokenizer_hash": pa.array([out["tokenizer_hash"]] * n, pa.string()),
+        })
+
+    def _vectors(self, batch: pa.Table) -> tuple[pa.FixedSizeListArray, dict]:
+        """The batch's text column embedded: (n, dim) float32 as a fixed-size list column, and embed_now's stamp."""
         texts = batch.column(self.text_column).to_pylist()
         missing = [i for i, t in enumerate(texts) if not isinstance(t, str)]
         if missing:
-            bad = ids[missing[0]].as_py()
-            raise ValueError(f"row with {self.id_column}={bad!r} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
+            where = f"with {self.id_column}={batch.column(self.id_column)[missing[0]].as_py()!r}" if self.id_column else f"{missing[0]} of a batch"
+            raise ValueError(f"row {where} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True)
         vectors = out["embeddings"]
         dim = len(vectors[0]) if vectors else self.model.dim
         flat = pa.array(np.concatenate(vectors).astype(np.float32) if vectors else np.zeros(0, np.float32))
-        n = len(texts)
-        return pa.table({
-            "id": ids,
-            "embedding": pa.FixedSizeListArray.from_arrays(flat, dim),  # (n, dim) float32
-            "model_version": pa.array([out["version"]] * n, pa.string()),
-            "tokenizer_hash": pa.array([out["tokenizer_hash"]] * n, pa.string()),
-        })
+        return pa.FixedSizeListArray.from_arrays(flat, dim), out
+
+
+class ColumnEmbedder(Embedder):
+    """Ray Data actor of ``embed_dataset``: every batch comes back whole, with a column of vectors added."""
+
+    def __init__(self, checkpoint: str, version: str | None, text_column: str, output_column: str, *args, **kwargs):
+        super().__init__(checkpoint, version, None, text_column, *args, **kwargs)
+        self.output_column = output_column
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        vectors, _ = self._vectors(batch)
+        return batch.append_column(self.output_column, vectors)
+
+
+def embed_dataset(
+    ds,
+    model: str,
+    *,
+    text_column: str = "text",
+    output_column: str = "embedding",
+    pooling: Pooling = "mean",
+    normalize: bool = False,
+    batch_size: int = PASS_ROWS,
+    max_batch_tokens: int = PASS_TOKENS,
+    actor_batch_size: int = ACTOR_BATCH_ROWS,
+    actors: int | None = None,
+    cpus_per_actor: float = CPUS_PER_ACTOR,
+    num_gpus: float = 0.0,
+    dtype: str = "auto",
+    cuda_graphs: bool = True,
+    language: int | str | None = None,
+):
+    """A Ray Dataset's rows with their text embedded: ``ds`` (any ``ray.data.Dataset``, read from
+    anywhere Ray Data reads) with ``output_column`` added, (dim,) float32 per row, the vector
+    /v1/embeddings answers for that text with the same ``pooling`` and ``normalize`` (texts longer
+    than the model reads are cut). Lazy, as ``map_batches``: nothing runs until the dataset is
+    consumed (``write_parquet``, ``iter_batches``, ``take``...).
+
+        ds = ray.data.read_json("s3://corpus/docs/")
+        embed_dataset(ds, "models:/minilm@production", text_column="body").write_parquet("s3://index/v7/")
+
+    What ``ctx embed`` runs, for a pipeline of one's own: the model is resolved here, once, so every
+    actor loads the same version (checked on load); a fixed pool of ``actors`` (default: as many as
+    the cluster's CPUs hold at ``cpus_per_actor`` each, one CPU left to Ray Data's own tasks), each
+    handed ``actor_batch_size`` rows at a time and sorting them by length into passes of at most
+    ``batch_size`` rows and ``max_batch_tokens`` padded tokens. Ray must be running (``ray.init``)."""
+    import ray
+
+    from jobs.identity import checkpoint_version
+    from jobs.registry import resolve
+    from jobs.runs import resolve_checkpoint
+
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens), ("actor_batch_size", actor_batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} ({value}) must be at least 1")
+    if (actors is not None and actors < 1) or cpus_per_actor <= 0:
+        raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
+    columns = ds.columns()  # the schema: read from the plan, or from the first block
+    if text_column not in columns:
+        raise ValueError(f"no column {text_column!r} in the dataset (columns: {', '.join(columns)}); name it with text_column")
+    if output_column in columns:
+        raise ValueError(f"the dataset already has a column {output_column!r}; name another with output_column")
+    source, _ = resolve(model)
+    checkpoint = resolve_checkpoint(source)
+    pool = actors or pool_size(cpus_per_actor, num_gpus)
+    _check_pool(pool, cpus_per_actor)
+    return ds.map_batches(  # --- Ray seam: an actor pool over the user's dataset ---
+        ColumnEmbedder,
+        fn_constructor_args=(checkpoint, checkpoint_version(checkpoint), text_column, output_column, pooling, normalize,
+                             batch_size, max_batch_tokens, max(1, int(cpus_per_actor)), dtype, cuda_graphs, language),
+        batch_size=actor_batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=pool),
+        num_cpus=cpus_per_actor,
+        num_gpus=num_gpus,
+    )
 
 
 def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> bool:

@@ -109,6 +109,27 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
         reembed(str(minilm_dir), f"s3://{s3_bucket}/index/texts/", out)
 
 
+@pytest.mark.slow
+def test_embed_dataset_adds_the_serving_vectors_to_any_dataset_keeping_its_columns(ray_session, minilm_dir):
+    """A user's own Ray Dataset (here from items, with columns of its own): every row back once, its
+    columns as they were, and the /v1/embeddings vector of its text in a new column."""
+    from jobs.serving.embed import embed_dataset
+
+    rows = [{"doc": i, "body": t, "lang": "en"} for i, t in zip(IDS, TEXTS)]
+    ds = ray_session.data.from_items(rows, override_num_blocks=3)
+    with pytest.raises(ValueError, match="no column 'text'.*body"):
+        embed_dataset(ds, str(minilm_dir))
+    with pytest.raises(ValueError, match="already has a column 'lang'"):
+        embed_dataset(ds, str(minilm_dir), text_column="body", output_column="lang")
+    out = embed_dataset(ds, str(minilm_dir), text_column="body", normalize=True, actor_batch_size=3, batch_size=2).to_arrow_refs()
+    table = pa.concat_tables(ray_session.get(out))
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    assert sorted(table.column("doc").to_pylist()) == sorted(IDS) and set(table.column("lang").to_pylist()) == {"en"}
+    by_id = dict(zip(table.column("doc").to_pylist(), np.asarray(table.column("embedding").to_pylist(), np.float32)))
+    assert all(dict(zip(IDS, TEXTS))[d] == b for d, b in zip(table.column("doc").to_pylist(), table.column("body").to_pylist()))
+    np.testing.assert_allclose(np.stack([by_id[i] for i in IDS]), _serving_vectors(minilm_dir, normalize=True), atol=1e-5)
+
+
 def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(minilm_dir, tmp_path, monkeypatch):
     """engine="local" (what "auto" picks for a small input with no cluster): this process embeds, no Ray."""
     import jobs.serving.embed
