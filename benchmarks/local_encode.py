@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the ctx CLI sets it; LocalModel's pool tokenizes in parallel
@@ -28,16 +26,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the ctx CLI sets 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-
-
-def median_seconds(fn, rounds: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -52,6 +40,7 @@ def main() -> None:
     import numpy as np
     import torch
     from gpu_embed import texts
+    from host_floor import median_seconds
     from sentence_transformers import SentenceTransformer
 
     from jobs.serving.local import LocalModel

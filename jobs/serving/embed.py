@@ -168,15 +168,7 @@ def embed_dataset(
     from jobs.registry import resolve
     from jobs.runs import resolve_checkpoint
 
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens), ("actor_batch_size", actor_batch_size)):
-        if value < 1:
-            raise ValueError(f"{name} ({value}) must be at least 1")
-    if (actors is not None and actors < 1) or cpus_per_actor <= 0:
-        raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
+    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor)
     columns = ds.columns()  # the schema: read from the plan, or from the first block
     if text_column not in columns:
         raise ValueError(f"no column {text_column!r} in the dataset (columns: {', '.join(columns)}); name it with text_column")
@@ -196,6 +188,20 @@ def embed_dataset(
         num_cpus=cpus_per_actor,
         num_gpus=num_gpus,
     )
+
+
+def _check_settings(pooling: str, dtype: str, batch_size: int, max_batch_tokens: int, actor_batch_size: int,
+                    actors: int | None, cpus_per_actor: float) -> None:
+    """ValueError naming the first setting of ``reembed`` / ``embed_dataset`` out of its range."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens), ("actor_batch_size", actor_batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} ({value}) must be at least 1")
+    if (actors is not None and actors < 1) or cpus_per_actor <= 0:
+        raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
 
 
 def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> bool:
@@ -278,17 +284,9 @@ def reembed(
     from jobs.identity import checkpoint_version  # not jobs.serving.serve: the driver needs neither torch nor Ray Serve
     from jobs.runs import resolve_checkpoint
 
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
-    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens), ("actor_batch_size", actor_batch_size)):
-        if value < 1:
-            raise ValueError(f"{name} ({value}) must be at least 1")
-    if (actors is not None and actors < 1) or cpus_per_actor <= 0:
-        raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
+    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor)
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)
