@@ -211,3 +211,34 @@ def test_a_missing_folder_or_a_bad_setting_is_named_and_leaves_no_thread(minilm_
     with pytest.raises(ValueError, match="dtype"):
         LocalModel(str(minilm_dir), dtype="float8")
     assert set(threading.enumerate()) <= before
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, minilm_dir):
+    """{family: checkpoint folder} of every family's untrained tiny preset with MiniLM's vocabulary."""
+    from ctxmodels.checkpoint import save_checkpoint
+    from ctxmodels.registry import FAMILIES, build_model
+
+    root = tmp_path_factory.mktemp("local-families")
+    for family in FAMILIES:
+        cfg, model = build_model(family, "tiny", V, seed=0)
+        save_checkpoint(root / family, model, family, cfg, tokenizer_dir=minilm_dir)
+    return {family: root / family for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "spanbert", "albert", "xlm", "elmo", "gpt", "transformer-xl", "xlnet", "awd-lstm"])
+def test_every_familys_vector_of_a_text_is_the_same_alone_and_padded_among_others(families, family):
+    """Texts of different lengths share a pass (padded, or packed on the CPU); each one's vector equals
+    the one it gets in a pass of its own, for every family (the causal ones read at their last token)."""
+    from ctxmodels.registry import FAMILIES
+    from jobs.serving.local import LocalModel
+
+    assert sorted(families) == sorted(FAMILIES)  # the parametrization names every family
+    texts = ["bank", "the river bank after the long rain", "a bank raised its rates again this quarter and savers worried"]
+    pooling = "last" if family in ("gpt", "transformer-xl", "awd-lstm") else "mean"
+    with LocalModel(str(families[family])) as model:
+        together = model.encode(texts, pooling=pooling)
+        alone = np.stack([model.encode(t, pooling=pooling) for t in texts])
+        assert max(n for n, _ in model._replica.recent_passes) == len(texts)  # the three did share a pass
+    assert together.shape == (3, 64) and np.isfinite(together).all()
+    np.testing.assert_allclose(together, alone, atol=TOL)
