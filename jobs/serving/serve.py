@@ -381,6 +381,16 @@ class TeiEmbedRequest(BaseModel):
         return v
 
 
+class TeiRerankRequest(RerankRequest):
+    """``/rerank``, the route TEI's and Infinity's rerank clients call: TEI's body ({query, texts,
+    raw_scores, return_text, truncate, truncation_direction}; Haystack's and LlamaIndex's TEI rerankers)
+    or Infinity's, which is Cohere's ({query, documents, top_n, return_documents}). TEI's clients name
+    no model; ``model`` picks one when this server serves several, as on ``/embed``."""
+
+    model: str | None = None
+    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate
+
+
 def tei_model(requested: str | None, served: list[str]) -> str:
     """The model a TEI request reads: the one it names, else the only one served (TEI's own case)."""
     if requested is not None:
@@ -434,7 +444,7 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/embed", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/healthz", "/readyz", "/metrics")
+    ROUTES = ("/v1/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/healthz", "/readyz", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -576,7 +586,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/embed")
+    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/rerank")
 
 
 def _body_too_large(limit: int) -> Response:
@@ -648,6 +658,10 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.post("/embed")
     async def tei_embed(req: TeiEmbedRequest) -> Response:
         return await gw.tei_embed(req)
+
+    @api.post("/rerank")
+    async def tei_rerank(req: TeiRerankRequest) -> Response:
+        return await gw.task("/v1/rerank", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
 
     @api.post("/v1/token-embeddings")
     async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:

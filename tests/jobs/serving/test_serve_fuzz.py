@@ -33,9 +33,9 @@ from schemathesis.specs.openapi.checks import response_schema_conformance  # noq
 
 V = {"vocab_size": 30522}  # MiniLM's vocabulary
 MODELS = ("mlm", "pair", "gpt")
-SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
+SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
 # Routes some served model answers with a 200 (no model here tags or answers questions).
-SERVED = ("POST /v1/embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
+SERVED = ("POST /v1/embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
 LIMITS = {  # small, so a generated list or number reaches each limit quickly instead of running long
     "max_inputs": 16,
     "max_chars_per_text": 2_000,
@@ -80,11 +80,11 @@ def map_body(context, body):
     generated (an unknown model), chosen by its length: deterministic, and every kind is drawn.
     Texts sent to the masked LM get its mask token, else fill-mask would only ever answer 400."""
     path = context.operation.path if context.operation is not None else ""
-    if path == "/embed" and isinstance(body, dict) and "model" not in body:  # TEI's clients name none; this server serves several
-        body = {**body, "model": "mlm"}
-    if path == "/v1/rerank" and isinstance(body, dict):  # one of its two bodies, TEI's or Cohere's, as a client sends it
+    if path in ("/v1/rerank", "/rerank") and isinstance(body, dict):  # one of its two bodies, TEI's or Cohere's, as a client sends it
         other = ("documents", "top_n", "return_documents") if "texts" in body else ("raw_scores", "return_text")
         body = {k: v for k, v in body.items() if k not in other}
+    if path in ("/embed", "/rerank") and isinstance(body, dict) and "model" not in body:  # TEI's clients name none; this server serves several
+        return {**body, "model": SERVES.get(path, "mlm")}
     if not (isinstance(body, dict) and isinstance(body.get("model"), str)):
         return body
     choices = (SERVES.get(path, "mlm"), *MODELS, body["model"])

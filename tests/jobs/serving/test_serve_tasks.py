@@ -253,6 +253,26 @@ def test_rerank_answers_cohere_and_jinas_shape_too(client):
     assert len(plain["results"]) == 4 and all("document" not in r for r in plain["results"])
 
 
+def test_rerank_without_v1_takes_tei_and_infinity_clients_bodies(client):
+    """POST /rerank, where TEI's rerank clients (Haystack, LlamaIndex) and Infinity's send: TEI's body
+    answers /v1/rerank's list, Infinity's (Cohere's) its results; TEI's clients name no model, which
+    with several served is a 400 saying to name one; TEI's truncation_direction "right" is what
+    truncate does, "left" is a 422 naming it."""
+    query, texts = "where is the bank?", ["the river bank is muddy", "I like cheese", "the bank opens at nine"]
+    v1 = _ok(client.post("/v1/rerank", json={"model": "pair", "query": query, "texts": texts, "return_text": True}))
+    tei = _ok(client.post("/rerank", json={"model": "pair", "query": query, "texts": texts, "return_text": True,
+                                           "truncate": True, "truncation_direction": "right"}))
+    assert tei == v1
+    cohere = _ok(client.post("/rerank", json={"model": "pair", "query": query, "documents": texts, "top_n": 2}))
+    assert [r["index"] for r in cohere["results"]] == [d["index"] for d in v1[:2]]
+    r = client.post("/rerank", json={"query": query, "texts": texts})
+    assert r.status_code == 400 and "name one" in r.json()["error"]["message"], r.text
+    r = client.post("/rerank", json={"model": "pair", "query": query, "texts": texts, "truncation_direction": "left"})
+    assert r.status_code == 422 and "truncation_direction" in r.json()["error"]["message"], r.text
+    r = client.post("/rerank", json={"model": "mlm", "query": query, "texts": texts})
+    assert r.status_code == 400 and "/v1/rerank needs" in r.json()["error"]["message"], r.text
+
+
 def test_tag_words_offsets_and_entities_match_the_model(client, built, tok):
     from jobs.serving.serve_tasks import softmax
     from pipelines.alignment import first_subtokens
