@@ -6,6 +6,8 @@
     POST /embed                text-embeddings-inference's (TEI) native route, for TEI's clients: {"inputs",
                                "normalize" (default true), "truncate", "dimensions"} -> a bare list of vectors;
                                "model" (ours) picks one of several served models
+    POST /rerank               TEI's and Infinity's rerank route (/v1/rerank's bodies; "model" optional as on /embed)
+    POST /embeddings, GET /models   Infinity's paths (no /v1) for /v1/embeddings and /v1/models
     POST /v1/token-embeddings  one vector per token (or per word: granularity "word") from any layers or a
                                ``features`` strategy, with the token strings and their character offsets
     POST /v1/classify, /v1/tag, /v1/answer, /v1/rerank   fine-tuned task checkpoints
@@ -444,7 +446,8 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/healthz", "/readyz", "/metrics")
+    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/models", "/healthz",
+              "/readyz", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -586,7 +589,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/rerank")
+    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank")
 
 
 def _body_too_large(limit: int) -> Response:
@@ -648,10 +651,12 @@ def http_api(gw: "Gateway") -> FastAPI:
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
+    @api.get("/models")  # Infinity's paths have no /v1 (LangChain's InfinityEmbeddings posts to <url>/embeddings)
     async def list_models() -> Response:
         return await gw.list_models()
 
     @api.post("/v1/embeddings")
+    @api.post("/embeddings")
     async def embeddings(req: EmbeddingsRequest) -> Response:
         return await gw.embeddings(req)
 

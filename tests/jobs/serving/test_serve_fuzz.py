@@ -35,7 +35,7 @@ V = {"vocab_size": 30522}  # MiniLM's vocabulary
 MODELS = ("mlm", "pair", "gpt")
 SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
 # Routes some served model answers with a 200 (no model here tags or answers questions).
-SERVED = ("POST /v1/embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
+SERVED = ("POST /v1/embeddings", "POST /embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
 LIMITS = {  # small, so a generated list or number reaches each limit quickly instead of running long
     "max_inputs": 16,
     "max_chars_per_text": 2_000,

@@ -307,6 +307,17 @@ def test_teis_embed_route_answers_its_clients_shape(server, tiny_models, minilm_
         tei_model(None, [])
 
 
+def test_infinitys_paths_without_v1_answer_as_the_v1_ones(server):
+    """LangChain's InfinityEmbeddings posts to <url>/embeddings and Infinity's clients list <url>/models:
+    the same answers as /v1/embeddings and /v1/models."""
+    client = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    body = {"model": "tiny", "input": ["the river bank", "the bank approved the loan"]}
+    v1, bare = _post_json(client, "/v1/embeddings", body), _post_json(client, "/embeddings", body)
+    assert v1.status_code == bare.status_code == 200, bare.text
+    assert [d["embedding"] for d in bare.json()["data"]] == [d["embedding"] for d in v1.json()["data"]]
+    assert client.get("/models").json()["data"] == client.get("/v1/models").json()["data"]
+
+
 def test_the_openai_client_embeds(server, tiny_models, minilm_dir):
     """The official client's embeddings.create, with its default base64 encoding and with floats."""
     openai = pytest.importorskip("openai")
