@@ -156,7 +156,7 @@ def _serve_config(args: argparse.Namespace):
         out = {}
         for item in items or []:
             if "=" not in item:
-                raise SystemExit(f"{flag} {item!r}: expected NAME=URI")
+                raise CommandError(f"{flag} {item!r}: expected NAME=URI")
             name, uri = item.split("=", 1)
             out[name] = uri
         return out
@@ -225,7 +225,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         from jobs.evaluation.wic import DEFAULT_DATA, evaluate_wic, write_output
 
         if args.language is not None:
-            raise CommandError("ctx eval wic: --language is for a fine-tuned XLM's split, not the word-in-context test")
+            raise CommandError("--language is for a fine-tuned XLM's split, not the word-in-context test")
         print(write_output(evaluate_wic(args.model, args.data or DEFAULT_DATA, store=_store(args)), args.output))
         return 0
     from jobs.evaluation.evaluate import evaluate, write_result
@@ -555,7 +555,7 @@ def cmd_models_register(args: argparse.Namespace) -> int:
     for item in args.tag:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--tag {item!r}: expected KEY=VALUE")
+            raise CommandError(f"--tag {item!r}: expected KEY=VALUE")
         tags[key] = value
     parent = reg.get(args.parent) if args.parent else None
     v = reg.register(args.name, args.checkpoint, tags=tags, parent=parent)
