@@ -474,7 +474,7 @@ def _add_schedule_status(p: argparse.ArgumentParser) -> None:
 def _registry(args: argparse.Namespace):
     from jobs.registry import Registry
 
-    _quiet_env(False)  # ctx models has no --verbose: MLflow's own lines stay off
+    _quiet_env(args.verbose)  # MLflow's own lines off unless --verbose
     return Registry(args.tracking_uri)
 
 

@@ -97,6 +97,16 @@ def resolve_checkpoint(uri: str, store: Store | str | None = None) -> str:
     return chosen
 
 
+def model_checkpoint(uri: str) -> tuple[str, Any]:
+    """(checkpoint folder, registry ``ModelVersion`` or None) of any model URI a server or a bulk job
+    loads: ``models:/NAME@ALIAS`` or ``models:/NAME/N`` looked up in $MLFLOW_TRACKING_URI's registry
+    once, then ``resolve_checkpoint`` (a run folder's best or newest checkpoint, ``pkg:``, ``s3://``)."""
+    from jobs.registry import resolve
+
+    source, registered = resolve(uri)
+    return resolve_checkpoint(source), registered
+
+
 def package_path(spec: str) -> str:
     """``pkg:PACKAGE/PATH`` -> the absolute local path of PATH inside the installed PACKAGE."""
     name, _, rest = spec[len("pkg:"):].partition("/")

@@ -319,12 +319,14 @@ def roll_serve(app: dict[str, Any], model: str, uri: str) -> str | None:
     rolled one from ``uri``. Ray seam."""
     from ray import serve
 
+    from jobs.identity import checkpoint_version
+    from jobs.runs import resolve_checkpoint
     from jobs.serving import serve as ctx_serve
 
     config = serve_config_with(app, model, uri)
     application = ctx_serve.build_app(config)
     serve.run(application, name=config.app_name, route_prefix="/")  # blocks until the new replicas are healthy
-    return ctx_serve.checkpoint_version(ctx_serve.resolve_checkpoint(uri))
+    return checkpoint_version(resolve_checkpoint(uri))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,8 +165,7 @@ def embed_dataset(
     import ray
 
     from jobs.identity import checkpoint_version
-    from jobs.registry import resolve
-    from jobs.runs import resolve_checkpoint
+    from jobs.runs import model_checkpoint
 
     _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor)
     columns = ds.columns()  # the schema: read from the plan, or from the first block
@@ -174,8 +173,7 @@ def embed_dataset(
         raise ValueError(f"no column {text_column!r} in the dataset (columns: {', '.join(columns)}); name it with text_column")
     if output_column in columns:
         raise ValueError(f"the dataset already has a column {output_column!r}; name another with output_column")
-    source, _ = resolve(model)
-    checkpoint = resolve_checkpoint(source)
+    checkpoint, _ = model_checkpoint(model)
     pool = actors or pool_size(cpus_per_actor, num_gpus)
     _check_pool(pool, cpus_per_actor)
     return ds.map_batches(  # --- Ray seam: an actor pool over the user's dataset ---
@@ -279,10 +277,9 @@ def reembed(
     import pyarrow.dataset as pads
     import ray
 
-    from jobs.session import init_ray
-    from jobs.registry import resolve
     from jobs.identity import checkpoint_version  # not jobs.serving.serve: the driver needs neither torch nor Ray Serve
-    from jobs.runs import resolve_checkpoint
+    from jobs.runs import model_checkpoint
+    from jobs.session import init_ray
 
     _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor)
     if engine not in ENGINES:
@@ -291,8 +288,7 @@ def reembed(
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)
     files, rows_in, size = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # Parquet footers only: no Ray yet
-    source, registered = resolve(model)  # models:/NAME@alias -> the version's checkpoint, once
-    checkpoint = resolve_checkpoint(source)
+    checkpoint, registered = model_checkpoint(model)  # models:/NAME@alias -> the version's checkpoint, once
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
 
     if engine == "auto":

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import ValidationError
 
-from jobs.serving.replica import EmbeddingReplica, resolve_checkpoint
+from jobs.runs import model_checkpoint
+from jobs.serving.replica import EmbeddingReplica
 from jobs.serving.serve_config import Limits, ModelConfig
 from jobs.serving.serve_tasks import REQUESTS, check_texts
 
@@ -47,10 +48,7 @@ class LocalModel:
     def __init__(self, model: str, *, dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto",
                  language: int | str | None = None, max_batch_size: int = 32, max_batch_tokens: int = 16384,
                  cuda_graphs: bool = True, name: str = "local"):
-        from jobs.registry import resolve as resolve_model
-
-        source, registered = resolve_model(model)  # models:/NAME@ALIAS through the registry; anything else as it is
-        checkpoint = resolve_checkpoint(source)
+        checkpoint, registered = model_checkpoint(model)  # models:/NAME@ALIAS through the registry, once
         try:
             settings = ModelConfig(uri=checkpoint, dtype=dtype, language=language, max_batch_size=max_batch_size,
                                    max_batch_tokens=max_batch_tokens, cuda_graphs=cuda_graphs,
@@ -65,10 +63,8 @@ class LocalModel:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ctx-local-model", daemon=True)
         self._thread.start()
         self.name = name
-        self._closed = weakref.finalize(self, _stop, self._loop, self._thread, None)  # at close, collection or exit
+        self._closed = weakref.finalize(self, _stop, self._loop, self._thread)  # at close, collection or exit
         self._replica = self._run(self._load(name, checkpoint, settings, limits, registered.ref if registered else None))
-        self._closed.detach()
-        self._closed = weakref.finalize(self, _stop, self._loop, self._thread, self._replica._tokenizing)
 
     async def _load(self, name: str, checkpoint: str, settings: ModelConfig, limits: Limits, registry_version: str | None):
         return EmbeddingReplica(name, checkpoint, None, settings, limits, registry_version)
@@ -171,8 +167,8 @@ class LocalModel:
     # --- lifetime ---
 
     def close(self) -> None:
-        """Stop this object's event loop and tokenizing threads; the weights go with the object. Also
-        done when it is garbage-collected, and at exit."""
+        """Stop this object's event loop; the weights (and the tokenizing threads) go with the object.
+        Also done when it is garbage-collected, and at exit."""
         self._closed()
 
     def __enter__(self) -> LocalModel:
@@ -186,17 +182,15 @@ class LocalModel:
         return f"LocalModel({info['checkpoint']!r}, family={info['family']!r}, dim={info['dim']}, task={info['task']!r})"
 
 
-def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, tokenizing) -> None:
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
     """End a LocalModel's loop: its tasks (the batchers' workers, idle between calls) cancelled first,
-    so none is left pending, then the loop, its thread and the tokenizing threads."""
+    so none is left pending, then the loop and its thread."""
     if loop.is_closed():
         return
     asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result()
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
     loop.close()
-    if tokenizing is not None:
-        tokenizing.shutdown(wait=False)
 
 
 async def _cancel_tasks() -> None:

@@ -92,7 +92,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs.identity import checkpoint_version
 from jobs.serving.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
-from jobs.serving.replica import EmbeddingReplica, resolve_checkpoint
+from jobs.serving.replica import EmbeddingReplica
 from jobs.serving.serve_tasks import REQUESTS, RerankRequest, TaskRequest, cannot_serve, check_texts
 
 logger = logging.getLogger("ray.serve")
@@ -1051,10 +1051,9 @@ def one_process(config: ServeConfig) -> bool:
 
 def _resolve(uri: str) -> tuple[str, str | None, str | None]:
     """(checkpoint folder, its version, registry version "NAME/N" or None) of a model's URI."""
-    from jobs.registry import resolve as resolve_model
+    from jobs.runs import model_checkpoint
 
-    source, registered = resolve_model(uri)
-    checkpoint = resolve_checkpoint(source)
+    checkpoint, registered = model_checkpoint(uri)
     return checkpoint, checkpoint_version(checkpoint), registered.ref if registered else None
 
 
