@@ -13,6 +13,10 @@ Folder::
     modules.json                                         the list above
     config_sentence_transformers.json                    the similarity function (cosine)
 
+``read_sentence_settings`` reads such a folder back (anyone's, not only ours): its pooling, whether it
+normalises, its max_seq_length and prompts are what serving uses by default for it, as
+sentence-transformers, TEI and Infinity do.
+
 Pooling is ours exactly: ``mean`` averages every position whose attention mask is 1 (special tokens
 included, as ``ctxmodels.features.mean_pool``), ``cls`` takes position 0, ``last`` the last real
 token (sentence-transformers' ``lasttoken`` finds it from the attention mask too).
@@ -21,8 +25,9 @@ token (sentence-transformers' ``lasttoken`` finds it from the attention mask too
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -81,6 +86,97 @@ def export_sentence_transformers_folder(
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
     (out / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "cosine", "prompts": {}, "default_prompt_name": None}, indent=2))
     return out
+
+
+MODULE_PREFIX = "sentence_transformers.models."
+SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")  # sentence-transformers' SimilarityFunction
+
+
+@dataclass(frozen=True)
+class SentenceSettings:
+    """What a sentence-transformers folder says its vectors are: the defaults a served model takes."""
+
+    pooling: Pooling = "mean"
+    normalize: bool = False  # a Normalize module follows the pooling
+    max_seq_length: int | None = None  # tokens a text keeps, special tokens included; None: the model's own limit
+    prompts: dict[str, str] = field(default_factory=dict)  # name -> text put before a text ("query": "query: ")
+    default_prompt_name: str | None = None  # the prompt every text gets unless another is asked
+    similarity: str = "cosine"  # similarity_fn_name: cosine | dot | euclidean | manhattan
+    problems: tuple[str, ...] = ()  # the folder's steps this project does not run: its vectors differ there
+
+    @property
+    def default_prompt(self) -> str:
+        return self.prompts.get(self.default_prompt_name, "") if self.default_prompt_name else ""
+
+    def shown(self) -> dict[str, Any]:
+        """For /v1/models and ``LocalModel.info``."""
+        out: dict[str, Any] = {"pooling": self.pooling, "normalize": self.normalize, "max_seq_length": self.max_seq_length,
+                               "similarity": self.similarity}
+        if self.prompts:
+            out.update(prompts=dict(self.prompts), default_prompt_name=self.default_prompt_name)
+        if self.problems:
+            out["not_reproduced"] = list(self.problems)
+        return out
+
+
+def read_sentence_settings(folder: str | Path) -> SentenceSettings | None:
+    """A sentence-transformers folder's settings (``modules.json`` and the files it points at), or
+    None for a folder without ``modules.json``. A module this project does not run (Dense, max or
+    weighted pooling, a pooling that leaves the prompt out, lowercasing) is named in ``problems``,
+    not refused: the backbone's token vectors are still right. A file that is not JSON, or a module
+    list that is not one, raises ValueError naming the file."""
+    root = Path(folder)
+    if not (root / "modules.json").is_file():
+        return None
+    modules = _json(root / "modules.json")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) and "type" in m for m in modules):
+        raise ValueError(f"{root / 'modules.json'}: expected a list of modules, each with a 'type'")
+    pooling: Pooling = "mean"
+    normalize, max_seq_length, problems = False, None, []
+    for module in sorted(modules, key=lambda m: m.get("idx", 0)):
+        kind = str(module["type"]).removeprefix(MODULE_PREFIX)
+        where = root / str(module.get("path") or "")
+        if kind == "Transformer":
+            config = _json(where / "sentence_bert_config.json") if (where / "sentence_bert_config.json").is_file() else {}
+            if config.get("max_seq_length") is not None:
+                max_seq_length = int(config["max_seq_length"])
+            if config.get("do_lower_case"):
+                problems.append("do_lower_case (texts are tokenized as given)")
+        elif kind == "Pooling":
+            config = _json(where / "config.json")
+            modes = [mode for mode in ALL_MODES if config.get(mode)]
+            ours = {v: k for k, v in POOLING_MODES.items()}
+            if len(modes) == 1 and modes[0] in ours:
+                pooling = ours[modes[0]]  # type: ignore[assignment]
+            else:
+                problems.append(f"pooling {'+'.join(m.removeprefix('pooling_mode_') for m in modes) or 'none'} (mean is used)")
+            if config.get("include_prompt") is False:
+                problems.append("a pooling that leaves the prompt's tokens out (they are pooled)")
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            problems.append(f"module {kind}")
+    extra = _json(root / "config_sentence_transformers.json") if (root / "config_sentence_transformers.json").is_file() else {}
+    prompts = {str(k): str(v) for k, v in (extra.get("prompts") or {}).items()}
+    default = extra.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        problems.append(f"default_prompt_name {default!r}, which is not among its prompts")
+        default = None
+    similarity = str(extra.get("similarity_fn_name") or "cosine")
+    if similarity not in SIMILARITIES:
+        problems.append(f"similarity_fn_name {similarity!r} (cosine is used)")
+        similarity = "cosine"
+    return SentenceSettings(pooling=pooling, normalize=normalize, max_seq_length=max_seq_length, prompts=prompts,
+                            default_prompt_name=default, similarity=similarity, problems=tuple(problems))
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing (named by the folder's modules.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def _base_prefix(tensors: dict) -> str:

@@ -714,8 +714,11 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="a new folder for the vectors' Parquet; one that holds files is refused")
     p.add_argument("--id-column", default="id")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"], help="as /v1/embeddings' pooling")
-    p.add_argument("--normalize", action="store_true", help="unit-length vectors, as /v1/embeddings' normalize")
+    p.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="as /v1/embeddings' pooling (default: the model's, a sentence-transformers folder's own, else mean)")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="unit-length vectors, as /v1/embeddings' normalize (default: the model's, as its "
+                        "sentence-transformers Normalize module says, else not normalised)")
     p.add_argument("--batch-size", type=int, default=32, help="rows per forward pass (default %(default)s, as ctx serve's max_batch_size)")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
                    help="padded tokens (rows x longest row) per forward pass (default %(default)s, as ctx serve's)")

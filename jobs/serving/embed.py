@@ -77,7 +77,7 @@ class Embedder:
     ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
     ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``)."""
 
-    def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str, normalize: bool,
+    def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str | None, normalize: bool | None,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
                  dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None):
         import torch
@@ -136,8 +136,8 @@ def embed_dataset(
     *,
     text_column: str = "text",
     output_column: str = "embedding",
-    pooling: Pooling = "mean",
-    normalize: bool = False,
+    pooling: Pooling | None = None,
+    normalize: bool | None = None,
     batch_size: int = PASS_ROWS,
     max_batch_tokens: int = PASS_TOKENS,
     actor_batch_size: int = ACTOR_BATCH_ROWS,
@@ -151,7 +151,7 @@ def embed_dataset(
     """A Ray Dataset's rows with their text embedded: ``ds`` (any ``ray.data.Dataset``, read from
     anywhere Ray Data reads) with ``output_column`` added, (dim,) float32 per row, the vector
     /v1/embeddings answers for that text with the same ``pooling`` and ``normalize`` (texts longer
-    than the model reads are cut). Lazy, as ``map_batches``: nothing runs until the dataset is
+    than the model reads are cut; None: the model's, as /v1/embeddings' defaults). Lazy, as ``map_batches``: nothing runs until the dataset is
     consumed (``write_parquet``, ``iter_batches``, ``take``...).
 
         ds = ray.data.read_json("s3://corpus/docs/")
@@ -188,10 +188,10 @@ def embed_dataset(
     )
 
 
-def _check_settings(pooling: str, dtype: str, batch_size: int, max_batch_tokens: int, actor_batch_size: int,
+def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_tokens: int, actor_batch_size: int,
                     actors: int | None, cpus_per_actor: float) -> None:
     """ValueError naming the first setting of ``reembed`` / ``embed_dataset`` out of its range."""
-    if pooling not in POOLINGS:
+    if pooling is not None and pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -227,8 +227,8 @@ def reembed(
     *,
     id_column: str = "id",
     text_column: str = "text",
-    pooling: Pooling = "mean",
-    normalize: bool = False,
+    pooling: Pooling | None = None,
+    normalize: bool | None = None,
     store: storage.Store = storage.Store(),
     batch_size: int = PASS_ROWS,
     max_batch_tokens: int = PASS_TOKENS,

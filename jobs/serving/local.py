@@ -88,17 +88,95 @@ class LocalModel:
 
     # --- embeddings ---
 
-    def encode(self, texts: str | list[str], *, pooling: Literal["mean", "cls", "last"] = "mean", normalize: bool = False,
-               dimensions: int | None = None, truncate: bool = True, features: str = "last",
-               language: int | str | None = None) -> np.ndarray:
+    def encode(self, texts: str | list[str], *, pooling: Literal["mean", "cls", "last"] | None = None,
+               normalize: bool | None = None, dimensions: int | None = None, truncate: bool = True, features: str = "last",
+               language: int | str | None = None, prompt: str | None = None, prompt_name: str | None = None,
+               batch_size: int | None = None,
+               show_progress_bar: bool = False,
+               output_value: Literal["sentence_embedding", "token_embeddings"] = "sentence_embedding",
+               convert_to_numpy: bool = True, convert_to_tensor: bool = False,
+               normalize_embeddings: bool | None = None, truncate_dim: int | None = None) -> Any:
         """Sentence vectors: float32 (N, dim), or (dim,) for one string, as /v1/embeddings gives them.
         ``dimensions`` keeps the first ones (Matryoshka), re-normalised when ``normalize``; ``features``
-        combines layers as ELMo's and BERT's papers did (``ctxmodels.features``)."""
+        combines layers as ELMo's and BERT's papers did (``ctxmodels.features``). ``pooling`` and
+        ``normalize`` left None are the model's: a sentence-transformers folder's pooling and Normalize
+        module (``info["sentence_transformers"]``), else mean pooling, not normalised.
+
+        sentence-transformers' ``encode`` keywords mean what they mean there, so its callers' code runs:
+        ``prompt`` is put before every text, ``prompt_name`` names one of the folder's prompts (without
+        either, its default prompt, if it names one, is used); ``batch_size`` is the rows of a forward
+        pass (default: the model's ``max_batch_size``), passes still cut at ``max_batch_tokens``;
+        ``show_progress_bar`` counts texts as they are done; ``normalize_embeddings`` is ``normalize``;
+        ``truncate_dim`` cuts the finished vectors (normalised again only with ``normalize_embeddings``,
+        as there; ``dimensions`` always re-normalises a normalised vector); ``convert_to_tensor`` gives one torch
+        tensor, ``convert_to_numpy=False`` a list of them; ``output_value="token_embeddings"`` gives a
+        list of torch tensors, each text's (tokens, width) vectors of the last layer, special tokens
+        included (as there, whatever the convert_to_* keywords say)."""
+        if normalize_embeddings:  # False leaves a model with a Normalize module normalising, as there
+            normalize = True
+        if dimensions is not None and truncate_dim is not None:
+            raise ValueError("dimensions and truncate_dim: give one of them (truncate_dim cuts the finished vectors, "
+                             "as sentence-transformers does; dimensions cuts, then normalises, as /v1/embeddings)")
+        if truncate_dim is not None and not 1 <= truncate_dim <= self.dim:
+            raise ValueError(f"truncate_dim {truncate_dim}: the model gives {self.dim}-dimensional vectors; ask for 1..{self.dim}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size {batch_size}: give at least 1 row a forward pass")
+        if output_value not in ("sentence_embedding", "token_embeddings"):
+            raise ValueError(f"output_value {output_value!r}: give 'sentence_embedding' or 'token_embeddings'")
         batch = _texts(texts)
-        out = self._replica.embed_now(batch, pooling=pooling, normalize=normalize, dimensions=dimensions, truncate=truncate,
-                                      features=features, language=language)
-        vectors = np.stack(out["embeddings"]).astype(np.float32, copy=False)
+        if output_value == "token_embeddings":
+            batch = self._replica._sentence_defaults(batch, pooling, normalize, prompt_name, prompt)[0]
+            rows = self.token_embeddings(batch, truncate=truncate, language=language)
+            convert_to_numpy, convert_to_tensor = False, False
+            vectors = [row["embeddings"] for row in rows]
+        else:
+            vectors = np.empty((len(batch), dimensions or self._replica._strategy(features)), np.float32)
+            for part in _parts(batch, show_progress_bar, f"encoding with {self.name}"):
+                out = self._replica.embed_now([batch[i] for i in part], pooling=pooling, normalize=normalize,
+                                              dimensions=dimensions, truncate=truncate, features=features,
+                                              language=language, max_rows=batch_size, prompt_name=prompt_name,
+                                              prompt=prompt)
+                vectors[part] = np.stack(out["embeddings"])
+            if truncate_dim is not None:  # the finished vectors cut, normalised again only if asked, as there
+                vectors = vectors[:, :truncate_dim]
+                if normalize_embeddings:
+                    vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        if convert_to_tensor or not convert_to_numpy:
+            import torch
+
+            if convert_to_tensor:
+                vectors = torch.from_numpy(vectors)
+            else:
+                vectors = [torch.from_numpy(np.asarray(v)) for v in vectors]
         return vectors[0] if isinstance(texts, str) else vectors
+
+    def similarity(self, a: Any, b: Any) -> Any:
+        """The model's similarity of every vector of ``a`` with every vector of ``b``: a float32 torch
+        tensor (len(a), len(b)), as sentence-transformers' ``similarity`` gives it. Cosine, unless the
+        model's sentence-transformers folder names another (dot; euclidean and manhattan as negative
+        distances, as there). ``a``, ``b``: what ``encode`` gives (arrays or tensors, one vector or many)."""
+        import torch
+
+        x, y = (torch.as_tensor(np.asarray(v, dtype=np.float32) if not isinstance(v, torch.Tensor) else v).float()
+                for v in (a, b))
+        x, y = (v.unsqueeze(0) if v.dim() == 1 else v for v in (x, y))
+        name = self._replica.sentence.similarity if self._replica.sentence is not None else "cosine"
+        if name == "dot":
+            return x @ y.T
+        if name in ("euclidean", "manhattan"):
+            return -torch.cdist(x, y, p=2.0 if name == "euclidean" else 1.0)
+        return torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(y, dim=-1).T
+
+    def get_embedding_dimension(self) -> int:
+        """sentence-transformers' name for ``dim`` (``get_sentence_embedding_dimension`` is its older one)."""
+        return self.dim
+
+    get_sentence_embedding_dimension = get_embedding_dimension
+
+    @property
+    def max_seq_length(self) -> int:
+        """The tokens a text keeps (special tokens included) before ``truncate`` cuts it."""
+        return int(self._replica.max_len)
 
     def token_embeddings(self, texts: str | list[str], *, layers: str | list[int] = "last", features: str | None = None,
                          granularity: Literal["token", "word"] = "token", truncate: bool = True,
@@ -210,6 +288,28 @@ def _texts(texts: Any) -> list[str]:
     except ValueError as e:
         raise ValueError(f"texts {e}") from None
     return [texts] if isinstance(texts, str) else list(texts)
+
+
+PROGRESS_CHUNK = 1024  # texts a step of encode's progress bar
+
+
+def _parts(texts: list[str], progress: bool, what: str):
+    """The indices of ``texts`` in calls to make: all at once, or with a progress bar, the longest
+    texts first (as sentence-transformers orders them) in chunks of PROGRESS_CHUNK, each chunk counted
+    when done. A pass is made of texts of about one length either way."""
+    if not progress:
+        yield list(range(len(texts)))
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), transient=False) as bar:
+        task = bar.add_task(what, total=len(texts))
+        for at in range(0, len(order), PROGRESS_CHUNK):
+            part = order[at:at + PROGRESS_CHUNK]
+            yield part
+            bar.advance(task, len(part))
 
 
 def _message(e: ValidationError) -> str:

@@ -122,6 +122,7 @@ class EmbeddingReplica(TaskServing):
                registry_version: str | None, model_lock: asyncio.Lock | None) -> None:
         import torch
 
+        from ctxmodels.sbert import read_sentence_settings
         from pipelines.tokenizers import load_tokenizer
 
         self.name, self.checkpoint, self.limits = name, checkpoint, limits
@@ -138,6 +139,9 @@ class EmbeddingReplica(TaskServing):
             recipe = read_recipe(local_dir)  # a fine-tuned checkpoint's: how its task inputs are encoded
             self.language = read_language(name, settings.language, loaded.family, loaded.model, local_dir)
             tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
+            # A sentence-transformers folder's pooling, normalisation, length and prompts: the defaults
+            # of its sentence vectors, as sentence-transformers, TEI and Infinity take them.
+            self.sentence = read_sentence_settings(local_dir)
             self.tokenizer = load_tokenizer(tok_dir)
             self.tokenizer_hash = tokenizer_hash(tok_dir)
         finally:
@@ -155,6 +159,12 @@ class EmbeddingReplica(TaskServing):
         # RoBERTa spends position rows on its offset: max_tokens is what it reads.
         max_len = getattr(config, "max_tokens", None) or getattr(config, "max_seq_len", None)
         self.max_len = int(max_len or DEFAULT_MAX_LEN)
+        if self.sentence is not None:
+            self.max_len = min(self.max_len, self.sentence.max_seq_length or self.max_len)
+            if self.sentence.problems:
+                logger.warning("model %s: its sentence-transformers folder has %s, which this server does not run: "
+                               "its sentence vectors differ from sentence-transformers' there",
+                               name, "; ".join(self.sentence.problems))
         self.max_batch_size, self.max_batch_tokens = settings.max_batch_size, settings.max_batch_tokens
         if self.max_batch_tokens < self.max_len:
             logger.warning(
@@ -253,6 +263,7 @@ class EmbeddingReplica(TaskServing):
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
             "registry_version": self.registry_version,
+            **({"sentence_transformers": self.sentence.shown()} if self.sentence is not None else {}),
             **({"language": self.language.shown(self.language.default), "languages": self.language.names or self.language.rows}
                if self.language is not None else {}),
             **self.task_info(),  # task, labels, routes
@@ -366,16 +377,18 @@ class EmbeddingReplica(TaskServing):
             )
         return width
 
-    def _passes(self, rows: list[np.ndarray], last_only: bool = False, languages: list[int] | None = None):
-        """Forward passes over ``rows`` grouped under max_batch_size and max_batch_tokens; yields (the
-        group's row indices, its hidden states (n_layer + 1 of (B, T, D)), attention mask (B, T),
-        (rows, real tokens, padded tokens)). ``last_only``: the caller reads the last state alone
-        (features "last"), which then may come from a CUDA graph's replay, as the only state given.
+    def _passes(self, rows: list[np.ndarray], last_only: bool = False, languages: list[int] | None = None,
+                max_rows: int | None = None):
+        """Forward passes over ``rows`` grouped under max_batch_size (or ``max_rows``, one caller's own
+        cap) and max_batch_tokens; yields (the group's row indices, its hidden states (n_layer + 1 of
+        (B, T, D)), attention mask (B, T), (rows, real tokens, padded tokens)). ``last_only``: the
+        caller reads the last state alone (features "last"), which then may come from a CUDA graph's
+        replay, as the only state given.
         ``languages``: each row's row of the language table (XLM); a pass whose rows are all 0 gives
         no language ids (row 0 is the deployment's language, ``Languages``)."""
         import torch
 
-        for group in token_budget_groups([len(r) for r in rows], self.max_batch_size, self.max_batch_tokens):
+        for group in token_budget_groups([len(r) for r in rows], max_rows or self.max_batch_size, self.max_batch_tokens):
             ids, mask = self._pad([rows[i] for i in group])  # (B, T)
             types = None
             if languages is not None and any(languages[i] for i in group):
@@ -422,10 +435,10 @@ class EmbeddingReplica(TaskServing):
         one_pass_behind(queued(), take)
         return out, sizes
 
-    def _pool(self, items: list[Item]) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
+    def _pool(self, items: list[Item], max_rows: int | None = None) -> tuple[list[np.ndarray], list[tuple[int, tuple[int, int, int]]]]:
         """items (``Item``: ids, position to take or None for the mean over real tokens, feature
         strategy, language row) -> float32 (n_combined*D,) per item in the given order; and per forward
-        pass (an item of it, its (rows, tokens, padded tokens))."""
+        pass (an item of it, its (rows, tokens, padded tokens)). ``max_rows``: as ``_passes``'."""
         import torch
 
         from ctxmodels.features import combine_layers, mean_pool
@@ -436,7 +449,8 @@ class EmbeddingReplica(TaskServing):
         last_only = all(item[2] == "last" for item in items)
 
         def queued():  # each pass's items and its copies off the device, read one pass behind
-            for group, states, mask, size in self._passes([item[0] for item in items], last_only, [item[3] for item in items]):
+            for group, states, mask, size in self._passes([item[0] for item in items], last_only, [item[3] for item in items],
+                                                          max_rows):
                 copies = []
                 with torch.inference_mode():
                     for strategy in dict.fromkeys(items[i][2] for i in group):  # the strategies asked, once each
@@ -505,12 +519,13 @@ class EmbeddingReplica(TaskServing):
     async def _embed(
         self,
         texts: list[str],
-        pooling: Literal["mean", "cls", "last"] = "mean",
-        normalize: bool = False,
+        pooling: Literal["mean", "cls", "last"] | None = None,
+        normalize: bool | None = None,
         dimensions: int | None = None,
         truncate: bool = False,
         features: str = "last",
         language: int | str | None = None,
+        prompt_name: str | None = None,
     ) -> dict:
         """{"embeddings": float32 (texts, n_combined(features)*D), "n_tokens": tokens per text (special
         tokens included), "batches": (texts, tokens, padded tokens) of the forward passes these texts
@@ -520,7 +535,10 @@ class EmbeddingReplica(TaskServing):
         ``features`` combines the layers into token vectors (``ctxmodels.features.combine_layers``: the
         strategies of fine-tuning), which ``pooling`` then pools. ``dimensions`` keeps the first k
         components and re-normalises (Matryoshka Representation Learning, Kusupati et al. 2022; OpenAI's
-        text-embedding-3 ``dimensions``)."""
+        text-embedding-3 ``dimensions``).
+
+        ``pooling`` and ``normalize`` left None, and the prompt, are the model's (``_sentence_defaults``)."""
+        texts, pooling, normalize = self._sentence_defaults(texts, pooling, normalize, prompt_name)
         # Tokenizing runs in a thread (the Rust tokenizer releases the GIL): the loop keeps batching others.
         ids, items = await asyncio.to_thread(self._embed_inputs, texts, pooling, dimensions, truncate, features, language)
         results = await self._embed_batch.submit(items)  # one request: batched with the others' texts by length
@@ -530,6 +548,32 @@ class EmbeddingReplica(TaskServing):
             "batches": [size for _, size in results if size is not None],
             **self._stamp(),
         }
+
+    def _sentence_defaults(self, texts: list[str], pooling: str | None, normalize: bool | None,
+                           prompt_name: str | None, prompt: str | None = None) -> tuple[list[str], str, bool]:
+        """(texts, pooling, normalize) of a sentence-vector request, the model's settings where it left
+        them None: a sentence-transformers folder's pooling and Normalize module, else mean pooling,
+        not normalised. A prompt is put before every text, as sentence-transformers does: ``prompt``
+        itself, or the one ``prompt_name`` names, or else the folder's default prompt."""
+        settings = self.sentence
+        if prompt is not None:
+            if prompt_name is not None:
+                raise InputError("prompt and prompt_name: give one of them")
+            prefix = prompt
+        elif prompt_name is not None:
+            if settings is None or prompt_name not in settings.prompts:
+                known = ", ".join(map(repr, settings.prompts)) if settings is not None and settings.prompts else "none"
+                raise InputError(f"prompt_name {prompt_name!r}: model {self.name!r} has no such prompt (its prompts: {known})")
+            prefix = settings.prompts[prompt_name]
+        else:
+            prefix = settings.default_prompt if settings is not None else ""
+        if prefix:
+            texts = [prefix + text for text in texts]
+        if pooling is None:
+            pooling = settings.pooling if settings is not None else "mean"
+        if normalize is None:
+            normalize = settings.normalize if settings is not None else False
+        return texts, pooling, normalize
 
     def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str,
                       language: int | str | None = None) -> tuple[list[np.ndarray], list[Item]]:
@@ -553,18 +597,22 @@ class EmbeddingReplica(TaskServing):
     def embed_now(
         self,
         texts: list[str],
-        pooling: Literal["mean", "cls", "last"] = "mean",
-        normalize: bool = False,
+        pooling: Literal["mean", "cls", "last"] | None = None,
+        normalize: bool | None = None,
         dimensions: int | None = None,
         truncate: bool = False,
         features: str = "last",
         language: int | str | None = None,
+        max_rows: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> dict:
         """``_embed`` without Serve's request batching: the forward passes run here, in this thread, so
         the class works outside a Serve replica (bulk re-embedding with Ray Data, ``jobs/serving/embed.py``)
-        and gives the vectors /v1/embeddings gives."""
+        and gives the vectors /v1/embeddings gives. ``max_rows``: rows a pass, instead of max_batch_size."""
+        texts, pooling, normalize = self._sentence_defaults(texts, pooling, normalize, prompt_name, prompt)
         ids, items = self._embed_inputs(texts, pooling, dimensions, truncate, features, language)
-        vectors, _ = on_forward_thread(self._pool, items)
+        vectors, _ = on_forward_thread(self._pool, items, max_rows)
         finished = finish_vectors(np.stack(vectors), normalize, dimensions) if vectors else np.zeros((0, self.dim), np.float32)
         return {"embeddings": list(finished), "n_tokens": [len(row) for row in ids], **self._stamp()}
 

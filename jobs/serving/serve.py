@@ -2,10 +2,11 @@
 
     POST /v1/embeddings        OpenAI-compatible sentence vectors: pooling mean | cls | last over token
                                vectors made by a ``features`` strategy (ctxmodels.features), ``dimensions``
-                               (Matryoshka truncation, re-normalised), ``truncate``, ``encoding_format``
+                               (Matryoshka truncation, re-normalised), ``truncate``, ``encoding_format``;
+                               pooling and normalize default to a sentence-transformers folder's own
     POST /embed                text-embeddings-inference's (TEI) native route, for TEI's clients: {"inputs",
-                               "normalize" (default true), "truncate", "dimensions"} -> a bare list of vectors;
-                               "model" (ours) picks one of several served models
+                               "normalize" (default true), "truncate", "dimensions", "prompt_name"} -> a bare
+                               list of vectors; "model" (ours) picks one of several served models
     POST /rerank               TEI's and Infinity's rerank route (/v1/rerank's bodies; "model" optional as on /embed)
     POST /embeddings, GET /models   Infinity's paths (no /v1) for /v1/embeddings and /v1/models
     POST /v1/token-embeddings  one vector per token (or per word: granularity "word") from any layers or a
@@ -338,11 +339,13 @@ class EmbeddingsRequest(BaseModel):
     input: str | list[str]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)  # keep the first k components, then re-normalise
-    pooling: Literal["mean", "cls", "last"] = "mean"  # last: the last real token, for causal families
+    # last: the last real token, for causal families. None: the model's (a sentence-transformers
+    # folder's pooling, else mean), as normalize's None is its Normalize module (else not normalised).
+    pooling: Literal["mean", "cls", "last"] | None = None
     # How token vectors are made from the layers before pooling (ctxmodels.features.FEATURE_STRATEGIES;
     # the replica checks the name, and scalar-mix against the checkpoint): "last" is the top layer.
     features: str = "last"
-    normalize: bool = False
+    normalize: bool | None = None
     truncate: bool = False  # false: a text longer than the model reads is a 400; true: cut it
     # A multilingual XLM: the language of these texts, a name of the model's languages or a row of its
     # language table (/v1/models lists them); None: the model's `language` setting.
@@ -367,20 +370,13 @@ class TeiEmbedRequest(BaseModel):
     truncate: bool = False
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /v1/embeddings' truncate
     dimensions: int | None = Field(None, ge=1)
-    prompt_name: None = None  # TEI's prompts come from a sentence-transformers config; none is read here
+    prompt_name: str | None = None  # one of the model's sentence-transformers prompts, put before each input
     model: str | None = None
 
     @field_validator("inputs", mode="before")
     @classmethod
     def _inputs(cls, v: Any) -> Any:
         return check_texts(v, allow_str=True)
-
-    @field_validator("prompt_name", mode="before")
-    @classmethod
-    def _prompt_name(cls, v: Any) -> None:
-        if v is not None:
-            raise ValueError(f"{v!r}: this server has no named prompts; put the prompt at the start of each input")
-        return v
 
 
 class TeiRerankRequest(RerankRequest):
@@ -829,7 +825,7 @@ class GatewayBase:
         self._handle(model)
         texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
         check_limits(texts, self.config.limits)
-        out = await self._call(model, "embed", texts, "mean", req.normalize, req.dimensions, req.truncate, "last", None)
+        out = await self._call(model, "embed", texts, None, req.normalize, req.dimensions, req.truncate, "last", None, req.prompt_name)
         self.metrics.observe_batches(model, out["batches"])
         return VectorJSON(list(out["embeddings"]), headers=_stamp_headers(out))
 

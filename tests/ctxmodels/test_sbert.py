@@ -14,6 +14,7 @@ import torch
 from ctxmodels import features
 from ctxmodels.checkpoint import load_checkpoint, save_checkpoint
 from ctxmodels.registry import build_model
+from ctxmodels.sbert import SentenceSettings, read_sentence_settings
 from jobs.cli import main
 from pipelines.tokenizers import load_tokenizer, train_tokenizer
 from tests.conftest import MIXED_TEXTS
@@ -83,6 +84,12 @@ def test_our_checkpoint_and_tokenizer_export_with_each_pooling(tiny_checkpoint, 
     want = server_vectors(tiny_checkpoint, TEXTS, pooling, normalize)
     assert got.shape == want.shape and got.shape[0] == len(TEXTS)
     np.testing.assert_allclose(got, want, atol=2e-5)
+    # Served back, the folder's own pooling and Normalize module are its defaults, as in sentence-transformers.
+    assert read_sentence_settings(out) == SentenceSettings(pooling=pooling, normalize=normalize, max_seq_length=64)
+    from jobs.serving.local import LocalModel
+
+    with LocalModel(str(out)) as local:
+        np.testing.assert_allclose(local.encode(TEXTS), got, atol=2e-5)
 
 
 def test_a_fine_tuned_checkpoint_exports_its_backbone(tiny_checkpoint, tmp_path):
@@ -109,3 +116,40 @@ def _tensor_names(folder) -> list[str]:
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         return list(f.keys())
+
+
+def test_minilm_folders_settings_are_read_as_sentence_transformers_reads_them(minilm_dir, tmp_path):
+    settings = read_sentence_settings(minilm_dir)
+    model = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    assert settings == SentenceSettings(pooling="mean", normalize=True, max_seq_length=model.max_seq_length)
+    assert settings.max_seq_length == 256 and settings.default_prompt == ""
+    assert read_sentence_settings(tmp_path) is None  # no modules.json: not a sentence-transformers folder
+
+
+def test_steps_this_project_does_not_run_are_named_and_bad_files_refused(tmp_path):
+    (tmp_path / "1_Pooling").mkdir()
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": True}))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_max_tokens": True, "pooling_mode_cls_token": False, "include_prompt": False}))
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: "}, "default_prompt_name": "passage", "similarity_fn_name": "dot"}))
+    settings = read_sentence_settings(tmp_path)
+    assert settings.pooling == "mean" and not settings.normalize and settings.max_seq_length == 128
+    assert settings.prompts == {"query": "query: "} and settings.default_prompt_name is None and settings.similarity == "dot"
+    assert settings.problems == ("do_lower_case (texts are tokenized as given)", "pooling max_tokens (mean is used)",
+                                 "a pooling that leaves the prompt's tokens out (they are pooled)", "module Dense",
+                                 "default_prompt_name 'passage', which is not among its prompts")
+    assert settings.shown()["not_reproduced"] == list(settings.problems)
+    (tmp_path / "1_Pooling" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"1_Pooling/config.json: not valid JSON"):
+        read_sentence_settings(tmp_path)
+    (tmp_path / "1_Pooling" / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"1_Pooling/config.json: missing \(named by the folder's modules.json\)"):
+        read_sentence_settings(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps({"0": "Transformer"}))
+    with pytest.raises(ValueError, match="modules.json: expected a list of modules"):
+        read_sentence_settings(tmp_path)

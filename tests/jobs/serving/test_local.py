@@ -78,6 +78,78 @@ def test_encode_equals_sentence_transformers_on_the_same_folder(minilm, minilm_d
     np.testing.assert_allclose(unnormalised / np.linalg.norm(unnormalised, axis=1, keepdims=True), want, atol=TOL)
 
 
+@pytest.fixture(scope="module")
+def st_minilm(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_dir), device="cpu")
+
+
+ST_CALLS = [{}, {"normalize_embeddings": True}, {"prompt": "query: ", "batch_size": 3}, {"truncate_dim": 64},
+            {"truncate_dim": 48, "normalize_embeddings": True}, {"convert_to_tensor": True}, {"convert_to_numpy": False},
+            {"output_value": "token_embeddings"}, {"show_progress_bar": True, "batch_size": 2}]
+
+
+@pytest.mark.parametrize("keywords", ST_CALLS, ids=lambda k: ",".join(k) or "defaults")
+def test_sentence_transformers_encode_keywords_give_its_answers(minilm, st_minilm, keywords):
+    """A script written for sentence-transformers runs on a LocalModel and gets the same values and
+    types: its keywords, its folder's pooling, Normalize module and max_seq_length (256 tokens: the
+    long text is cut there, not at the 512 positions the model has)."""
+    texts = TEXTS + ["word " * 400]
+    want, got = st_minilm.encode(texts, **keywords), minilm.encode(texts, **keywords)
+    assert type(got) is type(want)
+    if isinstance(want, list):  # of tensors: per text, or per text its tokens' vectors
+        assert [type(g) for g in got] == [type(w) for w in want] and [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-5)
+    else:
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL)
+    one, one_want = minilm.encode(texts[0], **keywords), st_minilm.encode(texts[0], **keywords)
+    assert type(one) is type(one_want) and tuple(one.shape) == tuple(one_want.shape)
+
+
+def test_similarity_dimension_and_length_are_sentence_transformers(minilm, st_minilm):
+    vectors = minilm.encode(TEXTS)
+    np.testing.assert_allclose(minilm.similarity(vectors, vectors[:2]).numpy(), st_minilm.similarity(vectors, vectors[:2]).numpy(), atol=TOL)
+    assert minilm.similarity(vectors[0], vectors[1]).shape == (1, 1)
+    assert minilm.get_embedding_dimension() == minilm.get_sentence_embedding_dimension() == st_minilm.get_embedding_dimension() == 384
+    assert minilm.max_seq_length == st_minilm.max_seq_length == 256
+    assert minilm.info["sentence_transformers"] == {"pooling": "mean", "normalize": True, "max_seq_length": 256, "similarity": "cosine"}
+    unnormalised = minilm.encode(TEXTS, normalize=False)  # ours: the pooled vector before the Normalize module
+    np.testing.assert_allclose(unnormalised / np.linalg.norm(unnormalised, axis=1, keepdims=True), vectors, atol=TOL)
+    with pytest.raises(ValueError, match="dimensions and truncate_dim: give one of them"):
+        minilm.encode(TEXTS, dimensions=8, truncate_dim=8)
+    with pytest.raises(ValueError, match="prompt and prompt_name: give one of them"):
+        minilm.encode(TEXTS, prompt="a", prompt_name="b")
+
+
+def test_a_folders_prompts_and_similarity_are_used_as_sentence_transformers_uses_them(minilm_dir, tmp_path):
+    import json
+
+    from sentence_transformers import SentenceTransformer
+
+    from jobs.serving.local import LocalModel
+
+    folder = tmp_path / "prompted"
+    folder.mkdir()
+    for item in minilm_dir.iterdir():  # the weights linked, not copied
+        (folder / item.name).symlink_to(item)
+    (folder / "config_sentence_transformers.json").unlink()
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "passage", "similarity_fn_name": "dot"}))
+    reference = SentenceTransformer(str(folder), device="cpu")
+    with LocalModel(str(folder)) as model:
+        for keywords in ({}, {"prompt_name": "query"}, {"prompt": "title: "}):
+            np.testing.assert_allclose(model.encode(TEXTS, **keywords), reference.encode(TEXTS, **keywords), atol=TOL)
+        assert not np.allclose(model.encode(TEXTS), model.encode(TEXTS, prompt=""), atol=1e-3)  # the default prompt is used
+        vectors = model.encode(TEXTS)
+        np.testing.assert_allclose(model.similarity(vectors, vectors).numpy(), reference.similarity(vectors, vectors).numpy(), atol=TOL)
+        np.testing.assert_allclose(model.similarity(vectors, vectors).numpy(), vectors @ vectors.T, atol=TOL)  # dot
+        with pytest.raises(ValueError, match=r"prompt_name 'title': model 'local' has no such prompt \(its prompts: 'query', 'passage'\)"):
+            model.encode(TEXTS, prompt_name="title")
+
+
 def test_matryoshka_dimensions_keep_the_first_values_renormalised(minilm):
     full = minilm.encode(TEXTS)
     cut = minilm.encode(TEXTS, dimensions=64, normalize=True)
@@ -86,7 +158,7 @@ def test_matryoshka_dimensions_keep_the_first_values_renormalised(minilm):
 
 def test_token_vectors_average_to_the_sentence_vector(minilm, tok):
     rows = minilm.token_embeddings(TEXTS)
-    sentence = minilm.encode(TEXTS)  # mean pooling over every token, [CLS] and [SEP] included
+    sentence = minilm.encode(TEXTS, normalize=False)  # mean pooling over every token, [CLS] and [SEP] included
     ids, _, tokens = tok.encode_for_model(TEXTS, 512)
     for row, vec, want_tokens in zip(rows, sentence, tokens):
         assert row["tokens"] == list(want_tokens) and row["n_tokens"] == len(want_tokens)
@@ -99,7 +171,7 @@ def test_token_vectors_average_to_the_sentence_vector(minilm, tok):
 def test_a_long_text_is_cut_to_the_model_unless_truncate_is_false(minilm):
     long = "word " * 2000
     assert minilm.encode(long).shape == (384,)
-    with pytest.raises(ValueError, match="512"):
+    with pytest.raises(ValueError, match="longer than the 256 tokens"):  # its folder's max_seq_length, not its 512 positions
         minilm.encode(long, truncate=False)
 
 

@@ -78,6 +78,8 @@ def reference(minilm_dir):
         mean = (out.last_hidden_state * mask).sum(1) / mask.sum(1)  # (B, D)
         return {
             "mean": mean.numpy(),
+            # what sentence-transformers gives for the folder: mean pooling, then its Normalize module
+            "unit": torch.nn.functional.normalize(mean, dim=-1).numpy(),
             "cls": out.last_hidden_state[:, 0].numpy(),
             "hidden": [h.numpy() for h in out.hidden_states],  # n_layer + 1 of (B, T, D)
             "n_tokens": enc["attention_mask"].sum(1).tolist(),
@@ -104,6 +106,7 @@ def test_healthz_and_models(client):
 
 
 def test_embeddings_of_a_string_match_transformers(client, reference):
+    """Unasked, a sentence-transformers folder's own pooling and Normalize module make the vector."""
     text = "A man is playing a guitar."
     r = client.post("/v1/embeddings", json={"model": "minilm", "input": text})
     assert r.status_code == 200, r.text
@@ -113,7 +116,7 @@ def test_embeddings_of_a_string_match_transformers(client, reference):
     got = _vectors(body)
     ref = reference([text])
     assert got.shape == (1, 384)
-    np.testing.assert_allclose(got, ref["mean"], atol=TOL)
+    np.testing.assert_allclose(got, ref["unit"], atol=TOL)
     assert body["usage"] == {"prompt_tokens": ref["n_tokens"][0], "total_tokens": ref["n_tokens"][0]}
 
 
@@ -124,27 +127,31 @@ def test_embeddings_of_a_list_match_transformers_and_count_tokens(client, refere
     body = r.json()
     ref = reference(texts)
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
-    np.testing.assert_allclose(_vectors(body), ref["mean"], atol=TOL)
+    np.testing.assert_allclose(_vectors(body), ref["unit"], atol=TOL)
     assert body["usage"]["prompt_tokens"] == sum(ref["n_tokens"]) == body["usage"]["total_tokens"]
 
 
 def test_pooling_normalize_and_base64(client, reference):
     texts = ["The cat sits outside.", "hi"]
     ref = reference(texts)
-    r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts, "pooling": "cls"})
+    r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts, "pooling": "cls", "normalize": False})
     np.testing.assert_allclose(_vectors(r.json()), ref["cls"], atol=TOL)
+    r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts, "normalize": False})
+    np.testing.assert_allclose(_vectors(r.json()), ref["mean"], atol=TOL)
+    r = client.post("/v1/embeddings", json={"model": "tiny", "input": texts})  # a checkpoint of ours: not normalised
+    assert not np.allclose(np.linalg.norm(_vectors(r.json()), axis=1), 1.0, atol=1e-3)
     r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts, "normalize": True})
     got = _vectors(r.json())
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(got, ref["mean"] / np.linalg.norm(ref["mean"], axis=1, keepdims=True), atol=TOL)
-    r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts, "encoding_format": "base64"})
+    np.testing.assert_allclose(got, ref["unit"], atol=TOL)
+    r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts, "encoding_format": "base64", "normalize": False})
     decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in r.json()["data"]])
     np.testing.assert_allclose(decoded, ref["mean"], atol=TOL)
 
 
 def test_concurrent_requests_are_batched_without_mixing_results(client, reference):
     texts = [f"sentence number {i} is about {'cats dogs birds fish'.split()[i % 4]}" for i in range(12)]
-    ref = reference(texts)["mean"]
+    ref = reference(texts)["unit"]
 
     def one(i: int) -> np.ndarray:
         r = client.post("/v1/embeddings", json={"model": "minilm", "input": texts[i]})
@@ -234,7 +241,9 @@ def test_the_run_folder_was_resolved_once_and_the_version_says_which(client, tin
         assert r.headers["x-tokenizer-hash"] == r.json()["tokenizer_hash"]
     models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
     assert models["tiny"]["version"] == version and models["tiny"]["dim"] == 64 and models["tiny"]["family"] == "bert"
-    assert models["minilm"]["version"].startswith("model@") and models["minilm"]["max_len"] == 512
+    assert models["minilm"]["version"].startswith("model@") and models["minilm"]["max_len"] == 256  # its max_seq_length
+    assert models["minilm"]["sentence_transformers"] == {"pooling": "mean", "normalize": True, "max_seq_length": 256, "similarity": "cosine"}
+    assert "sentence_transformers" not in models["tiny"]
 
 
 @pytest.mark.parametrize(
@@ -248,7 +257,7 @@ def test_the_run_folder_was_resolved_once_and_the_version_says_which(client, tin
         ("/v1/embeddings", {"input": "x"}, 422, ["model", "missing"]),
         ("/v1/embeddings", {"model": "minilm", "input": "x", "pooling": "max"}, 422, ["pooling"]),
         ("/v1/embeddings", {"model": "minilm", "input": "x", "dimension": 3}, 422, ["dimension", "unknown field"]),
-        ("/v1/embeddings", {"model": "minilm", "input": "word " * 600}, 400, ["input[0]", "512 tokens"]),
+        ("/v1/embeddings", {"model": "minilm", "input": "word " * 600}, 400, ["input[0]", "256 tokens"]),
         ("/v1/embeddings", {"model": "minilm", "input": "x", "language": "fr"}, 400, ["language 'fr'", "no language embeddings"]),
         ("/v1/embeddings", {"model": "minilm", "input": "x", "language": [1]}, 422, ["language"]),
         ("/v1/token-embeddings", {"model": "minilm", "input": ["x"], "layers": [7]}, 400, ["layer 7", "out of range"]),

@@ -301,7 +301,7 @@ def test_teis_embed_route_answers_its_clients_shape(server, tiny_models, minilm_
     r = _post_json(client, "/embed", {"inputs": texts})
     assert r.status_code == 400 and "serves 3 models (gpt, slow, tiny): name one" in r.json()["error"]["message"]
     r = _post_json(client, "/embed", {"inputs": texts, "model": "tiny", "prompt_name": "query"})
-    assert r.status_code == 422 and "no named prompts" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "no such prompt (its prompts: none)" in r.json()["error"]["message"]
     assert tei_model(None, ["only"]) == "only" and tei_model("x", ["a", "b"]) == "x"
     with pytest.raises(ApiError):
         tei_model(None, [])
