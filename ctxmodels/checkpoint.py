@@ -124,17 +124,23 @@ def save_checkpoint(
     extra_json: dict[str, dict] | None = None,
     extra_tensors: dict[str, dict[str, Tensor]] | None = None,
     task: Any = None,
+    extra_text: dict[str, str] | None = None,
 ) -> Path:
     """Write a checkpoint directory; returns its path.
 
     ``extra_json`` maps a file name ("trainer_state" or "trainer_state.json") to a JSON-able dict;
-    ``extra_tensors`` maps a file name ("optimizer") to tensors saved as <name>.safetensors.
+    ``extra_tensors`` maps a file name ("optimizer") to tensors saved as <name>.safetensors;
+    ``extra_text`` maps a file name, written as given ("MLmodel"), to its text. Each is listed in the
+    manifest with the rest.
     """
     registry.family_spec(family)  # fail before writing anything if the family is unknown
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_files = {_extra_name(k, ".json"): v for k, v in (extra_json or {}).items()}
     tensor_files = {_extra_name(k, ".safetensors"): v for k, v in (extra_tensors or {}).items()}
+    text_files = {_extra_name(k, ""): v for k, v in (extra_text or {}).items()}
+    if set(text_files) & (set(json_files) | set(tensor_files)):
+        raise ValueError(f"extra files named twice: {sorted(set(text_files) & (set(json_files) | set(tensor_files)))}")
     (out / MANIFEST).unlink(missing_ok=True)  # overwriting: incomplete until the new manifest lands
     written: list[Path] = []
 
@@ -165,6 +171,9 @@ def save_checkpoint(
         written.append(out / name)
     for name, data in tensor_files.items():
         _write_safetensors(out / name, {k: v.detach().cpu().contiguous() for k, v in data.items()})
+        written.append(out / name)
+    for name, text in text_files.items():
+        _write_text(out / name, text)
         written.append(out / name)
 
     manifest = {

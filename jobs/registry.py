@@ -366,6 +366,33 @@ class Registry:
         return int(mv.version)
 
 
+PYFUNC_LOADER = "jobs.serving.pyfunc"  # MLflow's python_function loader of a checkpoint folder
+MLMODEL = "MLmodel"
+# predict's params (jobs/serving/pyfunc.py) and their MLflow types
+PYFUNC_PARAMS = {"task": "string", "pooling": "string", "normalize": "boolean", "dimensions": "long", "prompt_name": "string"}
+
+
+def mlmodel_text(family: str, task: str | None = None) -> str:
+    """The ``MLmodel`` file that makes a checkpoint folder an MLflow model (MLflow's "MLmodel format":
+    a ``python_function`` flavour whose ``loader_module`` is ``PYFUNC_LOADER``), so
+    ``mlflow.pyfunc.load_model`` loads the folder, or a registered version whose source it is. Written
+    with the checkpoint (``save_checkpoint``'s ``extra_text``), without importing MLflow in the
+    training workers, and with no creation time or uuid: identical runs still write identical
+    checkpoints."""
+    import platform
+
+    import yaml
+
+    flavors = {
+        "python_function": {"loader_module": PYFUNC_LOADER, "python_version": platform.python_version()},
+        "ctxmodels": {"family": family, **({"task": task} if task else {})},
+    }
+    # The params predict takes (MLflow passes only those a signature declares); inputs are free-form.
+    params = [{"name": name, "default": None, "shape": None, "type": kind} for name, kind in PYFUNC_PARAMS.items()]
+    signature = {"inputs": None, "outputs": None, "params": json.dumps(params)}
+    return yaml.safe_dump({"flavors": flavors, "signature": signature}, sort_keys=False)
+
+
 def _who() -> str:
     try:
         user = getpass.getuser()

@@ -528,8 +528,10 @@ class FinetuneJob(WorkerJob):
 
 def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[str, Any], *, family: str, model_cfg, task, tok_dir: Path) -> None:
     from ctxmodels.checkpoint import save_checkpoint
+    from jobs.registry import MLMODEL, mlmodel_text
 
-    save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors, task=task)
+    save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors, task=task,
+                    extra_text={MLMODEL: mlmodel_text(family, task.kind)})  # an MLflow model too (jobs/serving/pyfunc.py)
 
 
 def elmo_char_table(tok_dir: Path, max_chars: int):

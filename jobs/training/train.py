@@ -577,8 +577,10 @@ def warm_start_model(checkpoint: str, store: storage.Store | str | None):
 
 def _save(folder: str, model, extra_json: dict[str, Any], extra_tensors: dict[str, Any], *, family: str, model_cfg, tok_dir: Path) -> None:
     from ctxmodels.checkpoint import save_checkpoint
+    from jobs.registry import MLMODEL, mlmodel_text
 
-    save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors)
+    save_checkpoint(folder, model, family, model_cfg, tokenizer_dir=tok_dir, extra_json=extra_json, extra_tensors=extra_tensors,
+                    extra_text={MLMODEL: mlmodel_text(family)})  # an MLflow model too (jobs/serving/pyfunc.py)
 
 
 def _sampleless(run: str, store: storage.Store, epoch: int) -> set[int]:

@@ -108,7 +108,11 @@ def test_manifest_is_written_last_and_lists_every_file(tmp_path, minilm_dir, mon
         tokenizer_dir=minilm_dir,
         extra_json={"trainer_state": {"step": 7}},
         extra_tensors={"optimizer": {"x": torch.ones(3)}},
+        extra_text={"MLmodel": "flavors: {}\n"},
     )
+    for bad in ({"MANIFEST.json": ""}, {"sub/MLmodel": ""}, {"optimizer.safetensors": ""}):  # reserved, nested, twice
+        with pytest.raises(ValueError, match="extra file"):
+            save_checkpoint(tmp_path / "bad", model, "bert", config, **{**kwargs, "extra_text": bad})
     published = []
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: (published.append(os.path.basename(dst)), real_replace(src, dst)))
@@ -118,7 +122,7 @@ def test_manifest_is_written_last_and_lists_every_file(tmp_path, minilm_dir, mon
     listed = {f["path"] for f in manifest["files"]}
     on_disk = {p.relative_to(tmp_path / "full").as_posix() for p in (tmp_path / "full").rglob("*") if p.is_file()}
     assert listed == on_disk - {"MANIFEST.json"}
-    assert {"model.safetensors", "config.json", "trainer_state.json", "optimizer.safetensors", "tokenizer/vocab.txt"} <= listed
+    assert {"model.safetensors", "config.json", "trainer_state.json", "optimizer.safetensors", "tokenizer/vocab.txt", "MLmodel"} <= listed
     assert is_complete(tmp_path / "full", verify_hashes=True)
 
     # A save that dies at any step leaves a directory that is not complete.

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import boto3
 import httpx
+import numpy as np
+import pandas as pd
 import pytest
 
 from jobs.training.config import load_recipe
@@ -128,6 +130,18 @@ def test_pretrain_register_promote_finetune_and_serve_from_the_registry(ray_sess
         assert r.headers["X-Tokenizer-Hash"] == fv.tags["ctx.tokenizer_hash"]
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         assert [m["registry_version"] for m in models] == [f"{ft_name}/1"]
+        served = r.json()["data"][0]
+
+    # Both versions are MLflow models too: MLflow's own loader reads them by their models:/ URIs.
+    import mlflow
+
+    from jobs.serving.local import LocalModel
+
+    got = mlflow.pyfunc.load_model(f"models:/{ft_name}@production").predict(pd.DataFrame({"text": ["a bank"], "text_pair": ["the bank"]}))
+    assert got.loc[0, "label"] == served["label"] and abs(got.loc[0, "score"] - served["score"]) < 1e-5
+    with LocalModel(pre.checkpoint_uri) as local:
+        np.testing.assert_allclose(mlflow.pyfunc.load_model(f"models:/{base}/1").predict(["a bank", "the bank"]),
+                                   local.encode(["a bank", "the bank"]), atol=1e-6)
 
 
 def test_a_shard_list_over_mlflows_tag_limit_goes_next_to_the_run(tmp_path, monkeypatch):
