@@ -41,17 +41,19 @@ UNBOUNDED = 2**62  # no request limits in-process
 
 class LocalModel:
     """One model loaded in this process (see the module's docstring). ``model``: what ``ctx serve``'s
-    ``uri`` takes. ``dtype``, ``language``, ``max_batch_size``, ``max_batch_tokens`` and ``cuda_graphs``
-    are the serve config's model settings, with its defaults ("auto" is float16 on a GPU, float32 on
-    the CPU)."""
+    ``uri`` takes. ``dtype``, ``language``, ``max_batch_size``, ``max_batch_tokens``, ``cuda_graphs``,
+    ``pooling`` and ``normalize`` are the serve config's model settings, with its defaults ("auto" is
+    float16 on a GPU, float32 on the CPU; pooling and normalize None: the model's own)."""
 
     def __init__(self, model: str, *, dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto",
                  language: int | str | None = None, max_batch_size: int = 32, max_batch_tokens: int = 16384,
-                 cuda_graphs: bool = True, name: str = "local"):
+                 cuda_graphs: bool = True, pooling: Literal["mean", "cls", "last"] | None = None,
+                 normalize: bool | None = None, name: str = "local"):
         checkpoint, registered = model_checkpoint(model)  # models:/NAME@ALIAS through the registry, once
         try:
             settings = ModelConfig(uri=checkpoint, dtype=dtype, language=language, max_batch_size=max_batch_size,
-                                   max_batch_tokens=max_batch_tokens, cuda_graphs=cuda_graphs,
+                                   max_batch_tokens=max_batch_tokens, cuda_graphs=cuda_graphs, pooling=pooling,
+                                   normalize=normalize,
                                    batch_wait_timeout_s=0.0)  # a caller alone never waits for company
         except ValidationError as e:
             raise ValueError(_message(e)) from None

@@ -165,6 +165,12 @@ class EmbeddingReplica(TaskServing):
                 logger.warning("model %s: its sentence-transformers folder has %s, which this server does not run: "
                                "its sentence vectors differ from sentence-transformers' there",
                                name, "; ".join(self.sentence.problems))
+        # What a request that names no pooling / normalize gets: the deployment's setting, else the folder's.
+        self.pooling = settings.pooling or (self.sentence.pooling if self.sentence is not None else "mean")
+        self.normalize = settings.normalize if settings.normalize is not None else self.sentence is not None and self.sentence.normalize
+        if self.pooling == "cls" and self.causal:
+            raise ValueError(f"model {name!r}: pooling 'cls' is set, but it is a causal {self.family} model, whose first "
+                             "position has seen no text; set pooling 'last' or 'mean'")
         self.max_batch_size, self.max_batch_tokens = settings.max_batch_size, settings.max_batch_tokens
         if self.max_batch_tokens < self.max_len:
             logger.warning(
@@ -263,6 +269,8 @@ class EmbeddingReplica(TaskServing):
             "version": self.version,
             "tokenizer_hash": self.tokenizer_hash,
             "registry_version": self.registry_version,
+            "pooling": self.pooling,  # what a request that names none gets, as normalize
+            "normalize": self.normalize,
             **({"sentence_transformers": self.sentence.shown()} if self.sentence is not None else {}),
             **({"language": self.language.shown(self.language.default), "languages": self.language.names or self.language.rows}
                if self.language is not None else {}),
@@ -551,10 +559,11 @@ class EmbeddingReplica(TaskServing):
 
     def _sentence_defaults(self, texts: list[str], pooling: str | None, normalize: bool | None,
                            prompt_name: str | None, prompt: str | None = None) -> tuple[list[str], str, bool]:
-        """(texts, pooling, normalize) of a sentence-vector request, the model's settings where it left
-        them None: a sentence-transformers folder's pooling and Normalize module, else mean pooling,
-        not normalised. A prompt is put before every text, as sentence-transformers does: ``prompt``
-        itself, or the one ``prompt_name`` names, or else the folder's default prompt."""
+        """(texts, pooling, normalize) of a sentence-vector request, the model's where it left them None
+        (``self.pooling``, ``self.normalize``: the deployment's settings, else a sentence-transformers
+        folder's pooling and Normalize module, else mean pooling, not normalised). A prompt is put
+        before every text, as sentence-transformers does: ``prompt`` itself, or the one ``prompt_name``
+        names, or else the folder's default prompt."""
         settings = self.sentence
         if prompt is not None:
             if prompt_name is not None:
@@ -569,11 +578,7 @@ class EmbeddingReplica(TaskServing):
             prefix = settings.default_prompt if settings is not None else ""
         if prefix:
             texts = [prefix + text for text in texts]
-        if pooling is None:
-            pooling = settings.pooling if settings is not None else "mean"
-        if normalize is None:
-            normalize = settings.normalize if settings is not None else False
-        return texts, pooling, normalize
+        return texts, pooling or self.pooling, self.normalize if normalize is None else normalize
 
     def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str,
                       language: int | str | None = None) -> tuple[list[np.ndarray], list[Item]]:

@@ -121,6 +121,11 @@ class ModelSettings(BaseModel):
     # data.languages (or an HF folder's lang2id) or a row number; None: the first (row 0). One
     # deployment reads one language: serve the checkpoint under one name per language.
     language: int | str | None = None
+    # The sentence vectors of a request that names no pooling / normalize (/v1/embeddings, TEI's /embed):
+    # None takes the model's own, a sentence-transformers folder's pooling and Normalize module, else
+    # mean pooling, not normalised (TEI's --pooling overrides a folder's pooling the same way).
+    pooling: Literal["mean", "cls", "last"] | None = None
+    normalize: bool | None = None
     max_ongoing_requests: int = Field(32, ge=1)  # per replica
     max_queued_requests: int = Field(64, ge=1)  # per caller (the Gateway); beyond it: 429 + Retry-After
     request_timeout_s: float | None = Field(None, gt=0)  # None: limits.request_timeout_s

@@ -124,6 +124,20 @@ def test_similarity_dimension_and_length_are_sentence_transformers(minilm, st_mi
         minilm.encode(TEXTS, prompt="a", prompt_name="b")
 
 
+def test_the_deployments_pooling_and_normalize_settings_come_before_the_folders(minilm, minilm_dir, pretrained):
+    from jobs.serving.local import LocalModel
+
+    with LocalModel(str(minilm_dir), pooling="cls", normalize=False) as cls:
+        np.testing.assert_allclose(cls.encode(TEXTS), minilm.encode(TEXTS, pooling="cls", normalize=False), atol=TOL)
+        np.testing.assert_allclose(cls.encode(TEXTS, pooling="mean", normalize=True), minilm.encode(TEXTS), atol=TOL)
+        assert (cls.info["pooling"], cls.info["normalize"]) == ("cls", False)
+    assert (minilm.info["pooling"], minilm.info["normalize"]) == ("mean", True)
+    assert (pretrained["gpt"][0].info["pooling"], pretrained["gpt"][0].info["normalize"]) == ("mean", False)
+    gpt_folder = pretrained["gpt"][0].info["checkpoint"]
+    with pytest.raises(ValueError, match="pooling 'cls' is set, but it is a causal gpt model"):
+        LocalModel(gpt_folder, pooling="cls")
+
+
 def test_a_folders_prompts_and_similarity_are_used_as_sentence_transformers_uses_them(minilm_dir, tmp_path):
     import json
 
