@@ -152,6 +152,26 @@ class LocalModel:
                 vectors = [torch.from_numpy(np.asarray(v)) for v in vectors]
         return vectors[0] if isinstance(texts, str) else vectors
 
+    def encode_query(self, texts: str | list[str], **keywords: Any) -> Any:
+        """``encode`` with the folder's "query" prompt unless a prompt is given, as sentence-transformers'."""
+        return self.encode(texts, **self._prompt_for(keywords, ("query",)))
+
+    def encode_document(self, texts: str | list[str], **keywords: Any) -> Any:
+        """``encode`` with the folder's "document", "passage" or "corpus" prompt (the first it has)
+        unless a prompt is given, as sentence-transformers'; like there, a folder with a "query" prompt
+        and no "document" one gives documents no prompt."""
+        return self.encode(texts, **self._prompt_for(keywords, ("document", "passage", "corpus")))
+
+    def _prompt_for(self, keywords: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+        prompts = dict(self._replica.sentence.prompts) if self._replica.sentence is not None else {}
+        if "query" in prompts:
+            prompts.setdefault("document", "")  # sentence-transformers adds it when it loads such a folder
+        if keywords.get("prompt") is None and keywords.get("prompt_name") is None:
+            name = next((name for name in names if name in prompts), None)
+            if name is not None:
+                keywords["prompt"] = prompts[name]
+        return keywords
+
     def similarity(self, a: Any, b: Any) -> Any:
         """The model's similarity of every vector of ``a`` with every vector of ``b``: a float32 torch
         tensor (len(a), len(b)), as sentence-transformers' ``similarity`` gives it. Cosine, unless the

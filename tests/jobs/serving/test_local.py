@@ -156,6 +156,9 @@ def test_a_folders_prompts_and_similarity_are_used_as_sentence_transformers_uses
     with LocalModel(str(folder)) as model:
         for keywords in ({}, {"prompt_name": "query"}, {"prompt": "title: "}):
             np.testing.assert_allclose(model.encode(TEXTS, **keywords), reference.encode(TEXTS, **keywords), atol=TOL)
+        for method in ("encode_query", "encode_document"):  # the "query" and "passage" prompts
+            np.testing.assert_allclose(getattr(model, method)(TEXTS), getattr(reference, method)(TEXTS), atol=TOL)
+        assert not np.allclose(model.encode_query(TEXTS), model.encode_document(TEXTS), atol=1e-3)
         assert not np.allclose(model.encode(TEXTS), model.encode(TEXTS, prompt=""), atol=1e-3)  # the default prompt is used
         vectors = model.encode(TEXTS)
         np.testing.assert_allclose(model.similarity(vectors, vectors).numpy(), reference.similarity(vectors, vectors).numpy(), atol=TOL)
