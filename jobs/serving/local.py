@@ -97,7 +97,8 @@ class LocalModel:
                show_progress_bar: bool = False,
                output_value: Literal["sentence_embedding", "token_embeddings"] = "sentence_embedding",
                convert_to_numpy: bool = True, convert_to_tensor: bool = False,
-               normalize_embeddings: bool | None = None, truncate_dim: int | None = None) -> Any:
+               normalize_embeddings: bool | None = None, truncate_dim: int | None = None,
+               precision: Literal["float32", "int8", "uint8", "binary", "ubinary"] = "float32") -> Any:
         """Sentence vectors: float32 (N, dim), or (dim,) for one string, as /v1/embeddings gives them.
         ``dimensions`` keeps the first ones (Matryoshka), re-normalised when ``normalize``; ``features``
         combines layers as ELMo's and BERT's papers did (``ctxmodels.features``). ``pooling`` and
@@ -113,7 +114,8 @@ class LocalModel:
         as there; ``dimensions`` always re-normalises a normalised vector); ``convert_to_tensor`` gives one torch
         tensor, ``convert_to_numpy=False`` a list of them; ``output_value="token_embeddings"`` gives a
         list of torch tensors, each text's (tokens, width) vectors of the last layer, special tokens
-        included (as there, whatever the convert_to_* keywords say)."""
+        included (as there, whatever the convert_to_* keywords say); ``precision`` quantizes the
+        finished vectors as its ``quantize_embeddings`` does (``quantize``)."""
         if normalize_embeddings:  # False leaves a model with a Normalize module normalising, as there
             normalize = True
         if dimensions is not None and truncate_dim is not None:
@@ -123,6 +125,8 @@ class LocalModel:
             raise ValueError(f"truncate_dim {truncate_dim}: the model gives {self.dim}-dimensional vectors; ask for 1..{self.dim}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size {batch_size}: give at least 1 row a forward pass")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: give one of {', '.join(PRECISIONS)}")
         if output_value not in ("sentence_embedding", "token_embeddings"):
             raise ValueError(f"output_value {output_value!r}: give 'sentence_embedding' or 'token_embeddings'")
         batch = _texts(texts)
@@ -143,6 +147,7 @@ class LocalModel:
                 vectors = vectors[:, :truncate_dim]
                 if normalize_embeddings:
                     vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            vectors = quantize(vectors, precision)
         if convert_to_tensor or not convert_to_numpy:
             import torch
 
@@ -310,6 +315,28 @@ def _texts(texts: Any) -> list[str]:
     except ValueError as e:
         raise ValueError(f"texts {e}") from None
     return [texts] if isinstance(texts, str) else list(texts)
+
+
+PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+
+
+def quantize(vectors: np.ndarray, precision: str) -> np.ndarray:
+    """float32 (N, D) vectors at sentence-transformers' ``precision``: ``int8``/``uint8`` cut each
+    dimension's range over these vectors into 256 steps (so it needs two vectors or more),
+    ``binary``/``ubinary`` keep the sign bits, 8 a byte (int8 offset by -128, or uint8)."""
+    if precision == "float32":
+        return vectors
+    if precision.endswith("binary"):
+        bits = np.packbits(vectors > 0, axis=-1)  # (N, ceil(D / 8)) uint8
+        return bits if precision == "ubinary" else (bits.astype(np.int16) - 128).astype(np.int8)
+    if vectors.shape[0] < 2:
+        raise ValueError(f"precision {precision!r}: its ranges come from the vectors encoded together, and one "
+                         "vector has none; encode two texts or more at once")
+    start, top = vectors.min(axis=0), vectors.max(axis=0)
+    step = (top - start) / 255
+    step = np.where(step == 0, 1, step)
+    levels = np.clip(np.floor((vectors - start) / step), 0, 255)  # 0..255 per dimension
+    return levels.astype(np.uint8) if precision == "uint8" else (levels - 128).astype(np.int8)
 
 
 PROGRESS_CHUNK = 1024  # texts a step of encode's progress bar
