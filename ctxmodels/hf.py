@@ -944,6 +944,9 @@ def hf_tensors(model: nn.Module, weights: Weights, n_head: int) -> dict[str, Ten
 # Files of a tokenizer folder worth copying: everything except weights, model config and our metadata.
 NOT_TOKENIZER_FILES = {"config.json", "MANIFEST.json", "trainer_state.json", "generation_config.json"}
 WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx"}
+# A sentence-transformers folder's own files beside its tokenizer's: kept with a checkpoint's tokenizer
+# (its hash covers them), not copied into an exported folder, which would name module folders it lacks.
+SENTENCE_TRANSFORMERS_FILES = {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"}
 
 
 def tokenizer_files(tokenizer_dir: str | Path) -> list[Path]:
@@ -1157,7 +1160,8 @@ def write_hf_folder(out_dir: str | Path, hf_config: dict, tensors: dict[str, Ten
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})  # HF requires "format"
     if tokenizer_dir is not None:
         for f in tokenizer_files(tokenizer_dir):
-            shutil.copy2(f, out / f.name)
+            if f.name not in SENTENCE_TRANSFORMERS_FILES:  # a module list whose module folders stay behind
+                shutil.copy2(f, out / f.name)
     return out
 
 

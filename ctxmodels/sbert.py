@@ -50,6 +50,8 @@ def export_sentence_transformers_folder(
     pooling: Pooling = "mean",
     normalize: bool = False,
     pad_token_id: int | None = None,
+    prompts: dict[str, str] | None = None,
+    default_prompt_name: str | None = None,
 ) -> Path:
     """Write ``out_dir`` as a sentence-transformers model folder (module docstring). ``model`` is our
     pretraining model or a fine-tuned ``TaskModel`` (its backbone is what sentence-transformers
@@ -68,9 +70,6 @@ def export_sentence_transformers_folder(
             hf_config.pop(key, None)
         hf_config.pop("architectures", None)
     hf.write_hf_folder(out, hf_config, tensors, tokenizer_dir)
-    for leftover in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
-        (out / leftover).unlink(missing_ok=True)  # an HF source folder's own, copied with its tokenizer
-
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": int(max_seq_length), "do_lower_case": False}, indent=2))  # the tokenizer lowercases itself
     pool_dir = out / "1_Pooling"
     pool_dir.mkdir(exist_ok=True)
@@ -84,7 +83,8 @@ def export_sentence_transformers_folder(
         (out / "2_Normalize").mkdir(exist_ok=True)
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
-    (out / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "cosine", "prompts": {}, "default_prompt_name": None}, indent=2))
+    (out / "config_sentence_transformers.json").write_text(json.dumps(
+        {"similarity_fn_name": "cosine", "prompts": dict(prompts or {}), "default_prompt_name": default_prompt_name}, indent=2))
     return out
 
 
@@ -123,11 +123,18 @@ def read_sentence_settings(folder: str | Path) -> SentenceSettings | None:
     """A sentence-transformers folder's settings (``modules.json`` and the files it points at), or
     None for a folder without ``modules.json``. A module this project does not run (Dense, max or
     weighted pooling, a pooling that leaves the prompt out, lowercasing) is named in ``problems``,
-    not refused: the backbone's token vectors are still right. A file that is not JSON, or a module
-    list that is not one, raises ValueError naming the file."""
+    not refused: the backbone's token vectors are still right. So is a file that is missing or not
+    JSON (the message names it), with the defaults (mean pooling, not normalised) in place of it all."""
     root = Path(folder)
     if not (root / "modules.json").is_file():
         return None
+    try:
+        return _read_settings(root)
+    except ValueError as e:
+        return SentenceSettings(problems=(f"{e}; its sentence-transformers settings are left out",))
+
+
+def _read_settings(root: Path) -> SentenceSettings:
     modules = _json(root / "modules.json")
     if not isinstance(modules, list) or not all(isinstance(m, dict) and "type" in m for m in modules):
         raise ValueError(f"{root / 'modules.json'}: expected a list of modules, each with a 'type'")

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 REGISTRATION_FAILED = 3  # exit status of a run that trained and kept its checkpoint but was not registered
 
@@ -350,11 +351,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _interrupted("export")
 
 
-
-
 def _run_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ctxmodels.checkpoint import load_checkpoint
     from ctxmodels.hf import export_distilbert_folder, export_hf_folder
     from jobs.runs import checkpoint_languages, local_copy, resolve_checkpoint
@@ -384,7 +381,7 @@ def _run_export(args: argparse.Namespace) -> int:
                                      + ("task model" if loaded.task is not None else "model"))
                 export_distilbert_folder(loaded.model, out, loaded.tokenizer_dir)
             else:
-                _export_sentence_transformers(loaded, out, pad_id, args.pooling, args.normalize)
+                pooling = _export_sentence_transformers(loaded, local, out, pad_id, args.pooling, args.normalize)
         except ValueError as e:  # a head transformers lacks: say which, no traceback
             raise CommandError(f"{checkpoint}: {e}") from None
         if tok is not None and tok.kind.startswith("sentencepiece") and not (out / "tokenizer.json").exists():
@@ -393,20 +390,33 @@ def _run_export(args: argparse.Namespace) -> int:
             store.copy_dir(out, args.output)
     what = f"{loaded.task.kind} model" if loaded.task is not None else "pretraining model"
     where = {"hf": "Hugging Face folder", "distilbert": "Hugging Face folder, DistilBertForMaskedLM"}.get(
-        args.format, f"sentence-transformers folder, {args.pooling} pooling")
+        args.format) or f"sentence-transformers folder, {pooling} pooling"
     print(f"{loaded.family} {what} from {checkpoint} -> {args.output} ({where})")
     return 0
 
 
-def _export_sentence_transformers(loaded, out, pad_id: int | None, pooling: str, normalize: bool) -> None:
-    """The backbone and the server's pooling as a folder sentence-transformers loads (ctxmodels.sbert)."""
-    from ctxmodels.sbert import export_sentence_transformers_folder
+def _export_sentence_transformers(loaded, source: Path, out: Path, pad_id: int | None, pooling: str | None,
+                                  normalize: bool | None) -> str:
+    """The backbone and the server's pooling as a folder sentence-transformers loads (ctxmodels.sbert);
+    returns the pooling. What is not given is what ``ctx serve`` gives for ``source`` unasked: a
+    sentence-transformers folder's own pooling, Normalize module, max_seq_length and prompts, else mean
+    pooling, not normalised, the model's positions."""
+    from ctxmodels.sbert import export_sentence_transformers_folder, read_sentence_settings
 
     if loaded.tokenizer_dir is None:
         raise ValueError("the checkpoint has no tokenizer files; sentence-transformers needs them")
+    own = read_sentence_settings(source)
     max_len = getattr(loaded.config, "max_tokens", None) or getattr(loaded.config, "max_seq_len", None) or 512
+    if own is not None:
+        max_len = min(int(max_len), own.max_seq_length or int(max_len))
+        pooling = pooling or own.pooling
+        normalize = own.normalize if normalize is None else normalize
+    pooling = pooling or "mean"
     export_sentence_transformers_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, dim=int(loaded.config.d_model),
-                                        max_seq_length=int(max_len), pooling=pooling, normalize=normalize, pad_token_id=pad_id)
+                                        max_seq_length=int(max_len), pooling=pooling, normalize=bool(normalize),
+                                        pad_token_id=pad_id, prompts=own.prompts if own is not None else None,
+                                        default_prompt_name=own.default_prompt_name if own is not None else None)
+    return pooling
 
 
 def _schedule(args: argparse.Namespace):
@@ -699,8 +709,10 @@ def _add_export(p: argparse.ArgumentParser) -> None:
                         "sentence-transformers: that plus the pooling modules, equal to ctx serve's vectors; "
                         "distilbert: a BERT pretraining model (a ctx distill student) as DistilBertForMaskedLM "
                         "(one segment: the segment-0 embedding folded into the positions)")
-    p.add_argument("--pooling", default="mean", choices=["mean", "cls", "last"], help="sentence-transformers: as /v1/embeddings' pooling")
-    p.add_argument("--normalize", action="store_true", help="sentence-transformers: add a Normalize module (unit vectors)")
+    p.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="sentence-transformers: as /v1/embeddings' pooling (default: what ctx serve gives the model unasked)")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="sentence-transformers: add a Normalize module (unit vectors); default: as ctx serve gives the model")
     p.add_argument("--output", required=True, help="folder to write (local or s3://)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
     _add_retry_deadline(p)

@@ -890,7 +890,10 @@ class GatewayBase:
                      "multiplexed": self.config.is_multiplexed(name)}
             try:
                 info = await self._model_info(name)
-                entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "dtype", "version", "registry_version", "tokenizer_hash", "routes")})
+                entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "dtype", "version",
+                                                   "registry_version", "tokenizer_hash", "routes", "pooling", "normalize")})
+                # a sentence-transformers folder's settings; a multilingual XLM's languages
+                entry.update({k: info[k] for k in ("sentence_transformers", "language", "languages") if k in info})
             except ApiError:  # not up yet: list it without the details
                 pass
             data.append(entry)

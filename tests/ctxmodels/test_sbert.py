@@ -64,6 +64,14 @@ def test_minilm_exports_with_the_servers_vectors_and_the_original_folders(minilm
     np.testing.assert_allclose(got, server_vectors(minilm_dir, TEXTS, "mean", True), atol=2e-5)
     # The wheel's folder is sentence-transformers' own all-MiniLM-L6-v2 (mean pooling + Normalize).
     np.testing.assert_allclose(got, st_vectors(minilm_dir, TEXTS), atol=2e-5)
+    # Unasked, the export keeps what ctx serve gives the folder unasked: its Normalize module and 256 tokens.
+    again = tmp_path / "st-defaults"
+    assert main(["export", "--model", str(minilm_dir), "--format", "sentence-transformers", "--output", str(again)]) == 0
+    assert read_sentence_settings(again) == read_sentence_settings(minilm_dir)
+    np.testing.assert_allclose(st_vectors(again, TEXTS), got, atol=2e-5)
+    plain = tmp_path / "st-plain"
+    assert main(["export", "--model", str(minilm_dir), "--format", "sentence-transformers", "--output", str(plain), "--no-normalize"]) == 0
+    assert read_sentence_settings(plain).normalize is False
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +152,11 @@ def test_steps_this_project_does_not_run_are_named_and_bad_files_refused(tmp_pat
                                  "a pooling that leaves the prompt's tokens out (they are pooled)", "module Dense",
                                  "default_prompt_name 'passage', which is not among its prompts")
     assert settings.shown()["not_reproduced"] == list(settings.problems)
-    (tmp_path / "1_Pooling" / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"1_Pooling/config.json: not valid JSON"):
-        read_sentence_settings(tmp_path)
-    (tmp_path / "1_Pooling" / "config.json").unlink()
-    with pytest.raises(ValueError, match=r"1_Pooling/config.json: missing \(named by the folder's modules.json\)"):
-        read_sentence_settings(tmp_path)
-    (tmp_path / "modules.json").write_text(json.dumps({"0": "Transformer"}))
-    with pytest.raises(ValueError, match="modules.json: expected a list of modules"):
-        read_sentence_settings(tmp_path)
+    # A broken folder is served with the defaults and its problem named, not refused: the backbone is fine.
+    for breaking, words in ((lambda: (tmp_path / "1_Pooling" / "config.json").write_text("{not json"), "1_Pooling/config.json: not valid JSON"),
+                            (lambda: (tmp_path / "1_Pooling" / "config.json").unlink(), "1_Pooling/config.json: missing (named by the folder's modules.json)"),
+                            (lambda: (tmp_path / "modules.json").write_text(json.dumps({"0": "Transformer"})), "modules.json: expected a list of modules")):
+        breaking()
+        broken = read_sentence_settings(tmp_path)
+        assert (broken.pooling, broken.normalize, broken.max_seq_length, broken.prompts) == ("mean", False, None, {})
+        assert len(broken.problems) == 1 and words in broken.problems[0] and "settings are left out" in broken.problems[0]

@@ -79,7 +79,7 @@ def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrite
     assert summary["checkpoint"] == str(minilm_dir) and summary["registry_version"] == registered.ref
     assert summary["actors"] >= 1 and summary["seconds"] > 0
     assert summary["rows_per_s"] == pytest.approx(summary["rows"] / summary["seconds"], rel=0.02, abs=0.06)  # rounded to 0.1
-    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), version)
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=True), version)  # unasked: the folder's Normalize module
 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(FileExistsError, match="never over them"):
@@ -141,7 +141,9 @@ def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(
     summary = reembed(str(minilm_dir), str(src), str(out), actor_batch_size=3, batch_size=2, engine="local")
     assert summary["engine"] == "local" and summary["actors"] == 0 and summary["rows"] == len(IDS)
     assert sorted(pq.read_metadata(f).num_rows for f in out.glob("*.parquet")) == [1, 6]
-    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=False), checkpoint_version(str(minilm_dir)))
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=True), checkpoint_version(str(minilm_dir)))
+    raw = reembed(str(minilm_dir), str(src), str(tmp_path / "raw"), normalize=False, engine="local")  # --no-normalize
+    _check_rows(_read(raw["output"]), _serving_vectors(minilm_dir, normalize=False), checkpoint_version(str(minilm_dir)))
     with pytest.raises(FileExistsError, match="never over them"):
         reembed(str(minilm_dir), str(src), str(out), engine="local")
     with pytest.raises(ValueError, match="engine 'spark'"):
@@ -171,7 +173,7 @@ def test_an_actor_sorts_the_rows_it_is_handed_into_small_length_sorted_passes(mi
     words = "the river bank was muddy after the flood and she deposited a cheque there".split()
     texts = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(1, 40, size=45)]  # lengths in no order
     ids = [int(i) for i in rng.permutation(10_000)[: len(texts)]]
-    embedder = Embedder(str(minilm_dir), None, "id", "text", "mean", False, batch_size=6, max_batch_tokens=120, threads=1)
+    embedder = Embedder(str(minilm_dir), None, "id", "text", "mean", None, batch_size=6, max_batch_tokens=120, threads=1)
     embedder.model.recent_passes.clear()
     out = embedder(pa.table({"id": pa.array(ids, pa.int64()), "text": texts}))
 

@@ -94,7 +94,7 @@ def test_a_replica_tokenizes_a_bulk_request_on_its_threads_with_the_same_ids_and
     long = list(texts)
     long[250] = "bank " * 600
     for replica in (one, three):
-        with pytest.raises(InputError, match=r"input\[250\] is longer than the 512 tokens"):
+        with pytest.raises(InputError, match=r"input\[250\] is longer than the 256 tokens"):  # MiniLM's max_seq_length
             replica._encode_ids(long, truncate=False)
         with pytest.raises(LimitError) as refused:
             replica._encode_ids(texts * 2, truncate=False)
@@ -250,8 +250,8 @@ def test_a_pass_is_read_off_the_device_only_once_the_next_is_queued_and_every_ve
     replica = EmbeddingReplica("m", str(minilm_dir), None, ModelConfig(uri=str(minilm_dir), max_batch_size=4), Limits())
     passes = replica._passes
 
-    def logged(rows, last_only=False, languages=None):
-        for i, one in enumerate(passes(rows, last_only, languages)):
+    def logged(rows, last_only=False, languages=None, max_rows=None):
+        for i, one in enumerate(passes(rows, last_only, languages, max_rows)):
             log.append(("launch", i))
             yield one
 
