@@ -77,7 +77,8 @@ class Embedder:
     ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
     ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``)."""
 
-    def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str | None, normalize: bool | None,
+    def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str | None,
+                 normalize: bool | None,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
                  dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None):
         import torch
@@ -151,8 +152,8 @@ def embed_dataset(
     """A Ray Dataset's rows with their text embedded: ``ds`` (any ``ray.data.Dataset``, read from
     anywhere Ray Data reads) with ``output_column`` added, (dim,) float32 per row, the vector
     /v1/embeddings answers for that text with the same ``pooling`` and ``normalize`` (texts longer
-    than the model reads are cut; None: the model's, as /v1/embeddings' defaults). Lazy, as ``map_batches``: nothing runs until the dataset is
-    consumed (``write_parquet``, ``iter_batches``, ``take``...).
+    than the model reads are cut; None: the model's, as /v1/embeddings' defaults). Lazy, as
+    ``map_batches``: nothing runs until the dataset is consumed (``write_parquet``, ``iter_batches``, ``take``...).
 
         ds = ray.data.read_json("s3://corpus/docs/")
         embed_dataset(ds, "models:/minilm@production", text_column="body").write_parquet("s3://index/v7/")

@@ -111,8 +111,8 @@ class LocalModel:
         pass (default: the model's ``max_batch_size``), passes still cut at ``max_batch_tokens``;
         ``show_progress_bar`` counts texts as they are done; ``normalize_embeddings`` is ``normalize``;
         ``truncate_dim`` cuts the finished vectors (normalised again only with ``normalize_embeddings``,
-        as there; ``dimensions`` always re-normalises a normalised vector); ``convert_to_tensor`` gives one torch
-        tensor, ``convert_to_numpy=False`` a list of them; ``output_value="token_embeddings"`` gives a
+        as there; ``dimensions`` always re-normalises a normalised vector); ``convert_to_tensor`` gives
+        one torch tensor, ``convert_to_numpy=False`` a list of them; ``output_value="token_embeddings"`` gives a
         list of torch tensors, each text's (tokens, width) vectors of the last layer, special tokens
         included (as there, whatever the convert_to_* keywords say); ``precision`` quantizes the
         finished vectors as its ``quantize_embeddings`` does (``quantize``)."""

@@ -153,9 +153,11 @@ def test_steps_this_project_does_not_run_are_named_and_bad_files_refused(tmp_pat
                                  "default_prompt_name 'passage', which is not among its prompts")
     assert settings.shown()["not_reproduced"] == list(settings.problems)
     # A broken folder is served with the defaults and its problem named, not refused: the backbone is fine.
-    for breaking, words in ((lambda: (tmp_path / "1_Pooling" / "config.json").write_text("{not json"), "1_Pooling/config.json: not valid JSON"),
-                            (lambda: (tmp_path / "1_Pooling" / "config.json").unlink(), "1_Pooling/config.json: missing (named by the folder's modules.json)"),
-                            (lambda: (tmp_path / "modules.json").write_text(json.dumps({"0": "Transformer"})), "modules.json: expected a list of modules")):
+    pool = tmp_path / "1_Pooling" / "config.json"
+    breakages = [(lambda: pool.write_text("{not json"), "1_Pooling/config.json: not valid JSON"),
+                 (lambda: pool.unlink(), "1_Pooling/config.json: missing (named by the folder's modules.json)"),
+                 (lambda: (tmp_path / "modules.json").write_text(json.dumps({"0": "Transformer"})), "modules.json: expected a list of modules")]
+    for breaking, words in breakages:
         breaking()
         broken = read_sentence_settings(tmp_path)
         assert (broken.pooling, broken.normalize, broken.max_seq_length, broken.prompts) == ("mean", False, None, {})

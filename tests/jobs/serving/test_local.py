@@ -119,7 +119,8 @@ def test_sentence_transformers_encode_keywords_give_its_answers(minilm, st_minil
 
 def test_similarity_dimension_and_length_are_sentence_transformers(minilm, st_minilm):
     vectors = minilm.encode(TEXTS)
-    np.testing.assert_allclose(minilm.similarity(vectors, vectors[:2]).numpy(), st_minilm.similarity(vectors, vectors[:2]).numpy(), atol=TOL)
+    want = st_minilm.similarity(vectors, vectors[:2]).numpy()
+    np.testing.assert_allclose(minilm.similarity(vectors, vectors[:2]).numpy(), want, atol=TOL)
     assert minilm.similarity(vectors[0], vectors[1]).shape == (1, 1)
     assert minilm.get_embedding_dimension() == minilm.get_sentence_embedding_dimension() == st_minilm.get_embedding_dimension() == 384
     assert minilm.max_seq_length == st_minilm.max_seq_length == 256

@@ -242,7 +242,8 @@ def test_the_run_folder_was_resolved_once_and_the_version_says_which(client, tin
     models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
     assert models["tiny"]["version"] == version and models["tiny"]["dim"] == 64 and models["tiny"]["family"] == "bert"
     assert models["minilm"]["version"].startswith("model@") and models["minilm"]["max_len"] == 256  # its max_seq_length
-    assert models["minilm"]["sentence_transformers"] == {"pooling": "mean", "normalize": True, "max_seq_length": 256, "similarity": "cosine"}
+    own = {"pooling": "mean", "normalize": True, "max_seq_length": 256, "similarity": "cosine"}
+    assert models["minilm"]["sentence_transformers"] == own
     assert "sentence_transformers" not in models["tiny"]
     assert (models["minilm"]["pooling"], models["minilm"]["normalize"]) == ("mean", True)  # what a request gets unasked
     assert (models["tiny"]["pooling"], models["tiny"]["normalize"]) == ("mean", False)
