@@ -185,15 +185,17 @@ def held_out_metrics(checkpoint: Path, recipe, shards: list[str]) -> dict[str, f
 
 
 def probe_vectors(checkpoint: Path, texts: list[str]) -> np.ndarray:
-    """(n, D) mean-pooled last-layer vectors of ``texts``: what ``/v1/embeddings`` answers, computed
-    by the serving class itself in this process (``EmbeddingReplica.embed_now``: the replica's code
-    without Serve's request batching, as bulk re-embedding uses it)."""
+    """(n, D) mean-pooled last-layer vectors of ``texts``: what ``/v1/embeddings`` answers with
+    ``"pooling": "mean", "normalize": false``, computed by the serving class itself in this process
+    (``EmbeddingReplica.embed_now``: the replica's code without Serve's request batching, as bulk
+    re-embedding uses it). Pooling, normalisation and prompt are fixed, not the model's defaults, so
+    two versions are compared on the same footing even when one is a sentence-transformers folder."""
     from jobs.identity import checkpoint_version
     from jobs.serving.replica import EmbeddingReplica
     from jobs.serving.serve_config import Limits, ModelConfig
 
     model = EmbeddingReplica("probe", str(checkpoint), checkpoint_version(str(checkpoint)), ModelConfig(uri=str(checkpoint)), Limits())
-    return np.stack(model.embed_now(texts, pooling="mean", truncate=True)["embeddings"])
+    return np.stack(model.embed_now(texts, pooling="mean", normalize=False, prompt="", truncate=True)["embeddings"])
 
 
 def probe_texts(cfg: ScheduleConfig) -> list[str]:
