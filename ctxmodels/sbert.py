@@ -119,6 +119,18 @@ class SentenceSettings:
         return out
 
 
+def sentence_defaults(settings: SentenceSettings | None, pooling: Pooling | None, normalize: bool | None,
+                      max_len: int) -> tuple[Pooling, bool, int]:
+    """(pooling, normalize, tokens a text keeps) of a model: those given, else its sentence-transformers
+    folder's (``settings``; None: it has none), else mean pooling, not normalised; ``max_len`` (the
+    model's positions) cut to the folder's max_seq_length. What ``ctx serve`` and ``ctx export`` share."""
+    if settings is not None:
+        max_len = min(max_len, settings.max_seq_length or max_len)
+        pooling = pooling or settings.pooling
+        normalize = settings.normalize if normalize is None else normalize
+    return pooling or "mean", bool(normalize), max_len
+
+
 def read_sentence_settings(folder: str | Path) -> SentenceSettings | None:
     """A sentence-transformers folder's settings (``modules.json`` and the files it points at), or
     None for a folder without ``modules.json``. A module this project does not run (Dense, max or

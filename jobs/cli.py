@@ -401,19 +401,15 @@ def _export_sentence_transformers(loaded, source: Path, out: Path, pad_id: int |
     returns the pooling. What is not given is what ``ctx serve`` gives for ``source`` unasked: a
     sentence-transformers folder's own pooling, Normalize module, max_seq_length and prompts, else mean
     pooling, not normalised, the model's positions."""
-    from ctxmodels.sbert import export_sentence_transformers_folder, read_sentence_settings
+    from ctxmodels.sbert import export_sentence_transformers_folder, read_sentence_settings, sentence_defaults
 
     if loaded.tokenizer_dir is None:
         raise ValueError("the checkpoint has no tokenizer files; sentence-transformers needs them")
     own = read_sentence_settings(source)
     max_len = getattr(loaded.config, "max_tokens", None) or getattr(loaded.config, "max_seq_len", None) or 512
-    if own is not None:
-        max_len = min(int(max_len), own.max_seq_length or int(max_len))
-        pooling = pooling or own.pooling
-        normalize = own.normalize if normalize is None else normalize
-    pooling = pooling or "mean"
+    pooling, normalize, max_len = sentence_defaults(own, pooling, normalize, int(max_len))
     export_sentence_transformers_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, dim=int(loaded.config.d_model),
-                                        max_seq_length=int(max_len), pooling=pooling, normalize=bool(normalize),
+                                        max_seq_length=max_len, pooling=pooling, normalize=normalize,
                                         pad_token_id=pad_id, prompts=own.prompts if own is not None else None,
                                         default_prompt_name=own.default_prompt_name if own is not None else None)
     return pooling

@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from jobs.registry import PYFUNC_PARAMS
 from jobs.serving.local import LocalModel
 
 TASK_OF_ROUTE = {"/v1/classify": "classify", "/v1/tag": "tag", "/v1/answer": "answer"}
-EMBED_PARAMS = ("pooling", "normalize", "dimensions", "prompt_name")
+EMBED_PARAMS = tuple(name for name in PYFUNC_PARAMS if name != "task")  # those the MLmodel signature declares
 
 
 def _load_pyfunc(path: str) -> CheckpointPyfunc:
@@ -76,19 +77,17 @@ class CheckpointPyfunc:
         return pd.DataFrame(self.model.answer(questions, contexts))
 
 
-def _texts(data: Any) -> list[str] | str:
-    """The texts of what MLflow hands ``predict``: LocalModel checks them as /v1/embeddings does."""
+def _texts(data: Any) -> Any:
+    """A DataFrame's text column; anything else as MLflow hands it (a string, list, Series, array),
+    which LocalModel lists and checks as /v1/embeddings does."""
     import pandas as pd
 
     if isinstance(data, pd.DataFrame):
         if "text" in data.columns:
-            data = data["text"]
-        elif len(data.columns) == 1:
-            data = data.iloc[:, 0]
-        else:
-            raise ValueError(f"a DataFrame of texts has one column, or a 'text' column; this one has {list(data.columns)}")
-    if isinstance(data, (pd.Series, np.ndarray)):
-        data = [x.item() if isinstance(x, np.generic) else x for x in data.tolist()]
+            return data["text"]
+        if len(data.columns) == 1:
+            return data.iloc[:, 0]
+        raise ValueError(f"a DataFrame of texts has one column, or a 'text' column; this one has {list(data.columns)}")
     return data
 
 

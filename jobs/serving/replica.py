@@ -122,7 +122,7 @@ class EmbeddingReplica(TaskServing):
                registry_version: str | None, model_lock: asyncio.Lock | None) -> None:
         import torch
 
-        from ctxmodels.sbert import read_sentence_settings
+        from ctxmodels.sbert import read_sentence_settings, sentence_defaults
         from pipelines.tokenizers import load_tokenizer
 
         self.name, self.checkpoint, self.limits = name, checkpoint, limits
@@ -158,16 +158,13 @@ class EmbeddingReplica(TaskServing):
         self.backbone = backbone.to(self.device).eval()
         # RoBERTa spends position rows on its offset: max_tokens is what it reads.
         max_len = getattr(config, "max_tokens", None) or getattr(config, "max_seq_len", None)
-        self.max_len = int(max_len or DEFAULT_MAX_LEN)
-        if self.sentence is not None:
-            self.max_len = min(self.max_len, self.sentence.max_seq_length or self.max_len)
-            if self.sentence.problems:
-                logger.warning("model %s: its sentence-transformers folder has %s, which this server does not run: "
-                               "its sentence vectors differ from sentence-transformers' there",
-                               name, "; ".join(self.sentence.problems))
         # What a request that names no pooling / normalize gets: the deployment's setting, else the folder's.
-        self.pooling = settings.pooling or (self.sentence.pooling if self.sentence is not None else "mean")
-        self.normalize = settings.normalize if settings.normalize is not None else self.sentence is not None and self.sentence.normalize
+        self.pooling, self.normalize, self.max_len = sentence_defaults(self.sentence, settings.pooling, settings.normalize,
+                                                                       int(max_len or DEFAULT_MAX_LEN))
+        if self.sentence is not None and self.sentence.problems:
+            logger.warning("model %s: its sentence-transformers folder has %s, which this server does not run: "
+                           "its sentence vectors differ from sentence-transformers' there",
+                           name, "; ".join(self.sentence.problems))
         if self.pooling == "cls" and self.causal:
             raise ValueError(f"model {name!r}: pooling 'cls' is set, but it is a causal {self.family} model, whose first "
                              "position has seen no text; set pooling 'last' or 'mean'")
