@@ -46,6 +46,10 @@ logits, checked by tests/ctxmodels/test_hf_heads.py):
   ``b = P b_S + b_P``); on export ours is the summary of one label and ``logits_proj`` the
   identity. A causal XLM (``causal``: XLM's CLM) converts both ways as ``XLMWithLMHeadModel``; a
   sinusoidal or adaptive-softmax XLM is refused on import.
+- An embedding model (task kind ``embedding``: no head, its pooled last layer is its output) exports
+  as transformers' base model (``BertModel``, ``GPT2Model``, ...): the backbone's tensors without a
+  prefix, as sentence-transformers' Transformer module loads them. A BERT backbone's pooler goes
+  with it only where the BERT pretraining class has one (``nsp``); no pooling reads it.
 - SpanBERT exports as BERT (same backbone and heads), without its span-boundary pretraining head.
 - Never exported: feature-based task models (layer mixes, BiLSTMs); ELMo and Transformer-XL
   (transformers 5 has neither).
@@ -1076,6 +1080,23 @@ def task_from_hf(hf_config: dict, tensors: dict[str, Tensor], where: str = "HF w
     return family, cfg, model.eval()
 
 
+# transformers' base model class of each model_type: what an embedding model exports as.
+BASE_CLASSES = {"bert": "BertModel", "roberta": "RobertaModel", "albert": "AlbertModel", "xlnet": "XLNetModel",
+                "xlm": "XLMModel", "gpt2": "GPT2Model", "openai-gpt": "OpenAIGPTModel"}
+BASE_PREFIXES = ("bert.", "roberta.", "albert.", "transformer.")  # where head classes keep their base model
+
+
+def base_model_only(hf_config: dict, tensors: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
+    """A head class's (config.json, tensors) -> its base model's: the tensors under the base model's
+    prefix, without it; the head's labels and problem type dropped, ``architectures`` the base class."""
+    prefix = next((p for p in BASE_PREFIXES if any(k.startswith(p) for k in tensors)), None)
+    if prefix is None:
+        raise ValueError(f"no base-model prefix among the exported tensor names (first: {sorted(tensors)[:3]})")
+    config = {k: v for k, v in hf_config.items() if k not in ("id2label", "label2id", "problem_type", "num_labels")}
+    config["architectures"] = [BASE_CLASSES[config["model_type"]]]
+    return config, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def to_hf(model: nn.Module, family: str, pad_token_id: int | None = None) -> tuple[dict, dict[str, Tensor]]:
     """Our pretraining model or ``TaskModel`` -> (HF config.json dict, HF state dict) of the
     transformers class with the same function (module docstring). Tied copies are left out;
@@ -1092,6 +1113,10 @@ def to_hf(model: nn.Module, family: str, pad_token_id: int | None = None) -> tup
         raise ValueError(f"export as family {family!r} needs a {family_spec(family).pretraining_cls.__name__} "
                          f"or a {family} TaskModel, got {type(model).__name__}")
     cfg = model.cfg if hasattr(model, "cfg") else model.config
+    if task is not None and task_of(task.kind).head is None:  # an embedding model: its backbone, as the base model
+        pretraining = new_model(family, cfg, seed=0)
+        pretraining.backbone.load_state_dict(model.backbone.state_dict())
+        return base_model_only(*to_hf(pretraining, family, pad_token_id))
     hf_config = conv.config_to_hf(cfg)
     model_type = hf_config["model_type"]
     head = "pretraining"

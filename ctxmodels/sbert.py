@@ -15,7 +15,9 @@ Folder::
 
 ``read_sentence_settings`` reads such a folder back (anyone's, not only ours): its pooling, whether it
 normalises, its max_seq_length and prompts are what serving uses by default for it, as
-sentence-transformers, TEI and Infinity do.
+sentence-transformers, TEI and Infinity do. A checkpoint of ours fine-tuned as an embedding model
+(``ctx finetune`` with task kind ``embedding``) says the same in its task config
+(``checkpoint_sentence_settings``), so it is served and exported with the pooling it was trained with.
 
 Pooling is ours exactly: ``mean`` averages every position whose attention mask is 1 (special tokens
 included, as ``ctxmodels.features.mean_pool``), ``cls`` takes position 0, ``last`` the last real
@@ -61,14 +63,10 @@ def export_sentence_transformers_folder(
         raise ValueError(f"pooling {pooling!r}: sentence-transformers export supports {sorted(POOLING_MODES)}")
     out = Path(out_dir)
     hf_config, tensors = hf.to_hf(model, family, pad_token_id)
-    if getattr(model, "task", None) is not None:
+    if getattr(model, "task", None) is not None and hf_config["architectures"][0] not in hf.BASE_CLASSES.values():
         # A task model exports its head class; sentence-transformers loads AutoModel, which reads the
         # backbone and would warn about the head. Keep the backbone's tensors and a base config.
-        prefix = _base_prefix(tensors)
-        tensors = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-        for key in ("id2label", "label2id", "problem_type", "num_labels"):
-            hf_config.pop(key, None)
-        hf_config.pop("architectures", None)
+        hf_config, tensors = hf.base_model_only(hf_config, tensors)
     hf.write_hf_folder(out, hf_config, tensors, tokenizer_dir)
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": int(max_seq_length), "do_lower_case": False}, indent=2))  # the tokenizer lowercases itself
     pool_dir = out / "1_Pooling"
@@ -129,6 +127,16 @@ def sentence_defaults(settings: SentenceSettings | None, pooling: Pooling | None
         pooling = pooling or settings.pooling
         normalize = settings.normalize if normalize is None else normalize
     return pooling or "mean", bool(normalize), max_len
+
+
+def checkpoint_sentence_settings(folder: str | Path, task: Any = None) -> SentenceSettings | None:
+    """A model folder's sentence settings: its sentence-transformers files (``read_sentence_settings``),
+    else those of the embedding task it was fine-tuned for (``task``, its ``ctxmodels.tasks.TaskConfig``:
+    the pooling it was trained with, unit vectors, its max_seq_length), else None."""
+    own = read_sentence_settings(folder)
+    if own is not None or task is None or task.kind != "embedding":
+        return own
+    return SentenceSettings(pooling=task.pooling, normalize=task.normalize, max_seq_length=task.max_seq_length)
 
 
 def read_sentence_settings(folder: str | Path) -> SentenceSettings | None:
@@ -196,11 +204,3 @@ def _json(path: Path) -> Any:
         raise ValueError(f"{path}: missing (named by the folder's modules.json)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-def _base_prefix(tensors: dict) -> str:
-    """'bert.' / 'roberta.' / 'albert.' / 'transformer.': where a head class keeps its base model."""
-    for prefix in ("bert.", "roberta.", "albert.", "transformer."):
-        if any(k.startswith(prefix) for k in tensors):
-            return prefix
-    raise ValueError(f"no base-model prefix among the exported tensor names (first: {sorted(tensors)[:3]})")

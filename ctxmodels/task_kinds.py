@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering"]
+TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering", "embedding"]
 TASK_KINDS: tuple[str, ...] = get_args(TaskKind)
 
 
@@ -34,23 +34,25 @@ TASK_KINDS: tuple[str, ...] = get_args(TaskKind)
 class Task:
     kind: str
     # What the head reads: "sequence" one vector per example (a symmetric pair adds both orders'
-    # vectors), "options" one vector per option and a softmax across them, "tokens" every token.
-    reads: Literal["sequence", "options", "tokens"]
+    # vectors), "options" one vector per option and a softmax across them, "tokens" every token,
+    # "texts" each of an example's texts (anchor, positive, negatives) pooled into its own vector.
+    reads: Literal["sequence", "options", "tokens", "texts"]
     # The head's outputs per vector, named as transformers' id2label names them; () means one per
     # label of the training split (the kind is "labelled": its label names come from the data).
     outputs: tuple[str, ...]
-    loss: Literal["cross-entropy", "mse", "token-cross-entropy", "span-cross-entropy"]
+    loss: Literal["cross-entropy", "mse", "token-cross-entropy", "span-cross-entropy", "in-batch-negatives"]
     targets: tuple[str, ...]  # the batch columns holding the targets (model forward keywords)
     metrics: tuple[str, ...]  # validation metrics (pipelines.metrics.METRICS); the first is the default best
     routes: tuple[str, ...]  # what a fine-tuned model of this kind serves besides embeddings and /tokenize
-    head: Literal["classifier", "qa_outputs"] = "classifier"  # the output layer's module name (transformers')
+    # The output layer's module name (transformers'); None: no output layer, the pooled vectors are the output.
+    head: Literal["classifier", "qa_outputs"] | None = "classifier"
     both_orders: bool = False  # a pair may be read in both orders, vectors added (GPT similarity: task.symmetric)
     hf_problem_type: str | None = None  # transformers' config.problem_type
 
     @property
     def labelled(self) -> bool:
         """Its classes are label names found in the training split (saved with the model)."""
-        return not self.outputs
+        return self.head is not None and not self.outputs
 
 
 TASKS: dict[str, Task] = {
@@ -76,6 +78,14 @@ TASKS: dict[str, Task] = {
         "question-answering", reads="tokens", outputs=("start", "end"), loss="span-cross-entropy",
         targets=("start_positions", "end_positions"), metrics=("f1", "exact_match"), routes=("/v1/answer",),
         head="qa_outputs",
+    ),
+    # Sentence embeddings trained contrastively (sentence-transformers' MultipleNegativesRankingLoss:
+    # Henderson et al. 2017, van den Oord et al. 2018): an anchor's positive against every other
+    # text of the batch. Scored as retrieval (queries: the anchors; documents: the positives and
+    # negatives), with MTEB's metric names; the model serves /v1/embeddings with its own pooling.
+    "embedding": Task(
+        "embedding", reads="texts", outputs=(), loss="in-batch-negatives", targets=(),
+        metrics=("ndcg_at_10", "mrr_at_10", "map_at_100", "recall_at_1", "recall_at_10"), routes=(), head=None,
     ),
 }
 

@@ -28,6 +28,15 @@ Papers and where each family reads a sequence's vector:
   scalar mix ``gamma * sum_j softmax(s)_j h_j`` of its layers, dropout after it, concatenated with
   the context-independent token layer ``x`` (the paper concatenates ELMo with the task model's
   own token input; the char-CNN layer is that input here), feeds a 2-layer BiLSTM task model.
+- Sentence embeddings (kind ``embedding``; Reimers & Gurevych 2019, "Sentence-BERT", trained as
+  sentence-transformers' ``MultipleNegativesRankingLoss``: Henderson et al. 2017, "Efficient Natural
+  Language Response Suggestion", sec. 4.4; the InfoNCE of van den Oord et al. 2018): no head. Each of
+  an example's K texts (anchor, positive, hard negatives) runs through the backbone alone and is
+  pooled as ``ctx serve`` pools it (``pooling``: the mean over real tokens, [CLS]'s state, or the
+  last real token's); the loss is the cross-entropy of the anchors' ``scale``-times cosine
+  similarities to every positive and negative of the batch, an anchor's own positive the right
+  class. Pooling reads the last layer as it is (no pooler, no summary), so the vectors trained are
+  the ones served and exported to sentence-transformers.
 - AWD-LSTM as ULMFiT fine-tunes it (Howard & Ruder 2018, sec. 3.3): concat pooling of the last
   LSTM's outputs H over the real tokens, ``[h_T; maxpool(H); meanpool(H)]``, then two blocks of
   batch normalisation and dropout around a linear layer: BN, dropout, Linear(3D, 50), ReLU (the
@@ -47,7 +56,7 @@ reads every position instead: the labelled rows' count is found on the device, a
 keeps; the loss and gradients are the same.
 
 Shape legend:
-    B  batch      K  options (multiple choice) or 2 orders (symmetric)      T  tokens
+    B  batch      K  options (multiple choice), 2 orders (symmetric) or texts (embedding)      T  tokens
     D  width of the backbone's states          L  labels
 """
 
@@ -56,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -65,11 +74,15 @@ from torch import Tensor, nn
 from ctxmodels import registry
 from ctxmodels.compiling import has_static_step
 from ctxmodels.elmo import ScalarMix
-from ctxmodels.features import FeatureStrategy, combine_layers, n_combined
+from ctxmodels.features import FeatureStrategy, combine_layers, mean_pool, n_combined
 from ctxmodels.ops import Dropout
 from ctxmodels.task_kinds import TASK_KINDS, TaskKind, task_of  # noqa: F401 (TASK_KINDS re-exported)
 
 IGNORE_INDEX = -100
+# (B, ...) rows of this worker -> (every worker's rows, in worker order, with their gradients; where
+# this worker's start): set on an embedding model by the training loop when it runs on several
+# workers (jobs.training.parallel.gather_rows); model code itself stays single-device.
+Gather = Callable[[Tensor], tuple[Tensor, int]]
 
 # Where each family reads a sequence's vector: "first" ([CLS] through the pooler), "first-state"
 # (XLM: position 0's last hidden state as it is), "summary" (XLNet: last token, dense + tanh),
@@ -83,6 +96,9 @@ READS: dict[str, str] = {
 # tokenizer gives zeros), and XLM's table holds languages (every token reads the row of the task's
 # ``language``: the training texts' language, or another one for cross-lingual transfer).
 NO_SEGMENTS = ("roberta", "xlm")
+# Left-to-right families: position 0 has seen no text, so "cls" pooling gives one vector for every
+# input (an XLM pretrained with objective clm too: its ``config.causal``).
+CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 # ULMFiT's classifier (sec. 4): a hidden layer of 50; its first block's dropout is the task's (or the
 # family's, 0.4), the second's this one (fastai's ULMFiT classifier: dropouts 0.4 and 0.1).
 CONCAT_POOL_HIDDEN, CONCAT_POOL_DROPOUT = 50, 0.1
@@ -105,10 +121,23 @@ class TaskConfig:
     # cross-lingual transfer fine-tunes on one and evaluates on others), and the rows' names.
     language: int = 0
     languages: list[str] = field(default_factory=list)
+    # Embedding: how a text's token states become its vector (what ctx serve's /v1/embeddings gives
+    # unasked, as a sentence-transformers folder's Pooling module), whether served vectors are unit
+    # length (its Normalize module), the tokens a served text keeps (its max_seq_length; None: the
+    # model's positions), and the loss's scale on cosine similarities (sentence-transformers' 20,
+    # a temperature of 0.05).
+    pooling: Literal["mean", "cls", "last"] = "mean"
+    normalize: bool = True
+    max_seq_length: int | None = None
+    scale: float = 20.0
 
     def __post_init__(self) -> None:
         if task_of(self.kind).labelled and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels}: a {self.kind} task needs at least one label")
+        if self.pooling not in ("mean", "cls", "last"):
+            raise ValueError(f"pooling={self.pooling!r}: expected mean, cls or last")
+        if not self.scale > 0:
+            raise ValueError(f"scale={self.scale!r}: the loss's scale on cosine similarities must be positive")
         self.labels = [str(x) for x in self.labels]
 
 
@@ -134,6 +163,17 @@ def language_row(names: list[str], rows: int, wanted: str | int) -> int:
     if isinstance(wanted, bool) or not 0 <= wanted < rows:
         raise ValueError(f"language {wanted!r} is not a row of its language table (0..{rows - 1})")
     return wanted
+
+
+def is_causal(family: str, cfg: Any) -> bool:
+    return family in CAUSAL_FAMILIES or bool(getattr(cfg, "causal", False))
+
+
+def default_pooling(family: str, cfg: Any) -> str:
+    """How an embedding model of ``family`` pools when nothing says otherwise: the mean over real
+    tokens, or in a left-to-right model the last real token, the one that has seen the whole text
+    (sentence-transformers' ``lasttoken``, what decoder embedding models use)."""
+    return "last" if is_causal(family, cfg) else "mean"
 
 
 def effective_task(family: str, task: TaskConfig) -> TaskConfig:
@@ -223,11 +263,30 @@ def span_cross_entropy(logits: Tensor, start_positions: Tensor, end_positions: T
     return (F.cross_entropy(logits[..., 0], start) + F.cross_entropy(logits[..., 1], end)) / 2, {}
 
 
+def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Texts' vectors (B, K, D), anchor first, then its positive and K-2 hard negatives: each anchor
+    against all B*(K-1) candidates of the batch (the positives, then the first negatives, ...: the
+    order sentence-transformers' MultipleNegativesRankingLoss concatenates them in), ``scale`` times
+    the cosine similarity, cross-entropy with its own positive the right class; and how often that
+    positive scores highest (``acc``). ``gather``: every worker's batch as candidates (``Gather``,
+    sentence-transformers' ``gather_across_devices``), so the anchors of each worker rank against all."""
+    B, K, D = vectors.shape
+    v = F.normalize(vectors.float(), dim=-1)  # cosine similarity, summed in float32 whatever the model's dtype
+    anchors = v[:, 0]  # (B, D)
+    pool, first = (v, 0) if gather is None else gather(v)  # (W*B, K, D), this worker's first row there
+    candidates = pool[:, 1:].transpose(0, 1).reshape(-1, D)  # (K-1)*W*B rows: every positive, then negatives
+    scores = scale * anchors @ candidates.T  # (B, (K-1)*W*B)
+    right = first + torch.arange(B, device=vectors.device)
+    loss = F.cross_entropy(scores, right)
+    return loss, {"acc": (scores.detach().argmax(-1) == right).float().mean()}
+
+
 LOSSES = {
     "cross-entropy": cross_entropy,
     "mse": mse,
     "token-cross-entropy": token_cross_entropy,
     "span-cross-entropy": span_cross_entropy,
+    "in-batch-negatives": in_batch_negatives,
 }
 
 
@@ -249,7 +308,14 @@ class TaskModel(nn.Module):
         p = task.dropout if task.dropout is not None else getattr(cfg, "dropout", 0.1)
         self.drop = Dropout(p)
         self.reads = "features" if task.features is not None else READS[family]
-        if self.reads == "first-state" and getattr(cfg, "causal", False) and kind.reads != "tokens":
+        if kind.reads == "texts" and (task.features is not None or task.freeze):
+            raise ValueError(f"an embedding task trains the backbone's own vectors, the ones ctx serve pools: features "
+                             f"and freeze are for heads on top of it ({family} "
+                             + ("is feature-based: fine-tune a family whose backbone is trained end to end" if family == "elmo"
+                                else f"with features={task.features!r}, freeze={task.freeze})"))
+        if kind.reads == "texts" and task.pooling == "cls" and is_causal(family, cfg):
+            raise ValueError(f"pooling 'cls': a causal {family} model's first position has seen no text; use 'last' or 'mean'")
+        if self.reads == "first-state" and getattr(cfg, "causal", False) and kind.reads not in ("tokens", "texts"):
             raise ValueError(f"a causal XLM (pretrained with objective clm) cannot read a {task.kind} task's vector at "
                              "position 0, which sees only itself there; fine-tune an XLM pretrained with mlm or tlm "
                              "(the paper's), or a token-level task")
@@ -283,7 +349,8 @@ class TaskModel(nn.Module):
             d = CONCAT_POOL_HIDDEN
         n_out = task.num_labels if kind.labelled else len(kind.outputs)
         bias = not (self.reads == "last" and kind.reads != "tokens")  # GPT's sequence head has none (HF's score)
-        setattr(self, kind.head, _init_linear(nn.Linear(d, n_out, bias=bias), std, generator))
+        if kind.head is not None:  # an embedding model's output is its pooled vectors
+            setattr(self, kind.head, _init_linear(nn.Linear(d, n_out, bias=bias), std, generator))
         if task.freeze:
             for q in self.backbone.parameters():
                 q.requires_grad_(False)
@@ -292,6 +359,9 @@ class TaskModel(nn.Module):
         # ``train.compile: graphs``): a masked-LM family's backbone (no row count found on the device
         # as it runs) with no BiLSTM task model (its packed sequences read their lengths on the host).
         self.static_step = has_static_step(pre) and self.encoder is None
+        # An embedding model on several workers: every worker's texts as each anchor's candidates, in
+        # training (validation's shares differ in size; its metrics see the whole split anyway).
+        self.gather: Gather | None = None
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -374,6 +444,16 @@ class TaskModel(nn.Module):
         last = last_real(h, attention_mask)
         return torch.tanh(self.summary(last)) if self.reads == "summary" else last
 
+    def text_vector(self, input_ids: Tensor, attention_mask: Tensor | None = None, language_ids: Tensor | None = None) -> Tensor:
+        """(B, D): each text's vector as ``ctx serve`` pools it (``task.pooling`` of the last layer):
+        what an embedding model is trained on and serves. Its texts have no segments."""
+        h = self.token_vectors(input_ids, attention_mask, None, language_ids)  # (B, T, D)
+        if self.task.pooling == "mean":
+            return mean_pool(h, attention_mask)
+        if self.task.pooling == "cls":
+            return h[:, 0]
+        return last_real(h, attention_mask)
+
     def _lm_loss(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         """GPT's auxiliary objective: next-token prediction over the (flattened) inputs."""
         h = self.backbone.hidden_states(input_ids, attention_mask)[-1][:, :-1]  # (B, T-1, D)
@@ -412,7 +492,10 @@ class TaskModel(nn.Module):
             attention_mask = attention_mask.reshape(-1, T) if attention_mask is not None else None
             token_type_ids = token_type_ids.reshape(-1, T) if token_type_ids is not None else None
 
-        if kind.reads != "tokens":
+        if kind.reads == "texts":
+            v = self.text_vector(input_ids, attention_mask, language_ids)  # (B or B*K, D)
+            logits = v.view(B, -1, v.shape[-1]) if grouped else v  # (B, K, D): an example's texts
+        elif kind.reads != "tokens":
             v = self.sequence_vector(input_ids, attention_mask, token_type_ids, language_ids)  # (B or B*K, D)
             if grouped and kind.reads == "sequence":
                 v = v.view(B, -1, v.shape[-1]).sum(dim=1)  # symmetric: the two orders' vectors added
@@ -435,10 +518,11 @@ class TaskModel(nn.Module):
         loss, metrics = None, {}
         given = {"labels": labels, "start_positions": start_positions, "end_positions": end_positions}
         targets = [given[name] for name in kind.targets]
-        if all(t is not None for t in targets):
-            loss, metrics = LOSSES[kind.loss](logits, *targets)
+        if all(t is not None for t in targets) and (kind.reads != "texts" or grouped):  # texts: (B, K, T) to train
+            texts = {"scale": self.task.scale, "gather": self.gather if self.training else None} if kind.reads == "texts" else {}
+            loss, metrics = LOSSES[kind.loss](logits, *targets, **texts)
             metrics["task_loss"] = loss.detach()
-            if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze:
+            if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze and kind.reads != "texts":
                 lm = self._lm_loss(input_ids, attention_mask)
                 metrics["lm_loss"] = lm.detach()
                 loss = loss + self.task.lm_weight * lm
