@@ -33,7 +33,15 @@ token-              ids etc. (N, L); labels (N, L)   word_ids (N, L) (-1 special
 classification      -100 where not predicted         truncated
 question-answering  ids etc. (F, L); start_positions, example_index, example_id, context_offsets
                     end_positions (F,)               (F, L, 2) (-1 outside the context), truncated
+embedding           ids etc. (N, K, L): anchor,      doc_ids (N, K-1) (hash of each candidate's
+                    positive, negatives; no labels   text), example_id, truncated
 ==================  ===============================  =====================================================
+
+Embedding records (sentence-transformers' MultipleNegativesRankingLoss data: anchor, positive and
+optional hard negatives) are encoded text by text exactly as the server encodes one text for
+/v1/embeddings (``Tokenizer.ids_for_model``: ``[CLS] tokens [SEP]``, tokens alone for GPT-2-style
+tokenizers), whatever ``input_style``: the vectors trained are the vectors served. Every record of
+a batch has the same number of negatives (``n_negatives``, else the batch's most common count).
 
 Question answering follows BERT's SQuAD recipe (Devlin et al. 2019, sec. 4.2-4.3) in Hugging
 Face's form (``run_qa.py`` ``prepare_train_features``), the tests' reference: the question (at
@@ -74,6 +82,11 @@ NO_ANSWER_POSITION = 0  # start/end of a window without the answer (and of SQuAD
 TEXT_FIELDS = ("sentence1", "text", "sentence")
 PAIR_FIELDS = ("sentence2", "text_pair")
 ID_FIELDS = ("id", "idx")
+# Embedding records (sentence-transformers' datasets: anchor/positive/negative, MS MARCO-style
+# query/document, NLI pairs): tried when text_field / pair_field / negative_field are None.
+ANCHOR_FIELDS = ("anchor", "query", "sentence1", "text", "sentence")
+POSITIVE_FIELDS = ("positive", "document", "sentence2", "text_pair")
+NEGATIVE_FIELDS = ("negative", "negatives")
 
 
 class RecordError(ValueError):
@@ -195,6 +208,13 @@ class TaskDataConfig:
     options_field: str = "options"
     mc_question_field: str | None = None  # multiple-choice: a question put before each option (RACE)
     id_field: str | None = None  # None: the first of ID_FIELDS present, else the row index
+    # embedding: hard negatives (a string or a list of strings per record); None: the first of
+    # NEGATIVE_FIELDS present, else none (in-batch negatives only). Anchor and positive are
+    # text_field and pair_field (None: the first of ANCHOR_FIELDS / POSITIVE_FIELDS present).
+    negative_field: str | None = None
+    # embedding: negatives every record must have; None: the batch's most common count.
+    # finetune_stream.check_split sets the split's, so every batch of a split has one width.
+    n_negatives: int | None = None
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -208,6 +228,8 @@ class TaskDataConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(key, "expected a non-negative integer")
+        if self.n_negatives is not None and (isinstance(self.n_negatives, bool) or not isinstance(self.n_negatives, int) or self.n_negatives < 0):
+            raise bad("n_negatives", "expected a non-negative integer or None")
         if self.max_len < 3:
             raise bad("max_len", "need at least 3 positions for the special tokens of a pair")
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:
@@ -392,15 +414,19 @@ def pick_squad(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None
     return questions, contexts, answers
 
 
+def _most_common(counts: np.ndarray) -> int:
+    """The most common value of ``counts`` (ties: the one seen first), 0 if there is none."""
+    values, first, freq = np.unique(counts, return_index=True, return_counts=True)
+    return int(values[np.lexsort((first, -freq))[0]]) if counts.size else 0
+
+
 def pick_multiple_choice(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None) -> tuple[list[str], list[list[str]], np.ndarray | None]:
     """(contexts, options (N x K), labels or None): every record must have the batch's K options
     (the most common count; on a tie the first record's), the label the index of the right one."""
     errors = errors or _Errors(collect=False)
     contexts = [_string(v, i, cfg.context_field, errors) for i, v in enumerate(_column(records, cfg.context_field))]
     options = [_string_list(v, i, cfg.options_field, errors) for i, v in enumerate(_column(records, cfg.options_field))]
-    counts = np.array([len(o) for o in options if o], dtype=np.int64)
-    values, first, freq = np.unique(counts, return_index=True, return_counts=True)
-    k = int(values[np.lexsort((first, -freq))[0]]) if counts.size else 0  # most common; ties: the earliest
+    k = _most_common(np.array([len(o) for o in options if o], dtype=np.int64))
     for i, o in enumerate(options):
         if len(o) != k and i not in errors.bad:
             errors.add(i, cfg.options_field, f"{len(o)} options where the other records have {k}" if o else "no options")
@@ -417,6 +443,65 @@ def pick_multiple_choice(records: dict, cfg: TaskDataConfig, errors: _Errors | N
         else:
             labels[i] = int(v)
     return contexts, options, labels
+
+
+def _text(v: Any, i: int, field: str, errors: _Errors) -> str:
+    """A non-empty string: an empty anchor or document would be trained on and retrieved as [CLS] [SEP]."""
+    if isinstance(v, str) and v.strip():
+        return str(v)
+    errors.add(i, field, f"expected a non-empty string, got {_type_name(v)}")
+    return ""
+
+
+def _negatives(records: dict, cfg: TaskDataConfig, errors: _Errors) -> tuple[str | None, list[list[str] | None]]:
+    """(field, each record's negatives): a string is one negative; a record without the field has
+    none; None where the value is neither a string nor a list of non-empty strings (an error)."""
+    field = cfg.negative_field or _first_present(records, NEGATIVE_FIELDS)
+    if field is None:
+        return None, [[] for _ in range(_n_records(records))]
+    out: list[list[str] | None] = []
+    for i, v in enumerate(_column(records, field)):
+        if v is None:
+            out.append([])
+        elif isinstance(v, str):
+            out.append([_text(v, i, field, errors)])
+        elif isinstance(v, (list, tuple, np.ndarray)) and all(isinstance(x, str) and x.strip() for x in v):
+            out.append([str(x) for x in v])
+        else:
+            errors.add(i, field, f"expected a non-empty string or a list of them, got {_type_name(v)}")
+            out.append(None)
+    return field, out
+
+
+def _negative_width(negatives: list[list[str] | None], cfg: TaskDataConfig) -> int:
+    if cfg.n_negatives is not None:
+        return cfg.n_negatives
+    return _most_common(np.array([len(x) for x in negatives if x is not None], dtype=np.int64))
+
+
+def negative_count(records: dict, cfg: TaskDataConfig) -> int:
+    """The negatives every embedding record must have: ``cfg.n_negatives``, else the records' most
+    common count (ties: the earliest), as ``pick_multiple_choice`` fixes the options."""
+    return _negative_width(_negatives(records, cfg, _Errors(collect=True))[1], cfg)
+
+
+def pick_embedding_texts(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None) -> list[list[str]]:
+    """N x K texts: [anchor, positive, *negatives], K = 2 + ``negative_count``; every text a
+    non-empty string. A record with another number of negatives is a record error."""
+    errors = errors or _Errors(collect=False)
+    anchor_field = cfg.text_field or _first_present(records, ANCHOR_FIELDS) or ANCHOR_FIELDS[0]
+    column = _column(records, anchor_field, "" if cfg.text_field else f" (nor {list(ANCHOR_FIELDS[1:])})")
+    anchors = [_text(v, i, anchor_field, errors) for i, v in enumerate(column)]
+    positive_field = cfg.pair_field or _first_present(records, POSITIVE_FIELDS) or POSITIVE_FIELDS[0]
+    column = _column(records, positive_field, "" if cfg.pair_field else f" (nor {list(POSITIVE_FIELDS[1:])})")
+    positives = [_text(v, i, positive_field, errors) for i, v in enumerate(column)]
+    field, negatives = _negatives(records, cfg, errors)
+    k = _negative_width(negatives, cfg)
+    others = "the other records have" if cfg.n_negatives is None else "TaskDataConfig.n_negatives (the split's count) is"
+    for i, neg in enumerate(negatives):
+        if neg is not None and len(neg) != k and i not in errors.bad:
+            errors.add(i, field or NEGATIVE_FIELDS[0], f"{len(neg)} negatives where {others} {k}")
+    return [[a, p, *(neg if neg is not None and len(neg) == k else [""] * k)] for a, p, neg in zip(anchors, positives, negatives)]
 
 
 def example_ids(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None) -> np.ndarray:
@@ -457,6 +542,7 @@ RECORD_CHECKS: dict[str, Callable[[dict, TaskDataConfig, _Errors], Any]] = {
     "multiple-choice": pick_multiple_choice,
     "token-classification": pick_tagged_words,
     "question-answering": pick_squad,
+    "embedding": pick_embedding_texts,
 }
 
 
@@ -840,12 +926,48 @@ def encode_question_answering(records: dict, tok, cfg: TaskDataConfig) -> dict[s
     return out
 
 
+def encode_embedding(records: dict, tok, cfg: TaskDataConfig) -> dict[str, np.ndarray]:
+    """Anchor, positive and negatives -> rows (N, K, max_len), one text per row, each
+    ``tok.ids_for_model(text, max_len)`` (what /v1/embeddings encodes) padded with ``tok.padding_id``;
+    ``token_type_ids`` all 0 (one segment). ``doc_ids`` (N, K-1): ``stable_hash64`` of each candidate
+    text, so the retrieval metrics see a text shared by records as one document. No labels: the
+    anchor's positive is column 0 of the candidates."""
+    texts = pick_embedding_texts(records, cfg)
+    n, k, max_len = len(texts), len(texts[0]) if texts else 2 + (cfg.n_negatives or 0), cfg.max_len
+    flat = [t for row in texts for t in row]  # (N*K,)
+    # One token more than the row holds tells the texts that do not fit; only those are encoded
+    # again at max_len, so the kept ids are ids_for_model's own (its truncation keeps [SEP]).
+    ids = tok.ids_for_model(flat, max_len + 1)
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))  # (N*K,)
+    cut = lengths > max_len
+    long = np.flatnonzero(cut).tolist()
+    for j, row in zip(long, tok.ids_for_model([flat[j] for j in long], max_len)):
+        ids[j] = row
+    lengths = np.minimum(lengths, max_len)
+    input_ids = np.full((len(flat), max_len), tok.padding_id, dtype=np.int64)  # (N*K, L)
+    if len(flat) and lengths.sum():
+        rows = np.repeat(np.arange(len(flat)), lengths)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        input_ids[rows, cols] = np.concatenate(ids)
+    attention_mask = (np.arange(max_len)[None, :] < lengths[:, None]).astype(np.int64)  # (N*K, L)
+    doc_ids = np.fromiter((stable_hash64(t) for row in texts for t in row[1:]), dtype=np.int64, count=n * (k - 1))
+    return {
+        "input_ids": input_ids.reshape(n, k, max_len),  # (N, K, L)
+        "attention_mask": attention_mask.reshape(n, k, max_len),
+        "token_type_ids": np.zeros((n, k, max_len), dtype=np.int64),
+        "truncated": cut.reshape(n, k).any(axis=1),
+        "doc_ids": doc_ids.reshape(n, k - 1),  # (N, K-1)
+        "example_id": example_ids(records, cfg),
+    }
+
+
 ENCODERS: dict[str, Callable[[dict, Any, TaskDataConfig], dict[str, np.ndarray]]] = {
     "classification": encode_classification,
     "regression": encode_regression,
     "multiple-choice": encode_multiple_choice,
     "token-classification": encode_token_classification,
     "question-answering": encode_question_answering,
+    "embedding": encode_embedding,
 }
 
 

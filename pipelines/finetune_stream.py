@@ -35,7 +35,9 @@ import pyarrow as pa
 
 from ctxmodels.task_kinds import TASKS
 from pipelines import storage
-from pipelines.finetune import LabelSet, RecordError, TaskDataConfig, check_records, encode_task, read_squad_json
+from pipelines.finetune import (
+    NEGATIVE_FIELDS, LabelSet, RecordError, TaskDataConfig, check_records, encode_task, negative_count, read_squad_json,
+)
 from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform
 from pipelines.sources import ReadStats
@@ -304,12 +306,29 @@ class SplitCheck:
         return int(self.rows.sum())
 
 
+def with_split_widths(table: pa.Table, cfg: TaskDataConfig) -> TaskDataConfig:
+    """``cfg`` with ``n_negatives`` pinned to the split's most common count (the embedding kind).
+    Records are checked a batch at a time; unpinned, each batch would agree only with itself, and
+    batches of different widths cannot be stacked into one dataset. Every usable record then has
+    the split's count, so encoding them later without the pin gives the same width."""
+    if TASKS[cfg.kind].reads != "texts" or cfg.n_negatives is not None:
+        return cfg
+    records, _ = parse_records(table.column("_json").to_pylist())
+    field = cfg.negative_field or next((f for f in NEGATIVE_FIELDS if any(r and f in r for r in records)), None)
+    if field is None:
+        return replace(cfg, n_negatives=0)
+    column = {field: [r.get(field) for r in records if r is not None]}
+    return replace(cfg, n_negatives=negative_count(column, replace(cfg, negative_field=field)))
+
+
 def check_split(table: pa.Table, files: dict[str, bytes], cfg: TaskDataConfig, batch_size: int = 256) -> SplitCheck:
-    """Parse and encode every record once (Ray Data map_batches over an actor pool)."""
+    """Parse and encode every record once (Ray Data map_batches over an actor pool), under the
+    split's widths (``with_split_widths``)."""
     import ray
 
     if table.num_rows == 0:
         return SplitCheck(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, {})
+    cfg = with_split_widths(table, cfg)
     ds = ray.data.from_arrow(table.select(["_index", "_json"])).map_batches(
         CheckRecords, fn_constructor_kwargs={"files": files, "cfg": cfg}, batch_size=batch_size, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=1), num_cpus=ENCODE_ACTOR_CPUS,
@@ -460,7 +479,8 @@ class _EncodeGood:
 
 def references(table: pa.Table, usable: np.ndarray, cfg: TaskDataConfig) -> dict[str, Any]:
     """What validation metrics compare with, for QA: ``contexts`` (every record of the split, by
-    index; "" for unusable ones) and ``answers`` (texts per usable record, in ``usable`` order)."""
+    index; "" for unusable ones) and ``answers`` (texts per usable record, in ``usable`` order).
+    Other kinds compare with columns of the encoded rows: ``labels``; embedding: ``doc_ids``."""
     if cfg.kind != "question-answering":
         return {}
     parsed, _ = parse_records(table.column("_json").to_pylist())

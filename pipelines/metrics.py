@@ -13,6 +13,10 @@
   max over the gold answers; SQuAD 2.0's ``HasAns``/``NoAns`` split, where an unanswerable question
   has the gold answer "" (``evaluate-v2.0.py``). SQuAD scores are percentages (0-100), as the
   official scripts print them; every other metric is a fraction.
+* Retrieval (sentence embeddings): MTEB's ``ndcg_at_10``, ``mrr_at_10``, ``map_at_100``,
+  ``recall_at_1``, ``recall_at_10`` (Muennighoff et al. 2023) by cosine similarity, as
+  sentence-transformers' ``InformationRetrievalEvaluator.compute_metrics`` computes them for a query
+  with one relevant document; the anchors are the queries, their positives and negatives the corpus.
 
 Argument order is ``(predictions, references)`` everywhere, as ``task_metrics`` and Hugging Face
 ``evaluate`` (sklearn's is ``(y_true, y_pred)``). Degenerate inputs follow the references:
@@ -480,6 +484,70 @@ def qa_metrics(predictions: Any, references: Any, version_2: bool | None = None)
     return squad_scores(predictions, references, version_2=bool(version_2))
 
 
+# ------------------------------------------------------------------------------- retrieval
+
+RETRIEVAL_SCORE_CELLS = 1 << 24  # query x document scores held at once (128 MiB of float64)
+TIE_TOLERANCE = 1e-9  # cosines closer than this to the relevant document's tie with it (float rounding of equal vectors)
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1; zero and non-finite rows become 0 (a cosine of 0 with everything)."""
+    x = np.where(np.isfinite(x).all(axis=-1, keepdims=True), x, 0.0)
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return np.divide(x, norm, out=np.zeros_like(x), where=norm > 0)
+
+
+def retrieval_ranks(predictions: Any, references: Any) -> np.ndarray:
+    """int64 (N,): the rank (1 = best) of each anchor's positive among the unique documents.
+
+    ``predictions`` float (N, K, D): each record's vectors, anchor first, then its K-1 candidates
+    (positive, negatives); ``references`` int64 (N, K-1): the candidates' document ids (the
+    encoder's ``doc_ids``). The corpus is the unique ids, each with the vector of its first
+    occurrence; anchor i's one relevant document is ``references[i, 0]``. The rank counts the
+    documents scoring at least as high as the relevant one (the relevant one included), so ties
+    rank pessimistically: a collapsed model whose vectors are all equal ranks every positive
+    last, never first. sentence-transformers orders ties by corpus id instead, which can credit a
+    collapsed model with perfect scores. Scores are computed a block of anchors at a time
+    (``RETRIEVAL_SCORE_CELLS``), so the full N x corpus matrix never exists.
+    """
+    p = np.asarray(predictions, dtype=np.float64)
+    r = np.asarray(references, dtype=np.int64)
+    if len(p) == 0:
+        raise ValueError("retrieval metrics: no queries")
+    if p.ndim != 3 or p.shape[1] < 2:
+        raise ValueError(f"retrieval metrics: predictions must be (N, K, D) with the anchor and at least one candidate, got shape {p.shape}")
+    n, k, d = p.shape
+    if r.shape != (n, k - 1):
+        raise ValueError(f"retrieval metrics: references must be the candidates' doc ids, shape ({n}, {k - 1}), got {r.shape}")
+    ids, first, inverse = np.unique(r.reshape(-1), return_index=True, return_inverse=True)
+    corpus = _unit_rows(p[:, 1:, :].reshape(-1, d)[first])  # (C, D) one vector per document
+    queries = _unit_rows(p[:, 0, :])  # (N, D)
+    relevant = inverse.reshape(n, k - 1)[:, 0]  # (N,) each anchor's positive, as a corpus row
+    ranks = np.empty(n, dtype=np.int64)
+    step = max(1, min(1024, RETRIEVAL_SCORE_CELLS // len(ids)))
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        scores = queries[start:stop] @ corpus.T  # (B, C)
+        own = scores[np.arange(stop - start), relevant[start:stop]]  # (B,)
+        ranks[start:stop] = (scores >= own[:, None] - TIE_TOLERANCE).sum(axis=1)
+    return ranks
+
+
+def retrieval_metrics(predictions: Any, references: Any) -> dict[str, float]:
+    """MTEB's retrieval metrics of each anchor's positive among all candidate documents (see
+    ``retrieval_ranks``), averaged over the anchors. With one relevant document at rank r:
+    nDCG@10 = 1/log2(r + 1), MRR@10 = 1/r and MAP@100 = 1/r within the cutoff, else 0; recall@k =
+    [r <= k] (sentence-transformers' accuracy@k and, for k = 1, precision@1 are the same numbers)."""
+    rank = retrieval_ranks(predictions, references).astype(np.float64)
+    return {
+        "ndcg_at_10": float(np.mean(np.where(rank <= 10, 1.0 / np.log2(rank + 1), 0.0))),
+        "mrr_at_10": float(np.mean(np.where(rank <= 10, 1.0 / rank, 0.0))),
+        "map_at_100": float(np.mean(np.where(rank <= 100, 1.0 / rank, 0.0))),
+        "recall_at_1": float(np.mean(rank <= 1)),
+        "recall_at_10": float(np.mean(rank <= 10)),
+    }
+
+
 # The metrics of each task kind (ctxmodels.task_kinds.TASKS[kind].metrics names what each returns).
 METRICS: dict[str, Callable[..., dict[str, float]]] = {
     "classification": classification_metrics,
@@ -487,6 +555,7 @@ METRICS: dict[str, Callable[..., dict[str, float]]] = {
     "multiple-choice": choice_metrics,
     "token-classification": tagging_metrics,
     "question-answering": qa_metrics,
+    "embedding": retrieval_metrics,
 }
 
 

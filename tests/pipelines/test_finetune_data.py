@@ -22,6 +22,7 @@ from pipelines.finetune import (
     check_records,
     drop_bad_records,
     encode_classification,
+    encode_embedding,
     encode_multiple_choice,
     encode_question_answering,
     encode_regression,
@@ -29,8 +30,10 @@ from pipelines.finetune import (
     encode_text_pairs,
     encode_token_classification,
     flatten_squad,
+    pick_embedding_texts,
     read_squad_json,
 )
+from pipelines.rng import stable_hash64
 from pipelines.tokenizers import load_tokenizer, train_tokenizer
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
@@ -175,6 +178,103 @@ def test_multiple_choice(tok):
         encode_multiple_choice(bad, tok, cfg)
     with pytest.raises(RecordError, match=r"record 0: field 'label'"):
         encode_multiple_choice({**records, "label": [3, 0]}, tok, cfg)
+
+
+# ------------------------------------------------------------------------------ embedding
+
+EMBEDDING_RECORDS = {
+    "anchor": ["a cat sat on the mat", "where do dogs sleep at night when the whole house is quiet and dark", "cats"],
+    "positive": ["the cat is on the mat", "dogs sleep in baskets", "the cat is on the mat"],  # record 2 shares record 0's positive
+    "negative": [["dogs sleep in baskets", "a bird"], ["a fish", "the sea"], ["x", "y z"]],  # record 0's negative is record 1's positive
+}
+
+
+def _assert_server_rows(out, texts, tok, max_len):
+    """Every (record, text) row is tok.ids_for_model of the text, padded on the right."""
+    for i, row in enumerate(texts):
+        for j, text in enumerate(row):
+            ids = tok.ids_for_model([text], max_len)[0]
+            n = len(ids)
+            np.testing.assert_array_equal(out["input_ids"][i, j, :n], ids, err_msg=f"record {i} text {j}")
+            assert (out["input_ids"][i, j, n:] == tok.padding_id).all()
+            assert out["attention_mask"][i, j].tolist() == [1] * n + [0] * (max_len - n)
+
+
+def test_embedding_rows_are_the_servers_encoding_of_each_text(tok):
+    cfg = TaskDataConfig(kind="embedding", max_len=12)
+    out = encode_embedding(EMBEDDING_RECORDS, tok, cfg)
+    assert {k: (v.shape, v.dtype.name) for k, v in out.items()} == {
+        "input_ids": ((3, 4, 12), "int64"), "attention_mask": ((3, 4, 12), "int64"), "token_type_ids": ((3, 4, 12), "int64"),
+        "truncated": ((3,), "bool"), "doc_ids": ((3, 3), "int64"), "example_id": ((3,), "int64"),
+    }
+    texts = pick_embedding_texts(EMBEDDING_RECORDS, cfg)
+    assert texts[0] == ["a cat sat on the mat", "the cat is on the mat", "dogs sleep in baskets", "a bird"]
+    _assert_server_rows(out, texts, tok, 12)
+    assert (out["token_type_ids"] == 0).all() and out["example_id"].tolist() == [0, 1, 2]
+    full = [len(tok.encode_batch([t])[0]) + 2 > 12 for row in texts for t in row]
+    assert out["truncated"].tolist() == np.array(full).reshape(3, 4).any(axis=1).tolist() == [False, True, False]
+    doc = out["doc_ids"]
+    assert doc[0, 0] == doc[2, 0] == stable_hash64("the cat is on the mat")  # one text, one document
+    assert doc[0, 1] == doc[1, 0] and len(set(doc.reshape(-1).tolist())) == 7
+    # Any style, and a tokenizer without [CLS]/[SEP] (GPT-2's): the server's ids all the same.
+    out = encode_task(EMBEDDING_RECORDS, tok, TaskDataConfig(kind="embedding", max_len=12, input_style="xlnet"))
+    _assert_server_rows(out, texts, tok, 12)
+
+
+def test_embedding_rows_from_a_gpt2_style_tokenizer(tmp_path):
+    from tests.pipelines.test_alignment import _gpt2_folder
+
+    tok = _gpt2_folder(_lines(300), tmp_path)
+    assert not tok.wraps_with_cls_sep and tok.padding_id == tok.special_id("eos")  # tokens alone, padded with <|endoftext|>
+    cfg = TaskDataConfig(kind="embedding", max_len=6, input_style="gpt")
+    out = encode_embedding(EMBEDDING_RECORDS, tok, cfg)
+    _assert_server_rows(out, pick_embedding_texts(EMBEDDING_RECORDS, cfg), tok, 6)
+    assert out["truncated"][1]
+
+
+def test_embedding_fields_and_negatives_as_string_or_list(tok):
+    cfg = TaskDataConfig(kind="embedding", max_len=16)
+    one = {"anchor": ["a", "b"], "positive": ["c", "d"], "negative": ["e", "f"]}
+    listed = {"anchor": ["a", "b"], "positive": ["c", "d"], "negatives": [["e"], np.array(["f"], dtype=object)]}
+    for key in ("input_ids", "attention_mask", "doc_ids"):
+        np.testing.assert_array_equal(encode_embedding(one, tok, cfg)[key], encode_embedding(listed, tok, cfg)[key])
+    assert pick_embedding_texts({"query": ["q"], "document": ["d"], "id": ["x"]}, cfg) == [["q", "d"]]  # pairs: in-batch negatives only
+    assert encode_embedding({"query": ["q"], "document": ["d"]}, tok, cfg)["doc_ids"].shape == (1, 1)
+    assert pick_embedding_texts({"sentence1": ["s"], "sentence2": ["t"], "label": [0]}, cfg) == [["s", "t"]]
+    named = TaskDataConfig(kind="embedding", text_field="q", pair_field="p", negative_field="n")
+    assert pick_embedding_texts({"q": ["1"], "p": ["2"], "n": [["3", "4"]], "anchor": ["x"], "negative": ["y"]}, named) == [["1", "2", "3", "4"]]
+    assert pick_embedding_texts({"anchor": ["a"], "positive": ["p"], "negatives": [[]]}, cfg) == [["a", "p"]]
+
+
+def test_embedding_record_errors(tok):
+    cfg = TaskDataConfig(kind="embedding", max_len=16)
+    records = {
+        "anchor": ["a", None, "c", "d", "e", "  ", "g"],
+        "positive": ["p", "p", "", "p", "p", "p", "p"],
+        "negatives": [["n", "m"], ["n", "m"], ["n", "m"], ["n"], "n", ["n", "m"], [3, "m"]],
+    }
+    errors = check_records(records, cfg)
+    assert [(e.index, e.field) for e in errors] == [(1, "anchor"), (2, "positive"), (3, "negatives"), (4, "negatives"), (5, "anchor"), (6, "negatives")]
+    assert str(errors[0]) == "record 1: field 'anchor': expected a non-empty string, got nothing (missing)"
+    assert str(errors[2]) == "record 3: field 'negatives': 1 negatives where the other records have 2"
+    assert "expected a non-empty string or a list of them" in str(errors[5])
+    with pytest.raises(RecordError, match=r"record 1: field 'anchor'"):
+        encode_embedding(records, tok, cfg)
+    kept, _ = drop_bad_records(records, cfg)
+    assert encode_embedding(kept, tok, cfg)["input_ids"].shape == (1, 4, 16)
+    pinned = TaskDataConfig(kind="embedding", n_negatives=1)  # the split's count, set by finetune_stream.check_split
+    assert [str(e) for e in check_records({"anchor": ["a", "b"], "positive": ["p", "q"]}, pinned)] == [
+        f"record {i}: field 'negative': 0 negatives where TaskDataConfig.n_negatives (the split's count) is 1" for i in (0, 1)
+    ]
+    with pytest.raises(ValueError, match=r"no field 'positive' \(nor \['document', 'sentence2', 'text_pair'\]\)") as info:
+        check_records({"anchor": ["a"], "answer": ["b"]}, cfg)
+    assert not isinstance(info.value, RecordError)  # a missing column is configuration, not a bad record
+    with pytest.raises(ValueError, match=r"no field 'anchor' \(nor \['query', 'sentence1', 'text', 'sentence'\]\)"):
+        encode_embedding({"positive": ["b"]}, tok, cfg)
+    with pytest.raises(ValueError, match=r"no field 'hard'"):
+        encode_embedding({"anchor": ["a"], "positive": ["b"]}, tok, TaskDataConfig(kind="embedding", negative_field="hard"))
+    with pytest.raises(ValueError, match=r"TaskDataConfig.n_negatives=-1"):
+        TaskDataConfig(kind="embedding", n_negatives=-1)
 
 
 def _hf_tokenize_and_align_labels(hf, words, tags, max_len, label_all_tokens, b_to_i):
@@ -418,6 +518,7 @@ def test_arrow_numpy_batches_encode_like_python_lists(tok):
          {"tokens": [["a", "Bb", "c"], ["dd"]], "tags": [["B-X", "I-X", "O"], ["O"]]}),
         (TaskDataConfig(kind="classification", max_len=12, labels=("0", "1")), {"sentence1": ["a b", "c"], "sentence2": ["d", "e f"], "label": [1, 0], "idx": [3, 4]}),
         (TaskDataConfig(kind="multiple-choice", max_len=12), {"context": ["a", "b"], "options": [["x", "y"], ["z", "w"]], "label": [1, 0]}),
+        (TaskDataConfig(kind="embedding", max_len=12), {"anchor": ["a b", "c"], "positive": ["d", "e f"], "negatives": [["x", "y"], ["z", "w"]]}),
     ]
     for cfg, records in cases:
         batch = arrow_numpy(records)

@@ -18,6 +18,9 @@ from pipelines.finetune_stream import (
     encode_rows,
     epoch_order,
     label_set,
+    label_values,
+    references,
+    with_split_widths,
     work_units,
 )
 from pipelines.position import DataPosition
@@ -102,3 +105,27 @@ def test_a_unit_drops_the_rows_the_checkpoint_committed(tok):
     assert out[1]["_shard"].tolist() == [1] and out[1]["_shard_total"].tolist() == [3] and out[1]["epoch"].tolist() == [0]
     enc._position.add([0], [1], [3 << WINDOW_BITS], [3])  # unit 1 complete: not read at all
     assert [(b["sample_id"] >> WINDOW_BITS).tolist() for b in enc(batch)] == [[0, 1, 4]]
+
+
+def test_embedding_records_are_checked_against_the_splits_negative_count(tok):
+    """Batches are checked one by one; the split's count of negatives is pinned first, so every
+    usable record has it and every batch of the split stacks to one width."""
+    cfg = TaskDataConfig(kind="embedding", max_len=16)
+    recs = [{"anchor": f"q{i}", "positive": f"d{i}", "negatives": ["n1", "n2"]} for i in range(3)]
+    recs += [{"anchor": "q3", "positive": "d3", "negatives": "n1"}, {"anchor": "q4", "positive": "d4"}]
+    texts = [json.dumps(r) for r in recs] + ["{bad"]
+    table = pa.table({"_json": texts})
+    assert label_values(table, cfg) == [] and references(table, np.arange(5), cfg) == {}  # no labels: the rows' doc_ids are the references
+    pinned = with_split_widths(table, cfg)
+    assert pinned.n_negatives == 2 and with_split_widths(table, pinned) is pinned
+    late = texts[3:5]  # a batch of its own would agree with itself (one negative), not with the split
+    assert encode_rows(late, np.array([3, 4]), tok, cfg)[1].tolist() == [True, False]
+    rows, ok, problems = encode_rows(late, np.array([3, 4]), tok, pinned)
+    assert ok.tolist() == [False, False] and {p.field for p in problems} == {"negatives"}
+    rows, ok, _ = encode_rows(texts[:3], np.array([0, 1, 2]), tok, cfg)  # the usable ones, encoded later without the pin
+    assert ok.all() and rows["input_ids"].shape == (3, 4, 16) and rows["doc_ids"].shape == (3, 3)
+    assert (rows["sample_id"] >> WINDOW_BITS).tolist() == [0, 1, 2]
+    pairs = pa.table({"_json": [json.dumps({"query": "q", "document": "d"})]})
+    assert with_split_widths(pairs, cfg).n_negatives == 0
+    classes = TaskDataConfig(kind="classification", labels=("0",))
+    assert with_split_widths(table, classes) is classes

@@ -21,6 +21,8 @@ from pipelines.metrics import (
     normalize_answer,
     pearson,
     rankdata,
+    retrieval_metrics,
+    retrieval_ranks,
     spearman,
     squad_exact_match,
     squad_f1,
@@ -291,3 +293,121 @@ def test_task_metrics_names():
         task_metrics("ranking", [1], [1])
     with pytest.raises(ValueError, match="label_names"):
         task_metrics("token-classification", np.zeros((1, 2), int), np.zeros((1, 2), int))
+
+
+
+# ------------------------------------------------------------------------------------ retrieval
+
+RETRIEVAL = ("ndcg_at_10", "mrr_at_10", "map_at_100", "recall_at_1", "recall_at_10")
+
+
+def _retrieval_case(seed: int, n: int, k: int, n_docs: int, d: int = 8):
+    """Random continuous vectors (no ties): N anchors, each with K-1 candidates drawn from a pool of
+    documents (so records share documents), the positive first. Returns (predictions, references,
+    the anchors' unit vectors, the corpus's unit vectors (C, D), each anchor's positive as a corpus row)."""
+    rng = np.random.default_rng(seed)
+    pool = rng.normal(size=(n_docs, d))
+    pick = np.stack([rng.choice(n_docs, size=k - 1, replace=False) for _ in range(n)])  # (N, K-1)
+    ids = rng.integers(1, 1 << 62, size=n_docs)  # doc ids: any int64s (the encoder's text hashes)
+    anchors = rng.normal(size=(n, d)) + 0.8 * pool[pick[:, 0]]  # closer to their positive than chance
+    predictions = np.concatenate([anchors[:, None], pool[pick]], axis=1)  # (N, K, D)
+    used = np.unique(pick)  # the corpus: the documents some record names
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    return predictions, ids[pick], unit(anchors), unit(pool[used]), np.searchsorted(used, pick[:, 0])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_retrieval_metrics_equal_sklearn(seed):
+    rng = np.random.default_rng(100 + seed)
+    n, k = int(rng.integers(3, 40)), int(rng.integers(2, 5))
+    n_docs = int(rng.integers(max(k, 3), 9)) if seed % 2 else int(rng.integers(20, 90))  # <= 10 or <= 100 documents
+    predictions, references, queries, corpus, relevant = _retrieval_case(seed, n, k, n_docs)
+    scores = queries @ corpus.T  # (N, C)
+    if scores.shape[1] < 3:
+        pytest.skip("sklearn's top-k accuracy reads 2 classes as binary")
+    y_true = np.zeros_like(scores, dtype=int)
+    y_true[np.arange(n), relevant] = 1
+    ours = retrieval_metrics(predictions, references)
+    labels = np.arange(scores.shape[1])
+    assert ours["ndcg_at_10"] == pytest.approx(sklearn_metrics.ndcg_score(y_true, scores, k=10), abs=1e-12)
+    assert ours["recall_at_1"] == pytest.approx(sklearn_metrics.top_k_accuracy_score(relevant, scores, k=1, labels=labels), abs=1e-12)
+    assert ours["recall_at_10"] == pytest.approx(_quiet(sklearn_metrics.top_k_accuracy_score, relevant, scores, k=10, labels=labels), abs=1e-12)
+    lrap = sklearn_metrics.label_ranking_average_precision_score(y_true, scores)  # mean 1/rank: no cutoff
+    assert ours["map_at_100"] == pytest.approx(lrap, abs=1e-12)  # every rank <= 100 here
+    if scores.shape[1] <= 10:
+        assert ours["mrr_at_10"] == pytest.approx(lrap, abs=1e-12)
+
+
+def test_retrieval_metrics_equal_sentence_transformers_evaluator():
+    """sentence-transformers' InformationRetrievalEvaluator on the same vectors: a stand-in model
+    gives it the anchors' vectors, the corpus vectors are passed precomputed (no model is loaded)."""
+    st_eval = pytest.importorskip("sentence_transformers.sentence_transformer.evaluation.information_retrieval")
+    torch = pytest.importorskip("torch")
+    from sentence_transformers.util import cos_sim
+
+    for seed, n, k, n_docs in ((0, 60, 3, 150), (1, 25, 2, 30), (2, 200, 4, 400)):  # corpora over 100: map@100 and @10 cut
+        predictions, references, queries, corpus, relevant = _retrieval_case(seed, n, k, n_docs, d=4)
+        evaluator = st_eval.InformationRetrievalEvaluator(
+            queries={f"q{i}": "" for i in range(n)}, corpus={f"d{j}": "" for j in range(len(corpus))},
+            relevant_docs={f"q{i}": {f"d{relevant[i]}"} for i in range(n)}, score_functions={"cosine": cos_sim}, write_csv=False,
+        )
+
+        class Anchors:
+            def encode_query(self, *args, **kwargs):
+                return torch.as_tensor(queries)
+
+        got = evaluator.compute_all_metrics(Anchors(), corpus_embeddings=torch.as_tensor(corpus))["cosine"]
+        ours = retrieval_metrics(predictions, references)
+        assert 0 < ours["recall_at_10"] < 1 and ours["map_at_100"] > ours["mrr_at_10"]  # the cutoffs matter in these cases
+        expected = {"ndcg_at_10": got["ndcg@k"][10], "mrr_at_10": got["mrr@k"][10], "map_at_100": got["map@k"][100],
+                    "recall_at_1": got["recall@k"][1], "recall_at_10": got["recall@k"][10]}
+        assert ours == pytest.approx(expected, abs=1e-6)
+        assert got["precision@k"][1] == pytest.approx(ours["recall_at_1"]) and got["accuracy@k"][10] == pytest.approx(ours["recall_at_10"])
+
+
+def test_retrieval_metrics_by_hand_with_a_shared_document():
+    """Records 0 and 2 share their positive (one document, doc id 7): the corpus is {7, 8, 9}."""
+    e = np.eye(3)
+    predictions = np.stack([
+        [e[0], e[0], e[1]],  # anchor on doc 7: rank 1
+        [e[1] + 0.5 * e[2], e[2], e[1]],  # positive 9 scores below 8: rank 2
+        [e[1], 5 * e[0], e[2]],  # its positive 7 (the first occurrence's vector, e0, counts) is orthogonal: 7, 8, 9 -> 0, 1, 0: rank 3 (ties pessimistic)
+    ])
+    references = np.array([[7, 8], [9, 8], [7, 9]])
+    assert retrieval_ranks(predictions, references).tolist() == [1, 2, 3]
+    out = retrieval_metrics(predictions, references)
+    assert out == pytest.approx({
+        "ndcg_at_10": (1 + 1 / np.log2(3) + 1 / np.log2(4)) / 3, "mrr_at_10": (1 + 1 / 2 + 1 / 3) / 3,
+        "map_at_100": (1 + 1 / 2 + 1 / 3) / 3, "recall_at_1": 1 / 3, "recall_at_10": 1.0,
+    })
+    assert task_metrics("embedding", predictions, references) == out
+    assert set(RETRIEVAL) == set(out)
+
+
+def test_a_collapsed_model_scores_worst_never_best(monkeypatch):
+    n = 30
+    references = np.arange(2 * n).reshape(n, 2)  # 60 documents
+    same = np.ones((n, 3, 4), dtype=np.float32)
+    assert retrieval_ranks(same, references).tolist() == [2 * n] * n  # every positive ties with every document
+    assert retrieval_metrics(same, references) == {**{name: 0.0 for name in RETRIEVAL}, "map_at_100": 1 / (2 * n)}  # the last of 60
+    assert retrieval_ranks(np.zeros((n, 3, 4)), references).tolist() == [2 * n] * n  # zero vectors: cosine 0, all ties
+    broken = np.random.default_rng(0).normal(size=(n, 3, 4))
+    broken[:, 0] = np.nan  # a diverged model's anchors
+    assert retrieval_ranks(broken, references).tolist() == [2 * n] * n
+    predictions, references, *_ = _retrieval_case(5, 50, 3, 120)
+    whole = retrieval_ranks(predictions, references)
+    from pipelines import metrics
+
+    monkeypatch.setattr(metrics, "RETRIEVAL_SCORE_CELLS", 7 * 100)  # blocks of 7 anchors: the same ranks
+    np.testing.assert_array_equal(retrieval_ranks(predictions, references), whole)
+
+
+def test_retrieval_input_errors():
+    with pytest.raises(ValueError, match="no queries"):
+        retrieval_metrics(np.zeros((0, 2, 4)), np.zeros((0, 1), dtype=np.int64))
+    with pytest.raises(ValueError, match="no queries"):
+        retrieval_metrics([], [])
+    with pytest.raises(ValueError, match=r"predictions must be \(N, K, D\)"):
+        retrieval_metrics(np.zeros((3, 1, 4)), np.zeros((3, 0), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"references must be the candidates' doc ids, shape \(3, 2\)"):
+        retrieval_metrics(np.zeros((3, 3, 4)), np.zeros((3, 3), dtype=np.int64))
