@@ -399,13 +399,14 @@ def _export_sentence_transformers(loaded, source: Path, out: Path, pad_id: int |
                                   normalize: bool | None) -> str:
     """The backbone and the server's pooling as a folder sentence-transformers loads (ctxmodels.sbert);
     returns the pooling. What is not given is what ``ctx serve`` gives for ``source`` unasked: a
-    sentence-transformers folder's own pooling, Normalize module, max_seq_length and prompts, else mean
-    pooling, not normalised, the model's positions."""
-    from ctxmodels.sbert import export_sentence_transformers_folder, read_sentence_settings, sentence_defaults
+    sentence-transformers folder's own pooling, Normalize module, max_seq_length and prompts (an
+    embedding checkpoint's: those it was fine-tuned with), else mean pooling, not normalised, the
+    model's positions."""
+    from ctxmodels.sbert import checkpoint_sentence_settings, export_sentence_transformers_folder, sentence_defaults
 
     if loaded.tokenizer_dir is None:
         raise ValueError("the checkpoint has no tokenizer files; sentence-transformers needs them")
-    own = read_sentence_settings(source)
+    own = checkpoint_sentence_settings(source, loaded.task)
     max_len = getattr(loaded.config, "max_tokens", None) or getattr(loaded.config, "max_seq_len", None) or 512
     pooling, normalize, max_len = sentence_defaults(own, pooling, normalize, int(max_len))
     export_sentence_transformers_folder(loaded.model, loaded.family, out, loaded.tokenizer_dir, dim=int(loaded.config.d_model),

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ctxmodels.task_kinds import TASKS
 from jobs.serving.batching import Batcher
 from jobs.identity import checkpoint_version, tokenizer_hash
 from jobs.serving.passes import HostCopy, forward, on_forward_thread, one_pass_behind, ordered_map, token_budget_groups, tokenizing_pool
@@ -31,9 +32,6 @@ logger = logging.getLogger("ray.serve")  # Serve's logger: a replica's lines lan
 
 DEFAULT_MAX_LEN = 512  # for families without a position table (ELMo's LSTMs read any length)
 TOKENIZE_CHUNK = 64  # texts tokenized at a time, so a request over its token budget stops early
-# Causal families: position 0 has seen no text, so "cls" pooling would return the same vector for every input
-# (and an XLM pretrained with objective clm, ``config.causal``).
-CAUSAL_FAMILIES = ("gpt", "transformer-xl", "awd-lstm")
 # Backbones whose passes replay from CUDA graphs on a GPU (``ctxmodels.graphs``): no host sync and no
 # data-dependent shape in their forward there (the families ``has_static_step`` compiles whole).
 GRAPHED_FAMILIES = ("bert", "roberta", "spanbert", "albert", "xlm")
@@ -122,7 +120,8 @@ class EmbeddingReplica(TaskServing):
                registry_version: str | None, model_lock: asyncio.Lock | None) -> None:
         import torch
 
-        from ctxmodels.sbert import read_sentence_settings, sentence_defaults
+        from ctxmodels.sbert import checkpoint_sentence_settings, sentence_defaults
+        from ctxmodels.tasks import is_causal
         from pipelines.tokenizers import load_tokenizer
 
         self.name, self.checkpoint, self.limits = name, checkpoint, limits
@@ -139,16 +138,17 @@ class EmbeddingReplica(TaskServing):
             recipe = read_recipe(local_dir)  # a fine-tuned checkpoint's: how its task inputs are encoded
             self.language = read_language(name, settings.language, loaded.family, loaded.model, local_dir)
             tok_dir = loaded.tokenizer_dir or local_dir  # ours keep it in tokenizer/, HF folders at the top
-            # A sentence-transformers folder's pooling, normalisation, length and prompts: the defaults
-            # of its sentence vectors, as sentence-transformers, TEI and Infinity take them.
-            self.sentence = read_sentence_settings(local_dir)
+            # A sentence-transformers folder's pooling, normalisation, length and prompts (or those an
+            # embedding checkpoint was fine-tuned with): the defaults of its sentence vectors, as
+            # sentence-transformers, TEI and Infinity take them.
+            self.sentence = checkpoint_sentence_settings(local_dir, loaded.task)
             self.tokenizer = load_tokenizer(tok_dir)
             self.tokenizer_hash = tokenizer_hash(tok_dir)
         finally:
             if tmp is not None:  # weights and vocabulary are in memory now
                 shutil.rmtree(tmp, ignore_errors=True)
         self.family, config = loaded.family, loaded.config
-        self.causal = self.family in CAUSAL_FAMILIES or getattr(config, "causal", False)  # XLM's CLM too
+        self.causal = is_causal(self.family, config)  # XLM's CLM too
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = serving_dtype(settings.dtype, self.device)
         loaded.model.to(dtype=self.dtype)  # every floating weight and buffer, head included (in place, on the host)
@@ -198,8 +198,8 @@ class EmbeddingReplica(TaskServing):
         if self.device.type == "cuda" and self.family in GRAPHED_FAMILIES and settings.cuda_graphs:
             self._graphed = self._graphed_passes(hidden[-1])
         self._task_graphed = None  # task routes' passes replayed from CUDA graphs (their logits)
-        if self._graphed is not None and self.task_config is not None:
-            self._task_graphed = self._task_graphed_passes()
+        if self._graphed is not None and self.task_config is not None and TASKS[self.task_config.kind].routes:
+            self._task_graphed = self._task_graphed_passes()  # (an embedding model has no task route: its passes are the sentence passes)
 
     def _graphed_passes(self, eager_last, record: bool = True):
         """``ctxmodels.graphs.GraphedPasses`` over the backbone's last hidden state, checked once
@@ -233,7 +233,6 @@ class EmbeddingReplica(TaskServing):
         ._group_forward``), on a backbone whose sentence passes replay from graphs: each bucket's
         recording is checked against its eager pass there, on the request's own rows."""
         from ctxmodels.graphs import GraphedPasses
-        from ctxmodels.task_kinds import TASKS
 
         return GraphedPasses(lambda ids, mask, **others: self.model(ids, attention_mask=mask, **others).logits,
                              max_rows=self.max_batch_size, max_len=self.settings.data.max_len, pad_id=self.tokenizer.padding_id,

@@ -69,11 +69,14 @@ class FinetuneResult:
 
 
 def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, ...], language: int = 0,
-                       languages: list[str] | None = None) -> dict[str, Any]:
+                       languages: list[str] | None = None, sentence: dict[str, Any] | None = None) -> dict[str, Any]:
     """``ctxmodels.tasks.TaskConfig`` fields (plain values: they travel to the workers as JSON);
-    ``language``/``languages``: an XLM's row every token reads, and the rows' names."""
+    ``language``/``languages``: an XLM's row every token reads, and the rows' names; ``sentence``: an
+    embedding task's pooling, normalize and max_seq_length (``sentence_fields``)."""
     kind = recipe.task.kind
     return {
+        **(sentence or {}),
+        "scale": recipe.task.scale,
         "kind": kind,
         "num_labels": len(labels) if TASKS[kind].labelled else 1,
         "labels": list(labels),
@@ -107,6 +110,28 @@ def task_language(recipe: FinetuneRecipe, family: str, model_fields: dict[str, A
         raise RecipeError(f"task.language: {e}") from None
 
 
+def sentence_fields(recipe: FinetuneRecipe, family: str, model_cfg: Any, init_sentence: Any) -> dict[str, Any]:
+    """An embedding task's ``pooling``, ``normalize`` and ``max_seq_length``: the recipe's, else what
+    model.init's sentence settings say (a sentence-transformers folder's modules, or an embedding
+    checkpoint's task; ``ctxmodels.sbert.checkpoint_sentence_settings``), else mean pooling (the
+    last token in a left-to-right model), unit vectors, the model's positions. Fine-tuning all-MiniLM-L6-v2
+    so keeps its mean pooling, Normalize module and 256 tokens, as sentence-transformers' trainer does."""
+    from ctxmodels.tasks import default_pooling, is_causal
+    from jobs.training.config import RecipeError
+
+    task = recipe.task
+    if family == "elmo":
+        raise RecipeError("task.kind: an embedding task trains the backbone's own vectors; ELMo is fine-tuned feature-based "
+                          "(a frozen biLM under a task model), so its vectors would not change: fine-tune another family")
+    pooling = task.pooling or (init_sentence.pooling if init_sentence is not None else default_pooling(family, model_cfg))
+    if pooling == "cls" and is_causal(family, model_cfg):
+        raise RecipeError(f"task.pooling: 'cls' reads the first position, which in a left-to-right {family} model has seen "
+                          "no text; use last or mean")
+    normalize = task.normalize if task.normalize is not None else (init_sentence.normalize if init_sentence is not None else True)
+    return {"pooling": pooling, "normalize": normalize,
+            "max_seq_length": init_sentence.max_seq_length if init_sentence is not None else None}
+
+
 def score_of(metric: str, values: dict[str, float]) -> float:
     """The checkpoint score of a validation (higher is better): the metric, negated for a loss."""
     v = values.get(f"val_{metric}", float("nan"))
@@ -131,6 +156,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     from ray.train import CheckpointConfig, DataConfig
 
     from ctxmodels.checkpoint import load_checkpoint
+    from ctxmodels.sbert import checkpoint_sentence_settings
     from jobs.runs import best_checkpoint, checkpoint_languages, local_copy, read_best, resolve_checkpoint
     from pipelines import finetune_stream as fs
     from pipelines.dataset import tokenizer_files
@@ -151,11 +177,16 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         model_fields = dataclasses.asdict(init.config)
         init_task = init.task
         names = checkpoint_languages(local)  # an XLM's languages, by name
+        sentence = sentence_fields(recipe, family, init.config, checkpoint_sentence_settings(local, init_task)) \
+            if recipe.task.kind == "embedding" else None
         del init
     continuing = recipe.model.head == "continue"
     language, names = task_language(recipe, family, model_fields, names, init_task if continuing else None)
     if names or language:
         log(f"language: the texts are read as {names[language] if names else f'row {language}'} of model.init's language table")
+    if sentence is not None:
+        log(f"embedding: {sentence['pooling']} pooling, " + ("unit vectors" if sentence["normalize"] else "not normalised")
+            + (f", {sentence['max_seq_length']} tokens served" if sentence["max_seq_length"] else ""))
     if continuing:
         from jobs.training.config import RecipeError
 
@@ -230,7 +261,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
             "model": model_fields,
             "init_uri": init_uri,
             "continue_head": continuing,
-            "task": task_config_fields(recipe, family, labels, language, names),
+            "task": task_config_fields(recipe, family, labels, language, names, sentence),
             "data_config": dataclasses.asdict(cfg),
             "tokenizer_files": files,
             "run_uri": run,
@@ -377,6 +408,8 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
                           data["contexts"], recipe.task.max_answer_len, recipe.task.null_threshold if recipe.task.version_2 else None)
         records = np.unique(rows["example_index"])
         metrics = task_metrics(kind, [preds[i] for i in records], data["answers"], version_2=recipe.task.version_2)
+    elif kind == "embedding":  # the anchors retrieve among every positive and negative of the split
+        metrics = task_metrics(kind, logits, rows["doc_ids"])
     elif kind == "token-classification":
         word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
         metrics = task_metrics(kind, logits, rows["labels"], label_names=list(labels), word_ids=word_ids)
@@ -425,6 +458,7 @@ class FinetuneJob(WorkerJob):
         from ctxmodels.checkpoint import load_checkpoint
         from ctxmodels.tasks import build_task_model, load_backbone
         from jobs.runs import local_copy
+        from jobs.training import parallel
 
         config, t = self.config, self.recipe.train
         # The task model: a fresh head on the pretrained backbone, then whatever the run committed last.
@@ -441,6 +475,8 @@ class FinetuneJob(WorkerJob):
         else:
             load_backbone(model, pretrained.model)
         del pretrained
+        if self.task.kind == "embedding" and self.recipe.task.gather_across_workers and parallel.world_size() > 1:
+            model.gather = parallel.gather_rows  # every worker's texts as candidates (the process group is up)
         if self.family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
             model.set_char_table(elmo_char_table(self.tok_dir, self.model_cfg.max_chars))
         return model

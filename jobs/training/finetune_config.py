@@ -60,9 +60,10 @@ class FtModelSection(_Section):
 
 class TaskSection(_Section):
     kind: TaskKind = "classification"
-    # Field names (defaults: GLUE, CoNLL, SQuAD and SWAG-style records)
-    text_field: str | None = None  # None: sentence1, text or sentence, whichever the records have
-    pair_field: str | None = None  # None: sentence2 or text_pair if present, else single texts
+    # Field names (defaults: GLUE, CoNLL, SQuAD and SWAG-style records; sentence-transformers' for embedding)
+    text_field: str | None = None  # None: sentence1, text or sentence, whichever the records have (embedding: anchor, query first)
+    pair_field: str | None = None  # None: sentence2 or text_pair if present, else single texts (embedding: positive, document first)
+    negative_field: str | None = None  # embedding: hard negatives, a text or a list per record; None: negative(s) if present
     label_field: str = "label"
     tokens_field: str = "tokens"
     tags_field: str = "tags"
@@ -86,6 +87,17 @@ class TaskSection(_Section):
     # data.languages, or an HF folder's lang2id) or a row of its language table; None: the first.
     # `ctx eval --language` then scores other languages (XLM's cross-lingual transfer).
     language: str | int | None = None
+    # Embedding (sentence-transformers' MultipleNegativesRankingLoss): how a text's tokens are pooled
+    # (None: model.init's sentence-transformers pooling or embedding task's, else mean; the last token
+    # in a left-to-right model), whether served vectors are unit length (None: model.init's, else
+    # true), and the scale on the cosine similarities the loss's softmax reads (1 / temperature).
+    pooling: Literal["mean", "cls", "last"] | None = None
+    normalize: bool | None = None
+    scale: float = Field(20.0, gt=0)
+    # Embedding on several workers: each anchor ranks against every worker's texts of the step (the
+    # gathered micro-batches, sentence-transformers' gather_across_devices), so the loss is the one a
+    # single worker computes on the whole batch, whatever the worker count; false: its own worker's only.
+    gather_across_workers: bool = True
 
     @property
     def best_metric(self) -> str:
@@ -100,6 +112,9 @@ class TaskSection(_Section):
             raise ValueError(f"symmetric: only pair classification/regression runs both orders, not {self.kind}")
         if self.label_all_subtokens and self.kind != "token-classification":
             raise ValueError(f"label_all_subtokens: only for token-classification, not {self.kind}")
+        for key in ("pooling", "normalize", "negative_field"):
+            if getattr(self, key) is not None and self.kind != "embedding":
+                raise ValueError(f"{key}: only for embedding, not {self.kind}")
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:
             raise ValueError(
                 f"doc_stride: {self.doc_stride} must be below max_len - max_query_len - 3 = "
@@ -153,6 +168,9 @@ class FinetuneRecipe(RecipeBase):
             raise ValueError("train.patience: early stopping needs a validation split (data.validation)")
         if self.model.task_model == "bilstm" and self.model.features is None:
             raise ValueError("model.task_model: a BiLSTM task model reads features; set model.features (e.g. scalar-mix)")
+        if self.task.kind == "embedding" and (self.model.freeze or self.model.features is not None):
+            raise ValueError("model.features / model.freeze: an embedding task trains the backbone's own vectors, the ones "
+                             "ctx serve pools; leave them unset")
         return self
 
 

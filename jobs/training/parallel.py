@@ -70,6 +70,17 @@ def _rank() -> int:
     return 0
 
 
+def gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every worker's ``x`` (the same shape on each: a training micro-batch's rows), concatenated in
+    rank order with the gradient flowing back to each worker's own rows (the loss of every worker
+    that read them adds to it), and where this worker's rows start: the candidates an embedding
+    model's anchors rank against (``ctxmodels.tasks.Gather``)."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+
+    # (torch's functional collective with a backward, which torch.distributed.nn's deprecated all_gather now points to)
+    return wait_tensor(all_gather_single_autograd(x, gather_dim=0, group=dist.group.WORLD)), _rank() * x.shape[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Wrapping
 

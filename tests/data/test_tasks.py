@@ -1,6 +1,6 @@
-"""The committed WordNet tasks (data/tasks, built by data/build_tasks.py) keep their promises:
-spans point at their words, answers at their text, labels balanced, splits disjoint, IOB2 valid,
-and a rebuild from WordNet gives the same bytes."""
+"""The committed WordNet tasks (data/tasks, built by data/build_tasks.py, and definitions by
+data/build_definitions.py from qa) keep their promises: spans point at their words, answers at their
+text, labels balanced, splits disjoint, IOB2 valid, and a rebuild gives the same bytes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def load(task: str, split: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("task", ["lexname", "wic", "supersense", "qa"])
+@pytest.mark.parametrize("task", ["lexname", "wic", "supersense", "qa", "definitions"])
 def test_files_sorted_unique_ids_disjoint_splits(task):
     ids = {}
     for split in SPLITS:
@@ -91,13 +91,27 @@ def test_qa_answers_point_at_their_text_and_nested_equals_flat():
     assert sorted(flat, key=lambda r: r["id"]) == load("qa", "validation")
 
 
+def test_definitions_are_qas_definition_questions_with_a_same_topic_negative(tmp_path):
+    for split in SPLITS:
+        qa = {r["id"]: r for r in load("qa", split)}
+        records = load("definitions", split)
+        assert len(records) >= 0.95 * sum(i.endswith(".def") for i in qa)
+        for r in records:
+            source = qa[r["id"]]
+            assert r["anchor"] == source["question"] and r["positive"] == source["answers"]["text"][0]
+            assert r["negative"] != r["positive"] and r["negative"] in source["context"]  # the same document: the same topic
+    subprocess.run([sys.executable, str(REPO / "data" / "build_definitions.py"), "--out", str(tmp_path)], check=True, capture_output=True)
+    for split in SPLITS:
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (TASKS / "definitions" / f"{split}.jsonl").read_bytes(), split
+
+
 def test_total_size_small_enough_to_commit():
-    assert sum(p.stat().st_size for p in TASKS.rglob("*") if p.is_file()) < 3_000_000
+    assert sum(p.stat().st_size for p in TASKS.rglob("*") if p.is_file()) < 3_300_000
 
 
 @pytest.mark.skipif(not (WORDNET / "data.noun").exists(), reason="WordNet 3.0 not installed (apt-get install wordnet-base)")
 def test_rebuild_is_byte_identical(tmp_path):
     subprocess.run([sys.executable, str(REPO / "data" / "build_tasks.py"), "--wordnet", str(WORDNET), "--out", str(tmp_path)], check=True, capture_output=True)
     for p in TASKS.rglob("*"):
-        if p.is_file():
+        if p.is_file() and p.parent.name != "definitions":  # built from qa by build_definitions.py
             assert (tmp_path / p.relative_to(TASKS)).read_bytes() == p.read_bytes(), p

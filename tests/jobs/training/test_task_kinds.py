@@ -24,7 +24,9 @@ from pipelines.metrics import METRICS
 
 # Settings of a recipe's task section that encoding does not read (the model, decoding and the
 # checkpoint choice do); every other one must reach pipelines.finetune.TaskDataConfig by name.
-RECIPE_ONLY = {"max_answer_len", "null_threshold", "lm_weight", "metric", "language"}  # language: the XLM task model's row
+# language: the XLM task model's row; pooling, normalize, scale: the embedding model's (ctxmodels.tasks.TaskConfig)
+RECIPE_ONLY = {"max_answer_len", "null_threshold", "lm_weight", "metric", "language", "pooling", "normalize", "scale",
+               "gather_across_workers"}
 
 
 def test_one_table_names_every_kind_once():
@@ -55,6 +57,7 @@ METRIC_CASES = {
     "multiple-choice": (np.array([[0.1, 0.9], [0.8, 0.2]]), [1, 1], {}),
     "token-classification": ([["B-PER", "O"]], [["B-PER", "O"]], {}),
     "question-answering": (["Denver Broncos"], [["Denver Broncos"]], {}),
+    "embedding": (np.random.default_rng(0).normal(size=(3, 2, 4)), np.array([[1], [2], [3]]), {}),
 }
 
 
@@ -73,7 +76,7 @@ def test_a_model_trains_on_the_targets_the_table_names(kind):
     cfg = PRESETS["tiny"]
     model = build_task_model("bert", cfg, TaskConfig(kind=kind, num_labels=3, labels=["a", "b", "c"]), torch.Generator().manual_seed(0))
     B, T, K = 2, 6, 3
-    ids = torch.randint(5, cfg.vocab_size, (B, K, T) if task.reads == "options" else (B, T), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(5, cfg.vocab_size, (B, K, T) if task.reads in ("options", "texts") else (B, T), generator=torch.Generator().manual_seed(1))
     targets = {
         "labels": torch.tensor([0, 1]) if task.reads != "tokens" else torch.tensor([[0, 1, 2, -100, 1, 0]] * B),
         "start_positions": torch.tensor([1, 2]),
@@ -86,7 +89,8 @@ def test_a_model_trains_on_the_targets_the_table_names(kind):
     assert out.loss is not None and torch.isfinite(out.loss)
     out.loss.backward()
     width = 3 if task.labelled else len(task.outputs)
-    expected = {"options": (B, K), "tokens": (B, T, width), "sequence": (B, width) if width > 1 else (B,)}[task.reads]
+    expected = {"options": (B, K), "tokens": (B, T, width), "sequence": (B, width) if width > 1 else (B,),
+                "texts": (B, K, cfg.d_model)}[task.reads]
     assert tuple(out.logits.shape) == expected
     for name in task.targets:
         assert model(ids, **{k: v for k, v in given.items() if k != name}).loss is None

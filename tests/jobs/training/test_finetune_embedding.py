@@ -1,0 +1,67 @@
+"""``ctx finetune`` with task kind ``embedding``: all-MiniLM-L6-v2 trained on the shipped definitions
+retrieval task (configs/finetune/minilm-definitions.yaml) through Ray Train retrieves better than it
+did, and the checkpoint it keeps serves the vectors its validation scored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobs.training.finetune_config import RecipeError, load_finetune_recipe
+from pipelines.metrics import retrieval_metrics
+from pipelines.rng import stable_hash64
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPE = REPO / "configs/finetune/minilm-definitions.yaml"
+VALIDATION = REPO / "data/tasks/definitions/validation.jsonl"
+
+
+def served_metrics(model: str) -> dict[str, float]:
+    """The validation split's retrieval metrics from the vectors ``ctx serve`` gives (in-process)."""
+    from jobs.serving.local import LocalModel
+
+    records = [json.loads(line) for line in VALIDATION.read_text().splitlines()]
+    with LocalModel(model) as local:
+        info = local.info
+        vectors = local.encode([t for r in records for t in (r["anchor"], r["positive"], r["negative"])])
+    assert (info["pooling"], info["normalize"]) == ("mean", True)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    doc_ids = np.array([[stable_hash64(r["positive"]), stable_hash64(r["negative"])] for r in records])
+    return retrieval_metrics(vectors.reshape(len(records), 3, -1), doc_ids)
+
+
+def test_the_recipe_keys_of_an_embedding_task_are_checked():
+    recipe = load_finetune_recipe(RECIPE)
+    assert recipe.task.kind == "embedding" and recipe.task.best_metric == "ndcg_at_10"
+    for bad, key in [("task.pooling=max", "pooling"), ("task.scale=0", "scale"), ("model.freeze=true", "model.freeze"),
+                     ("task.metric=accuracy", "metric")]:
+        with pytest.raises(RecipeError, match=key):
+            load_finetune_recipe(RECIPE, [bad])
+    with pytest.raises(RecipeError, match="only for embedding"):
+        load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", ["task.pooling=cls"])
+
+
+@pytest.mark.slow  # ~70 s: 15 steps of MiniLM on 3 texts x 32 records, two validations
+def test_minilm_learns_to_retrieve_definitions_and_serves_what_was_scored(ray_session, minilm_dir, tmp_path):
+    from jobs.training.finetune import finetune
+
+    before = served_metrics(str(minilm_dir))
+    logs: list[str] = []
+    recipe = load_finetune_recipe(RECIPE, [f"output_dir={tmp_path}", "name=emb", "train.epochs=1", "data.test=null",
+                                           "registry.enabled=false"])
+    result = finetune(recipe, progress=False, log=logs.append)
+    assert "embedding: mean pooling, unit vectors, 256 tokens served" in logs  # MiniLM's own settings, kept
+    assert result.best["metric"] == "ndcg_at_10"
+    assert result.metrics["val_ndcg_at_10"] > before["ndcg_at_10"] + 0.02, (before, result.metrics)
+    losses = [r["loss"] for r in result.history if "loss" in r]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+    config = json.loads(Path(result.best_checkpoint, "config.json").read_text())
+    assert {k: config["task"][k] for k in ("kind", "pooling", "normalize", "max_seq_length")} == {
+        "kind": "embedding", "pooling": "mean", "normalize": True, "max_seq_length": 256}
+    # The kept checkpoint, served, gives the vectors its validation scored.
+    after = served_metrics(result.best_checkpoint)
+    for name, value in after.items():
+        assert value == pytest.approx(result.best["value"] if name == "ndcg_at_10" else result.metrics[f"val_{name}"], abs=2e-3), name
