@@ -65,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,11 @@ class TaskConfig:
     normalize: bool = True
     max_seq_length: int | None = None
     scale: float = 20.0
+    # Matryoshka representation learning (Kusupati et al. 2022; sentence-transformers' MatryoshkaLoss):
+    # the loss is also taken on each vector's first d dimensions, re-normalised, weighted (default 1
+    # each), so a client asking /v1/embeddings for ``dimensions: d`` gets a vector trained to be one.
+    matryoshka_dims: list[int] = field(default_factory=list)
+    matryoshka_weights: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if task_of(self.kind).labelled and self.num_labels < 1:
@@ -138,6 +143,11 @@ class TaskConfig:
             raise ValueError(f"pooling={self.pooling!r}: expected mean, cls or last")
         if not self.scale > 0:
             raise ValueError(f"scale={self.scale!r}: the loss's scale on cosine similarities must be positive")
+        self.matryoshka_dims = [int(d) for d in self.matryoshka_dims]
+        self.matryoshka_weights = [float(w) for w in self.matryoshka_weights] or [1.0] * len(self.matryoshka_dims)
+        if len(self.matryoshka_weights) != len(self.matryoshka_dims) or any(d < 1 for d in self.matryoshka_dims):
+            raise ValueError(f"matryoshka_dims={self.matryoshka_dims}, matryoshka_weights={self.matryoshka_weights}: "
+                             "positive widths, and one weight per width (or none: 1 each)")
         self.labels = [str(x) for x in self.labels]
 
 
@@ -263,21 +273,30 @@ def span_cross_entropy(logits: Tensor, start_positions: Tensor, end_positions: T
     return (F.cross_entropy(logits[..., 0], start) + F.cross_entropy(logits[..., 1], end)) / 2, {}
 
 
-def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | None = None, dims: Sequence[int] = (),
+                       weights: Sequence[float] = ()) -> tuple[Tensor, dict[str, Tensor]]:
     """Texts' vectors (B, K, D), anchor first, then its positive and K-2 hard negatives: each anchor
     against all B*(K-1) candidates of the batch (the positives, then the first negatives, ...: the
     order sentence-transformers' MultipleNegativesRankingLoss concatenates them in), ``scale`` times
     the cosine similarity, cross-entropy with its own positive the right class; and how often that
     positive scores highest (``acc``). ``gather``: every worker's batch as candidates (``Gather``,
-    sentence-transformers' ``gather_across_devices``), so the anchors of each worker rank against all."""
+    sentence-transformers' ``gather_across_devices``), so the anchors of each worker rank against all.
+    ``dims``: the loss is instead the sum, times ``weights``, of this loss on each vector's first d
+    dimensions re-normalised (sentence-transformers' MatryoshkaLoss around it); ``acc`` stays the full width's."""
     B, K, D = vectors.shape
-    v = F.normalize(vectors.float(), dim=-1)  # cosine similarity, summed in float32 whatever the model's dtype
-    anchors = v[:, 0]  # (B, D)
-    pool, first = (v, 0) if gather is None else gather(v)  # (W*B, K, D), this worker's first row there
-    candidates = pool[:, 1:].transpose(0, 1).reshape(-1, D)  # (K-1)*W*B rows: every positive, then negatives
-    scores = scale * anchors @ candidates.T  # (B, (K-1)*W*B)
+    pool, first = (vectors, 0) if gather is None else gather(vectors)  # (W*B, K, D), this worker's first row there
     right = first + torch.arange(B, device=vectors.device)
-    loss = F.cross_entropy(scores, right)
+
+    def at(width: int) -> tuple[Tensor, Tensor]:
+        v = F.normalize(pool[..., :width].float(), dim=-1)  # cosine similarity, in float32 whatever the model's dtype
+        anchors = v[first : first + B, 0]  # (B, d): this worker's
+        candidates = v[:, 1:].transpose(0, 1).reshape(-1, width)  # (K-1)*W*B rows: every positive, then negatives
+        scores = scale * anchors @ candidates.T  # (B, (K-1)*W*B)
+        return F.cross_entropy(scores, right), scores
+
+    loss, scores = at(D)
+    if dims:
+        loss = sum(w * (loss if d == D else at(d)[0]) for d, w in zip(dims, weights or [1.0] * len(dims)))
     return loss, {"acc": (scores.detach().argmax(-1) == right).float().mean()}
 
 
@@ -313,6 +332,8 @@ class TaskModel(nn.Module):
                              f"and freeze are for heads on top of it ({family} "
                              + ("is feature-based: fine-tune a family whose backbone is trained end to end" if family == "elmo"
                                 else f"with features={task.features!r}, freeze={task.freeze})"))
+        if kind.reads == "texts" and any(d > cfg.d_model for d in task.matryoshka_dims):
+            raise ValueError(f"matryoshka_dims={task.matryoshka_dims}: the model's vectors have {cfg.d_model} dimensions")
         if kind.reads == "texts" and task.pooling == "cls" and is_causal(family, cfg):
             raise ValueError(f"pooling 'cls': a causal {family} model's first position has seen no text; use 'last' or 'mean'")
         if self.reads == "first-state" and getattr(cfg, "causal", False) and kind.reads not in ("tokens", "texts"):
@@ -519,7 +540,8 @@ class TaskModel(nn.Module):
         given = {"labels": labels, "start_positions": start_positions, "end_positions": end_positions}
         targets = [given[name] for name in kind.targets]
         if all(t is not None for t in targets) and (kind.reads != "texts" or grouped):  # texts: (B, K, T) to train
-            texts = {"scale": self.task.scale, "gather": self.gather if self.training else None} if kind.reads == "texts" else {}
+            texts = {"scale": self.task.scale, "gather": self.gather if self.training else None, "dims": self.task.matryoshka_dims,
+                     "weights": self.task.matryoshka_weights} if kind.reads == "texts" else {}
             loss, metrics = LOSSES[kind.loss](logits, *targets, **texts)
             metrics["task_loss"] = loss.detach()
             if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze and kind.reads != "texts":

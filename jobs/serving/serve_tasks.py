@@ -685,6 +685,8 @@ class TaskServing:
         info: dict[str, Any] = {"task": self.task_config.kind if self.task_config else None, "labels": list(self.task_config.labels) if self.task_config else [], "routes": self.routes}
         if "/v1/fill-mask" in self.routes:
             info["mask_token"] = self.tokenizer.special_tokens["mask"]
+        if self.task_config is not None and self.task_config.matryoshka_dims:  # the `dimensions` trained to be vectors
+            info["matryoshka_dims"] = list(self.task_config.matryoshka_dims)
         if self.settings is not None:
             info["task_max_len"] = self.settings.data.max_len
             if self.task_config.kind == "question-answering":

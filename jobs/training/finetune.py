@@ -77,6 +77,8 @@ def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, .
     return {
         **(sentence or {}),
         "scale": recipe.task.scale,
+        "matryoshka_dims": list(recipe.task.matryoshka_dims or []),
+        "matryoshka_weights": list(recipe.task.matryoshka_weights or []),
         "kind": kind,
         "num_labels": len(labels) if TASKS[kind].labelled else 1,
         "labels": list(labels),
@@ -127,6 +129,9 @@ def sentence_fields(recipe: FinetuneRecipe, family: str, model_cfg: Any, init_se
     if pooling == "cls" and is_causal(family, model_cfg):
         raise RecipeError(f"task.pooling: 'cls' reads the first position, which in a left-to-right {family} model has seen "
                           "no text; use last or mean")
+    too_wide = [d for d in task.matryoshka_dims or [] if d > model_cfg.d_model]
+    if too_wide:
+        raise RecipeError(f"task.matryoshka_dims: {too_wide} wider than model.init's {model_cfg.d_model}-dimensional vectors")
     normalize = task.normalize if task.normalize is not None else (init_sentence.normalize if init_sentence is not None else True)
     return {"pooling": pooling, "normalize": normalize,
             "max_seq_length": init_sentence.max_seq_length if init_sentence is not None else None}
@@ -410,6 +415,9 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
         metrics = task_metrics(kind, [preds[i] for i in records], data["answers"], version_2=recipe.task.version_2)
     elif kind == "embedding":  # the anchors retrieve among every positive and negative of the split
         metrics = task_metrics(kind, logits, rows["doc_ids"])
+        for d in recipe.task.matryoshka_dims or []:  # and with each Matryoshka width's first dimensions
+            if d < logits.shape[-1]:
+                metrics[f"ndcg_at_10_dim{d}"] = task_metrics(kind, logits[..., :d], rows["doc_ids"])["ndcg_at_10"]
     elif kind == "token-classification":
         word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
         metrics = task_metrics(kind, logits, rows["labels"], label_names=list(labels), word_ids=word_ids)

@@ -98,6 +98,10 @@ class TaskSection(_Section):
     # gathered micro-batches, sentence-transformers' gather_across_devices), so the loss is the one a
     # single worker computes on the whole batch, whatever the worker count; false: its own worker's only.
     gather_across_workers: bool = True
+    # Embedding: Matryoshka widths (sentence-transformers' MatryoshkaLoss: the loss also on each vector's
+    # first d dimensions, so /v1/embeddings' ``dimensions: d`` is trained), with weights (None: 1 each).
+    matryoshka_dims: list[int] | None = None
+    matryoshka_weights: list[float] | None = None
 
     @property
     def best_metric(self) -> str:
@@ -112,7 +116,12 @@ class TaskSection(_Section):
             raise ValueError(f"symmetric: only pair classification/regression runs both orders, not {self.kind}")
         if self.label_all_subtokens and self.kind != "token-classification":
             raise ValueError(f"label_all_subtokens: only for token-classification, not {self.kind}")
-        for key in ("pooling", "normalize", "negative_field"):
+        if self.matryoshka_weights is not None and len(self.matryoshka_weights) != len(self.matryoshka_dims or []):
+            raise ValueError(f"matryoshka_weights: one per width of matryoshka_dims {self.matryoshka_dims}")
+        if self.matryoshka_dims is not None and (not self.matryoshka_dims or min(self.matryoshka_dims) < 1
+                                                 or len(set(self.matryoshka_dims)) != len(self.matryoshka_dims)):
+            raise ValueError(f"matryoshka_dims: {self.matryoshka_dims}: distinct positive widths, e.g. [384, 256, 128, 64]")
+        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims"):
             if getattr(self, key) is not None and self.kind != "embedding":
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:

@@ -67,6 +67,25 @@ def test_the_loss_is_sentence_transformers_multiple_negatives_ranking_loss(minil
     assert float(out.loss) > (0.5 if records is not RECORDS else 0.0)
 
 
+@pytest.mark.parametrize("dims,weights", [([384, 128, 32], []), ([256, 64], [1.0, 0.5])])
+def test_matryoshka_dims_give_sentence_transformers_matryoshka_loss(minilm, dims, weights):
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    model, tok, reference = minilm
+    ids, mask = batch(tok, RECORDS_SWAPPED)
+    model.task.matryoshka_dims, model.task.matryoshka_weights = dims, weights or [1.0] * len(dims)
+    try:
+        with torch.no_grad():
+            got = model(ids, attention_mask=mask).loss
+            features = [reference.tokenize([r[k] for r in RECORDS_SWAPPED]) for k in range(3)]
+            want = MatryoshkaLoss(reference, MultipleNegativesRankingLoss(reference), dims, weights or None)(features, None)
+    finally:
+        model.task.matryoshka_dims, model.task.matryoshka_weights = [], []
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="one weight per width"):
+        TaskConfig(kind="embedding", matryoshka_dims=[64, 32], matryoshka_weights=[1.0])
+
+
 def test_its_vectors_are_sentence_transformers_and_its_gradient_reaches_every_text(minilm):
     model, tok, reference = minilm
     ids, mask = batch(tok, RECORDS)

@@ -19,16 +19,17 @@ RECIPE = REPO / "configs/finetune/minilm-definitions.yaml"
 VALIDATION = REPO / "data/tasks/definitions/validation.jsonl"
 
 
-def served_metrics(model: str) -> dict[str, float]:
+def served_metrics(model: str, dimensions: int | None = None) -> dict[str, float]:
     """The validation split's retrieval metrics from the vectors ``ctx serve`` gives (in-process)."""
     from jobs.serving.local import LocalModel
 
     records = [json.loads(line) for line in VALIDATION.read_text().splitlines()]
     with LocalModel(model) as local:
         info = local.info
-        vectors = local.encode([t for r in records for t in (r["anchor"], r["positive"], r["negative"])])
+        vectors = local.encode([t for r in records for t in (r["anchor"], r["positive"], r["negative"])], truncate_dim=dimensions)
     assert (info["pooling"], info["normalize"]) == ("mean", True)
-    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    if dimensions is None:  # (truncate_dim cuts unit vectors, as sentence-transformers does; cosine does not mind)
+        np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     doc_ids = np.array([[stable_hash64(r["positive"]), stable_hash64(r["negative"])] for r in records])
     return retrieval_metrics(vectors.reshape(len(records), 3, -1), doc_ids)
 
@@ -37,7 +38,8 @@ def test_the_recipe_keys_of_an_embedding_task_are_checked():
     recipe = load_finetune_recipe(RECIPE)
     assert recipe.task.kind == "embedding" and recipe.task.best_metric == "ndcg_at_10"
     for bad, key in [("task.pooling=max", "pooling"), ("task.scale=0", "scale"), ("model.freeze=true", "model.freeze"),
-                     ("task.metric=accuracy", "metric")]:
+                     ("task.metric=accuracy", "metric"), ("task.matryoshka_dims=[64,0]", "matryoshka_dims"),
+                     ("task.matryoshka_weights=[1.0]", "matryoshka_weights")]:
         with pytest.raises(RecipeError, match=key):
             load_finetune_recipe(RECIPE, [bad])
     with pytest.raises(RecipeError, match="only for embedding"):
@@ -51,7 +53,7 @@ def test_minilm_learns_to_retrieve_definitions_and_serves_what_was_scored(ray_se
     before = served_metrics(str(minilm_dir))
     logs: list[str] = []
     recipe = load_finetune_recipe(RECIPE, [f"output_dir={tmp_path}", "name=emb", "train.epochs=1", "data.test=null",
-                                           "registry.enabled=false"])
+                                           "registry.enabled=false", "task.matryoshka_dims=[384,64]"])
     result = finetune(recipe, progress=False, log=logs.append)
     assert "embedding: mean pooling, unit vectors, 256 tokens served" in logs  # MiniLM's own settings, kept
     assert result.best["metric"] == "ndcg_at_10"
@@ -59,9 +61,12 @@ def test_minilm_learns_to_retrieve_definitions_and_serves_what_was_scored(ray_se
     losses = [r["loss"] for r in result.history if "loss" in r]
     assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
     config = json.loads(Path(result.best_checkpoint, "config.json").read_text())
-    assert {k: config["task"][k] for k in ("kind", "pooling", "normalize", "max_seq_length")} == {
-        "kind": "embedding", "pooling": "mean", "normalize": True, "max_seq_length": 256}
+    assert {k: config["task"][k] for k in ("kind", "pooling", "normalize", "max_seq_length", "matryoshka_dims")} == {
+        "kind": "embedding", "pooling": "mean", "normalize": True, "max_seq_length": 256, "matryoshka_dims": [384, 64]}
     # The kept checkpoint, served, gives the vectors its validation scored.
     after = served_metrics(result.best_checkpoint)
     for name, value in after.items():
         assert value == pytest.approx(result.best["value"] if name == "ndcg_at_10" else result.metrics[f"val_{name}"], abs=2e-3), name
+    # A client's `dimensions: 64` is the Matryoshka width the run trained and scored.
+    assert served_metrics(result.best_checkpoint, 64)["ndcg_at_10"] == pytest.approx(result.metrics["val_ndcg_at_10_dim64"], abs=2e-3)
+    assert served_metrics(str(minilm_dir), 64)["ndcg_at_10"] < result.metrics["val_ndcg_at_10_dim64"] - 0.02
