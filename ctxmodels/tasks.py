@@ -470,7 +470,7 @@ class TaskModel(nn.Module):
         what an embedding model is trained on and serves. Its texts have no segments."""
         h = self.token_vectors(input_ids, attention_mask, None, language_ids)  # (B, T, D)
         if self.task.pooling == "mean":
-            return mean_pool(h, attention_mask)
+            return mean_pool(h.float(), attention_mask)  # summed in float32, as the server sums it, whatever the step's dtype
         if self.task.pooling == "cls":
             return h[:, 0]
         return last_real(h, attention_mask)
