@@ -61,6 +61,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_gloo_workers(worker, out_dir: Path, world: int = 2, timeout_s: float = 180, hint: str = "a collective hung?") -> list:
+    """``world`` spawned processes each running ``worker(rank, port, out_dir)`` (it joins a gloo group
+    at 127.0.0.1:port and saves what it computed as ``out_dir/rank{rank}.pt``); the test fails if they
+    are not done within ``timeout_s`` (``hint``: why they would hang). Returns what each rank saved."""
+    import time
+
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(free_port(), str(out_dir)), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {world} gloo workers did not finish within {timeout_s:.0f} s ({hint})")
+    finally:
+        for p in ctx.processes:  # only on timeout or error: our own children
+            if p.is_alive():
+                p.terminate()
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 @pytest.fixture()
 def closed_port() -> str:
     """http://127.0.0.1:PORT where nothing listens: the port was bound and closed again."""

@@ -7,19 +7,17 @@ half, another loss."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ctxmodels.bert import PRESETS
 from ctxmodels.tasks import TaskConfig, build_task_model
 from jobs.training import parallel
 from jobs.training.loop import freeze_unused
-from tests.conftest import free_port
+from tests.conftest import run_gloo_workers
 
 WORLD, B, K, T = 2, 6, 3, 10
 
@@ -61,18 +59,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory) -> dict:
-    out_dir = tmp_path_factory.mktemp("gather")
-    ctx = mp.start_processes(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the 2 gloo workers did not finish within 180 s (a collective hung?)")
-    finally:
-        for p in ctx.processes:  # only on timeout or error: our own two children
-            if p.is_alive():
-                p.terminate()
-    return torch.load(out_dir / "rank0.pt", weights_only=False)
+    return run_gloo_workers(_worker, tmp_path_factory.mktemp("gather"), WORLD)[0]
 
 
 def test_gathered_workers_compute_the_whole_batchs_loss_and_gradients(two_workers):

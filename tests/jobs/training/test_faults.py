@@ -14,13 +14,11 @@ The real Ray Train run (the run stops, its newest good checkpoint kept) is tests
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ctxmodels.checkpoint import save_checkpoint
 from ctxmodels.registry import build_model
@@ -28,7 +26,7 @@ from jobs.training.loop import Checkpointer, NonFiniteError, Stepper, StepMeter,
 from jobs.training.parallel import ParallelPlan, all_finite, unwrap, wrap_model
 from pipelines import storage
 from pipelines.position import DataPosition
-from tests.conftest import free_port
+from tests.conftest import run_gloo_workers
 
 B, T = 4, 16
 OVERRIDES = {"nsp": False, "dropout": 0.0, "attn_dropout": 0.0, "vocab_size": 256}  # small: every test here is cheap
@@ -134,17 +132,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_ranks_take_the_same_decision_when_one_rank_sees_nan(tmp_path):
-    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the 2 gloo workers did not finish within 180 s (a rank skipped alone and the other waits?)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_gloo_workers(_worker, tmp_path, 2, hint="a rank skipped alone and the other waits?")
     for strategy in ("ddp", "fsdp"):
         r0, r1 = ranks[0][strategy], ranks[1][strategy]
         assert r0["skipped"] == r1["skipped"] == [False, True, False, False], strategy

@@ -15,13 +15,11 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ctxmodels.compiling import is_compiled
 from ctxmodels.registry import FAMILIES, build_model
@@ -43,7 +41,7 @@ from jobs.training.parallel import (
     unwrap,
     wrap_model,
 )
-from tests.conftest import free_port
+from tests.conftest import run_gloo_workers
 from tests.ctxmodels.test_flops import family_batch
 
 B, T = 4, 16  # global batch: 2 rows per rank
@@ -190,18 +188,7 @@ def _scenarios(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory) -> list[dict]:
     """What each of the 2 gloo ranks computed (rank 0's full state dicts; None on rank 1)."""
-    out_dir = tmp_path_factory.mktemp("parallel")
-    ctx = mp.start_processes(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the 2 gloo workers did not finish within 180 s (a collective hung?)")
-    finally:
-        for p in ctx.processes:  # only on timeout or error: our own two children
-            if p.is_alive():
-                p.terminate()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_gloo_workers(_worker, tmp_path_factory.mktemp("parallel"), WORLD)
 
 
 @pytest.fixture(scope="module")
