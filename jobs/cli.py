@@ -318,6 +318,50 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mine_negatives(args: argparse.Namespace) -> int:
+    import json
+
+    from jobs.serving.local import LocalModel
+    from jobs.session import init_ray
+    from jobs.training.mining import mine_hard_negatives
+    from pipelines import finetune_stream as fs
+    from pipelines import storage
+    from pipelines.negatives import MiningConfig
+
+    _quiet_env(args.verbose)
+    store = _store(args)
+    try:
+        cfg = MiningConfig(num_negatives=args.num_negatives, range_min=args.range_min, range_max=args.range_max,
+                           absolute_margin=args.absolute_margin, relative_margin=args.relative_margin, max_score=args.max_score,
+                           min_score=args.min_score, sampling=args.sampling, seed=args.seed)
+        init_ray(args.verbose)
+
+        def records(split: str) -> list[dict]:
+            parsed, _ = fs.parse_records(fs.read_split(split, "auto", store).column("_json").to_pylist())
+            return [r for r in parsed if r is not None]  # a line that is no JSON object is not a record
+
+        corpus = None
+        if args.corpus:
+            corpus = [r[args.corpus_field] for r in records(args.corpus) if isinstance(r.get(args.corpus_field), str) and r[args.corpus_field].strip()]
+        with LocalModel(args.model) as model:
+            out, report = mine_hard_negatives(records(args.data), model, cfg, anchor_field=args.anchor_field,
+                                              positive_field=args.positive_field, negative_field=args.negative_field, corpus=corpus)
+    except ValueError as e:  # a bad setting, a field no record has, no usable record: say why, no traceback
+        raise CommandError(str(e)) from None
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
+    fsys, path = store.filesystem(args.output)
+
+    def write() -> None:
+        with fsys.open_output_stream(path) as f:
+            f.write(text)
+
+    if not storage.is_remote(args.output):
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    store.retry(write, f"writing {args.output}")
+    print(json.dumps({"output": args.output, **report}))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from jobs.operations.demo import DemoSettings, main as demo_main
 
@@ -715,6 +759,29 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     _add_retry_deadline(p)
 
 
+def _add_mine_negatives(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="the model that ranks the corpus: checkpoint, run folder, HF or sentence-transformers folder, pkg:PACKAGE/PATH")
+    p.add_argument("--data", required=True, help="(anchor, positive) records: JSONL, CSV/TSV or Parquet, local or s3://")
+    p.add_argument("--output", required=True, help="JSONL to write: the records with their negatives (local or s3://)")
+    p.add_argument("--corpus", default=None, help="more texts to mine from besides the positives (a split; --corpus-field)")
+    p.add_argument("--corpus-field", default="text")
+    p.add_argument("--anchor-field", default=None, help="default: anchor, query, sentence1, text or sentence, as ctx finetune reads them")
+    p.add_argument("--positive-field", default=None, help="default: positive, document, sentence2 or text_pair")
+    p.add_argument("--negative-field", default="negative", help="where the negatives go, a list per record (default %(default)s)")
+    p.add_argument("--num-negatives", type=int, default=3, help="negatives per record (default %(default)s); a record with fewer is not written")
+    p.add_argument("--range-min", type=int, default=0, help="skip this many of the most similar candidates (likely unlabelled positives)")
+    p.add_argument("--range-max", type=int, default=None,
+                   help="candidates looked at per anchor (default: range-min + num-negatives, x10 with a margin or a score bound)")
+    p.add_argument("--absolute-margin", type=float, default=None, help="a negative scores at least this much below the positive")
+    p.add_argument("--relative-margin", type=float, default=None, help="... at least this fraction of the positive's score below it (0.05)")
+    p.add_argument("--max-score", type=float, default=None)
+    p.add_argument("--min-score", type=float, default=None)
+    p.add_argument("--sampling", choices=["top", "random"], default="top", help="the best candidates, or a seeded draw among those that qualify")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS_ENDPOINT_URL)")
+    _add_retry_deadline(p)
+
+
 def _add_embed(p: argparse.ArgumentParser) -> None:
     from jobs.serving.embed import DTYPES  # the names ModelSettings.dtype takes
 
@@ -779,6 +846,8 @@ COMMANDS = {
     ("schedule", "status"): ("past rounds of a schedule: metrics, gate decisions and why", _add_schedule_status, cmd_schedule_status),
     ("schedule", "stop"): ("stop a schedule's scheduler (after the round it runs)", _add_schedule, cmd_schedule_stop),
     ("embed",): ("re-embed stored texts (Parquet with ids) with a model into a new Parquet folder, with Ray Data", _add_embed, cmd_embed),
+    ("mine-negatives",): ("add hard negatives, mined with a model, to (anchor, positive) records for embedding fine-tuning",
+                          _add_mine_negatives, cmd_mine_negatives),
     ("models", "list"): ("list the registered models, their versions and aliases (MLflow registry)", _add_tracking, cmd_models_list),
     ("models", "show"): ("show a model's versions and promotion history, or one version's tags", _add_models_show, cmd_models_show),
     ("models", "promote"): ("point an alias (production, candidate) at a version", _add_models_promote, cmd_models_promote),
