@@ -196,7 +196,7 @@ def test_a_task_model_has_a_static_step_on_a_masked_lm_backbone_only():
 
 @pytest.mark.parametrize("family, kind", [("bert", "classification"), ("bert", "token-classification"),
                                           ("roberta", "multiple-choice"), ("albert", "question-answering"),
-                                          ("spanbert", "regression")])
+                                          ("spanbert", "regression"), ("bert", "embedding")])
 def test_a_task_model_traces_whole_in_one_graph_for_every_trimmed_length(family, kind):
     """A fine-tuning step compiled whole (``train.compile: graphs`` on one GPU): the forward and
     backward trace as one graph each (``fullgraph=True``, ``aot_eager``), with ``ctx finetune``'s
