@@ -227,13 +227,15 @@ def _run_eval(args: argparse.Namespace) -> int:
 
         if args.language is not None:
             raise CommandError("--language is for a fine-tuned XLM's split, not the word-in-context test")
+        if args.task is not None:
+            raise CommandError("--task is for scoring a split, not the word-in-context test")
         print(write_output(evaluate_wic(args.model, args.data or DEFAULT_DATA, store=_store(args)), args.output))
         return 0
     from jobs.evaluation.evaluate import evaluate, write_result
 
     if not args.data:
         raise CommandError("--data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
-    print(write_result(evaluate(args.model, args.data, _store(args), _language(args.language)), args.output))
+    print(write_result(evaluate(args.model, args.data, _store(args), _language(args.language), args.task), args.output))
     return 0
 
 
@@ -736,6 +738,9 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic any model")
     p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl; default: the shipped data/tasks/wic)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
+    p.add_argument("--task", default=None, choices=["embedding"],
+                   help="embedding: score any model (pretrained, HF or sentence-transformers folder) as ctx serve embeds "
+                        "with it, on retrieval records (anchor, positive, negatives): the baseline before fine-tuning")
     p.add_argument("--language", default=None,
                    help="a fine-tuned multilingual XLM: read the split's texts as this language, a name of the model's "
                         "languages or a row number (default: the language it was fine-tuned on; XLM's cross-lingual transfer)")

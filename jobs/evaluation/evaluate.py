@@ -27,18 +27,23 @@ def load_recipe_of(checkpoint: str, store=None):
 
     raw = storage.as_store(store).read_bytes(storage.join(checkpoint, "trainer_state.json"), missing_ok=True)  # not the whole checkpoint
     if raw is None:
-        raise ValueError(f"{checkpoint}: no trainer_state.json; ctx eval scores fine-tuned checkpoints (ctx finetune)")
+        raise ValueError(f"{checkpoint}: no trainer_state.json; ctx eval scores fine-tuned checkpoints (ctx finetune), "
+                         "or any model's sentence vectors on retrieval records with --task embedding")
     state = json.loads(raw)
     if "recipe" not in state or "task" not in state:
         raise ValueError(f"{checkpoint}: not a fine-tuned checkpoint (its trainer_state.json has no task); "
-                         f"for pretrained models use `ctx eval wic --model ...`")
+                         f"for pretrained models use `ctx eval wic --model ...`, or `--task embedding` on retrieval records")
     return FinetuneRecipe.model_validate(state["recipe"])
 
 
-def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: str | int | None = None) -> dict[str, Any]:
+def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: str | int | None = None,
+             task: str | None = None) -> dict[str, Any]:
     """The scores of ``model_uri`` on ``data_uri`` (module docstring). ``store``: the command's
     ``pipelines.storage.Store`` (endpoint and ``--retry-deadline``), or an endpoint URL. ``language``:
-    a multilingual XLM reads the texts as this language (a name or a row; None: its task's)."""
+    a multilingual XLM reads the texts as this language (a name or a row; None: its task's).
+    ``task="embedding"``: any model (pretrained, a Hugging Face or sentence-transformers folder) is
+    scored as the embedding model ``ctx serve`` makes of it, on retrieval records (anchor, positive,
+    negatives), texts as long as the server reads them: a baseline before fine-tuning."""
     from jobs.training.finetune import score_split
     from jobs.runs import resolve_checkpoint
     from jobs.session import init_ray
@@ -46,7 +51,17 @@ def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: st
 
     store = as_store(store)
     checkpoint = resolve_checkpoint(model_uri, store)
-    recipe = load_recipe_of(checkpoint, store)
+    try:
+        recipe = load_recipe_of(checkpoint, store)
+    except ValueError:
+        if task != "embedding":
+            raise
+        from jobs.training.finetune_config import FinetuneRecipe
+
+        recipe = FinetuneRecipe.model_validate({"model": {"init": checkpoint}, "data": {"train": data_uri},
+                                                "task": {"kind": "embedding", "max_len": 512}})  # cut to what the model serves
+    if task is not None and recipe.task.kind != task:
+        raise ValueError(f"{checkpoint} is fine-tuned for {recipe.task.kind}, not {task}")
     init_ray()
     details: dict[str, Any] = {}
     scored = score_split(checkpoint, recipe, data_uri, store, details, language)

@@ -337,8 +337,17 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
 
     store = storage.as_store(store)
     with tempfile.TemporaryDirectory(prefix="ctx-score-") as d:  # weights and tokenizer bytes are in memory after
-        loaded = load_checkpoint(local_copy(checkpoint, Path(d), store))
+        local = local_copy(checkpoint, Path(d), store)
+        loaded = load_checkpoint(local)
         files = tokenizer_files(loaded.tokenizer_dir)
+        if loaded.task is None and recipe.task.kind == "embedding":  # any model's sentence vectors, as served
+            loaded = as_embedding_model(loaded, recipe, local)
+            served = loaded.task.max_seq_length or getattr(loaded.config, "max_tokens", None) or getattr(loaded.config, "max_seq_len", None)
+            if served and recipe.task.max_len > served:  # texts read no longer than the server reads them
+                recipe = recipe.model_copy(update={"task": recipe.task.model_copy(update={"max_len": int(served)})})
+    if loaded.task is None:
+        raise ValueError(f"{checkpoint}: a pretrained model has no {recipe.task.kind} head to score; fine-tune it first "
+                         "(ctx finetune), or score its sentence vectors on retrieval records (task kind embedding)")
     task = loaded.task
     if language is not None:
         from ctxmodels.tasks import language_row
@@ -354,6 +363,26 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
     if details is not None:
         details.update(rows=data["rows"], labels=list(task.labels), records=table.num_rows, rejected=table.num_rows - len(check.usable))
     return validate(loaded.model, data, recipe, tuple(task.labels), parallel.ParallelPlan(), torch.device("cpu"), 0, 1, details)
+
+
+def as_embedding_model(loaded, recipe: FinetuneRecipe, folder: Path):
+    """A model without a task (pretrained, a Hugging Face or sentence-transformers folder) as the
+    embedding model ``ctx serve`` makes of it: its backbone, pooled and normalised as its sentence
+    settings say (else mean pooling, the last token in a left-to-right model), so ``score_split``
+    gives its retrieval metrics before any fine-tuning (a zero-shot baseline; a scheduled round's
+    production model)."""
+    import dataclasses as dc
+
+    import torch
+
+    from ctxmodels.sbert import checkpoint_sentence_settings
+    from ctxmodels.tasks import TaskConfig, build_task_model, load_backbone
+
+    fields = sentence_fields(recipe, loaded.family, loaded.config, checkpoint_sentence_settings(folder))
+    task = TaskConfig(**task_config_fields(recipe, loaded.family, (), sentence=fields))
+    model = build_task_model(loaded.family, loaded.config, task, torch.Generator().manual_seed(0))
+    load_backbone(model, loaded.model)
+    return dc.replace(loaded, model=model.eval(), task=task)
 
 
 # ---------------------------------------------------------------------------------------------

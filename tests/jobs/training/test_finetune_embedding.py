@@ -46,6 +46,22 @@ def test_the_recipe_keys_of_an_embedding_task_are_checked():
         load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", ["task.pooling=cls"])
 
 
+@pytest.mark.slow  # Ray Data reads the split
+def test_ctx_eval_scores_any_model_as_the_embedding_model_it_serves(ray_session, minilm_dir, tmp_path):
+    from jobs.cli import main
+
+    out = tmp_path / "minilm.json"
+    assert main(["eval", "--task", "embedding", "--model", str(minilm_dir), "--data", str(VALIDATION), "--output", str(out)]) == 0
+    scored = json.loads(out.read_text())
+    assert scored["task"] == "embedding" and scored["examples"] == 206
+    for name, value in served_metrics(str(minilm_dir)).items():
+        assert scored["metrics"][name] == pytest.approx(value, abs=2e-3), name
+    from jobs.evaluation.evaluate import evaluate
+
+    with pytest.raises(ValueError, match="--task embedding"):
+        evaluate(str(minilm_dir), str(VALIDATION))
+
+
 @pytest.mark.slow  # ~70 s: 15 steps of MiniLM on 3 texts x 32 records, two validations
 def test_minilm_learns_to_retrieve_definitions_and_serves_what_was_scored(ray_session, minilm_dir, tmp_path):
     from jobs.training.finetune import finetune
