@@ -142,6 +142,7 @@ class EmbeddingReplica(TaskServing):
             # embedding checkpoint was fine-tuned with): the defaults of its sentence vectors, as
             # sentence-transformers, TEI and Infinity take them.
             self.sentence = checkpoint_sentence_settings(local_dir, loaded.task)
+            self.sentence_folder = (local_dir / "modules.json").is_file()  # its own files, not an embedding task's
             self.tokenizer = load_tokenizer(tok_dir)
             self.tokenizer_hash = tokenizer_hash(tok_dir)
         finally:
@@ -267,7 +268,7 @@ class EmbeddingReplica(TaskServing):
             "registry_version": self.registry_version,
             "pooling": self.pooling,  # what a request that names none gets, as normalize
             "normalize": self.normalize,
-            **({"sentence_transformers": self.sentence.shown()} if self.sentence is not None else {}),
+            **({"sentence_transformers": self.sentence.shown()} if self.sentence is not None and self.sentence_folder else {}),
             **({"language": self.language.shown(self.language.default), "languages": self.language.names or self.language.rows}
                if self.language is not None else {}),
             **self.task_info(),  # task, labels, routes

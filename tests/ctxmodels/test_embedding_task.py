@@ -160,6 +160,7 @@ def test_an_embedding_checkpoint_serves_and_exports_its_trained_pooling(embeddin
     lowered = [t.lower() for t in MIXED_TEXTS]
     with LocalModel(str(ckpt)) as local:  # ctx serve's replica, in-process
         assert (local.info["pooling"], local.info["normalize"]) == ("cls", True)
+        assert local.info["task"] == "embedding" and "sentence_transformers" not in local.info  # not such a folder
         np.testing.assert_allclose(local.encode(lowered), trained, atol=2e-5)
     out = tmp_path / "st"
     assert main(["export", "--model", str(ckpt), "--format", "sentence-transformers", "--output", str(out)]) == 0
