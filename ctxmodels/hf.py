@@ -1088,7 +1088,10 @@ BASE_PREFIXES = ("bert.", "roberta.", "albert.", "transformer.")  # where head c
 
 def base_model_only(hf_config: dict, tensors: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
     """A head class's (config.json, tensors) -> its base model's: the tensors under the base model's
-    prefix, without it; the head's labels and problem type dropped, ``architectures`` the base class."""
+    prefix, without it; the head's labels and problem type dropped, ``architectures`` the base class.
+    A base model's own (an embedding model's export) is returned as it is."""
+    if hf_config.get("architectures") == [BASE_CLASSES.get(hf_config.get("model_type"))]:
+        return hf_config, tensors
     prefix = next((p for p in BASE_PREFIXES if any(k.startswith(p) for k in tensors)), None)
     if prefix is None:
         raise ValueError(f"no base-model prefix among the exported tensor names (first: {sorted(tensors)[:3]})")

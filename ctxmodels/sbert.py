@@ -63,7 +63,7 @@ def export_sentence_transformers_folder(
         raise ValueError(f"pooling {pooling!r}: sentence-transformers export supports {sorted(POOLING_MODES)}")
     out = Path(out_dir)
     hf_config, tensors = hf.to_hf(model, family, pad_token_id)
-    if getattr(model, "task", None) is not None and hf_config["architectures"][0] not in hf.BASE_CLASSES.values():
+    if getattr(model, "task", None) is not None:
         # A task model exports its head class; sentence-transformers loads AutoModel, which reads the
         # backbone and would warn about the head. Keep the backbone's tensors and a base config.
         hf_config, tensors = hf.base_model_only(hf_config, tensors)

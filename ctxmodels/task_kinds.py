@@ -14,7 +14,8 @@ NumPy encoding and torch heads in different packages):
 - ``pipelines.finetune.ENCODERS`` and ``RECORD_CHECKS``: records to model rows, and their checks;
 - ``pipelines.metrics.METRICS``: the metrics ``Task.metrics`` names;
 - ``ctxmodels.tasks.LOSSES`` (keyed by ``Task.loss``): the loss and the step's running metrics;
-- ``ctxmodels.hf.CONVERTERS[family].tasks``: the transformers head class per family and kind.
+- ``ctxmodels.hf.CONVERTERS[family].tasks``: the transformers head class per family and kind (a kind
+  with no head, ``embedding``, exports as the base model: ``ctxmodels.hf.BASE_CLASSES``).
 
 Adding a kind is one ``Task`` here plus its line in ``TaskKind``, and an entry in each of those
 dicts where its behaviour is new; ``tests/jobs/training/test_task_kinds.py`` fails, naming the dict,

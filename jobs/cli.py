@@ -327,7 +327,6 @@ def cmd_mine_negatives(args: argparse.Namespace) -> int:
     from jobs.session import init_ray
     from jobs.training.mining import mine_hard_negatives
     from pipelines import finetune_stream as fs
-    from pipelines import storage
     from pipelines.negatives import MiningConfig
 
     _quiet_env(args.verbose)
@@ -350,16 +349,7 @@ def cmd_mine_negatives(args: argparse.Namespace) -> int:
                                               positive_field=args.positive_field, negative_field=args.negative_field, corpus=corpus)
     except ValueError as e:  # a bad setting, a field no record has, no usable record: say why, no traceback
         raise CommandError(str(e)) from None
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
-    fsys, path = store.filesystem(args.output)
-
-    def write() -> None:
-        with fsys.open_output_stream(path) as f:
-            f.write(text)
-
-    if not storage.is_remote(args.output):
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    store.retry(write, f"writing {args.output}")
+    store.write_bytes(args.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode())
     print(json.dumps({"output": args.output, **report}))
     return 0
 

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 
 from pipelines import storage
 from pipelines.storage import Store, as_store
@@ -49,23 +47,7 @@ def read_best(run: str, store: Store | str | None = None) -> dict[str, Any] | No
 
 def write_best(run: str, record: dict[str, Any], store: Store | str | None = None) -> None:
     """Point the run's ``best.json`` at ``record["checkpoint"]`` (a folder name under the run)."""
-    store = as_store(store)
-    data = (json.dumps(record, indent=1) + "\n").encode("utf-8")
-    fs, path = store.filesystem(storage.join(run, BEST))
-    if isinstance(fs, pafs.LocalFileSystem):
-        folder = path.rsplit("/", 1)[0]
-        fs.create_dir(folder, recursive=True)
-        tmp = f"{folder}/.{BEST}.{uuid.uuid4().hex}.tmp"
-        with fs.open_output_stream(tmp) as out:
-            out.write(data)
-        fs.move(tmp, path)  # atomic replace
-        return
-
-    def put() -> None:
-        with fs.open_output_stream(path) as out:
-            out.write(data)
-
-    store.retry(put, f"write {run}/{BEST}")
+    as_store(store).write_bytes(storage.join(run, BEST), (json.dumps(record, indent=1) + "\n").encode("utf-8"))
 
 
 def best_checkpoint(run: str, store: Store | str | None = None) -> str | None:

@@ -490,7 +490,7 @@ RETRIEVAL_SCORE_CELLS = 1 << 24  # query x document scores held at once (128 MiB
 TIE_TOLERANCE = 1e-9  # cosines closer than this to the relevant document's tie with it (float rounding of equal vectors)
 
 
-def _unit_rows(x: np.ndarray) -> np.ndarray:
+def unit_rows(x: np.ndarray) -> np.ndarray:
     """Rows scaled to length 1; zero and non-finite rows become 0 (a cosine of 0 with everything)."""
     x = np.where(np.isfinite(x).all(axis=-1, keepdims=True), x, 0.0)
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
@@ -520,8 +520,8 @@ def retrieval_ranks(predictions: Any, references: Any) -> np.ndarray:
     if r.shape != (n, k - 1):
         raise ValueError(f"retrieval metrics: references must be the candidates' doc ids, shape ({n}, {k - 1}), got {r.shape}")
     ids, first, inverse = np.unique(r.reshape(-1), return_index=True, return_inverse=True)
-    corpus = _unit_rows(p[:, 1:, :].reshape(-1, d)[first])  # (C, D) one vector per document
-    queries = _unit_rows(p[:, 0, :])  # (N, D)
+    corpus = unit_rows(p[:, 1:, :].reshape(-1, d)[first])  # (C, D) one vector per document
+    queries = unit_rows(p[:, 0, :])  # (N, D)
     relevant = inverse.reshape(n, k - 1)[:, 0]  # (N,) each anchor's positive, as a corpus row
     ranks = np.empty(n, dtype=np.int64)
     step = max(1, min(1024, RETRIEVAL_SCORE_CELLS // len(ids)))

@@ -27,6 +27,8 @@ from typing import Literal
 
 import numpy as np
 
+from pipelines.metrics import unit_rows
+
 SCORE_CELLS = 1 << 24  # anchors x corpus scores computed at a time
 
 
@@ -71,10 +73,9 @@ class MiningConfig:
 
 
 def unit(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit length (zero rows stay zero): dot products are then cosines."""
-    v = np.asarray(vectors, dtype=np.float32)
-    norm = np.linalg.norm(v, axis=-1, keepdims=True)
-    return v / np.where(norm > 0, norm, 1.0)
+    """float32 rows of unit length (``pipelines.metrics.unit_rows``: zero and non-finite rows 0), so
+    dot products are cosines, as the retrieval metrics score them."""
+    return unit_rows(np.asarray(vectors, dtype=np.float32))
 
 
 def top_candidates(anchors: np.ndarray, corpus: np.ndarray, k: int, exclude: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ import random
 import re
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -478,6 +479,26 @@ class Store:
         if missing_ok and self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.File:
             return None
         return self.retry(lambda: _read_bytes(fs, path), f"read {uri}")
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        """``data`` as the whole file or object at ``uri``: the one "write a URI" beside ``read_bytes``.
+        A local file is written beside its target and moved over it (a reader never sees half of it;
+        its folder is made); an object is put with retries."""
+        fs, path = self.filesystem(uri)
+        if isinstance(fs, pafs.LocalFileSystem):
+            folder, name = path.rsplit("/", 1)
+            fs.create_dir(folder, recursive=True)
+            tmp = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"  # unique: two writers never share it
+            with fs.open_output_stream(tmp) as out:
+                out.write(data)
+            fs.move(tmp, path)  # atomic replace
+            return
+
+        def put() -> None:
+            with fs.open_output_stream(path) as out:
+                out.write(data)
+
+        self.retry(put, f"write {uri}")
 
     def download_dir(self, uri: str, local_dir: str | Path) -> Path:
         """Copy a folder (any filesystem) into ``local_dir``; returns the local folder."""

@@ -48,15 +48,17 @@ def mine_hard_negatives(records: list[dict[str, Any]], model: Any, cfg: MiningCo
     row_of = {text: i for i, text in enumerate(docs)}
     queries = list(dict.fromkeys(anchors_of))
     query_of = {text: i for i, text in enumerate(queries)}
-    positives: list[set[int]] = [set() for _ in queries]  # every positive an anchor is paired with
-    for a, p in zip(anchors_of, positives_of):
-        positives[query_of[a]].add(row_of[p])
+    pair_query = np.fromiter((query_of[a] for a in anchors_of), dtype=np.int64, count=len(anchors_of))  # (N,)
+    pair_doc = np.fromiter((row_of[p] for p in positives_of), dtype=np.int64, count=len(positives_of))  # (N,)
 
     q_vec = np.asarray(model.encode_query(queries), dtype=np.float32)  # (Q, D)
     d_vec = np.asarray(model.encode_document(docs), dtype=np.float32)  # (C, D)
     q_unit, d_unit = unit(q_vec), unit(d_vec)
-    exclude = [np.fromiter(sorted(p), dtype=np.int64) for p in positives]
-    lowest = np.array([min(float(q_unit[q] @ d_unit[p]) for p in positives[q]) for q in range(len(queries))], dtype=np.float32)
+    pairs = np.unique(np.stack([pair_query, pair_doc], axis=1), axis=0)  # (P, 2): every positive an anchor is paired with
+    exclude = np.split(pairs[:, 1], np.flatnonzero(np.diff(pairs[:, 0])) + 1)  # per anchor, in query order
+    own = np.einsum("nd,nd->n", q_unit[pair_query], d_unit[pair_doc])  # (N,) each record's positive score
+    lowest = np.full(len(queries), np.inf, dtype=np.float32)
+    np.minimum.at(lowest, pair_query, own)  # an anchor's harder positive sets its margins
     scores, rows = top_candidates(q_vec, d_vec, cfg.window, exclude)
     chosen, chosen_scores, skipped = select_negatives(scores, rows, lowest, cfg)
 

@@ -281,6 +281,19 @@ def test_is_transient_says_no(error):
     assert not storage.is_transient(error)
 
 
+# ---- write_bytes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_write_bytes_replaces_a_file_whole_and_reads_back(tmp_path, where, request):
+    dest = f"s3://{request.getfixturevalue('s3_bucket')}/out/new/f.jsonl" if where == "s3" else str(tmp_path / "out" / "new" / "f.jsonl")
+    STORE.write_bytes(dest, b"first\n")  # a local folder that is not there yet is made
+    STORE.write_bytes(dest, b"second\n")
+    assert STORE.read_bytes(dest) == b"second\n"
+    if where == "local":
+        assert sorted(p.name for p in (tmp_path / "out" / "new").iterdir()) == ["f.jsonl"]  # no temporary left
+
+
 # ---- copy_dir ----------------------------------------------------------------------------------
 
 
