@@ -475,6 +475,16 @@ class TaskModel(nn.Module):
             return h[:, 0]
         return last_real(h, attention_mask)
 
+    def texts_loss(self, vectors: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """An embedding task's loss on its examples' text vectors (B, K, D) (``in_batch_negatives``
+        with the task's scale and Matryoshka widths; every worker's texts as candidates while training,
+        when ``gather`` is set). The forward's loss; a gradient-cached step calls it on the vectors of
+        all its micro-batches at once (``jobs.training.loop.Stepper``)."""
+        loss, metrics = LOSSES[self.spec.loss](vectors, scale=self.task.scale, gather=self.gather if self.training else None,
+                                               dims=self.task.matryoshka_dims, weights=self.task.matryoshka_weights)
+        metrics["task_loss"] = loss.detach()
+        return loss, metrics
+
     def _lm_loss(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         """GPT's auxiliary objective: next-token prediction over the (flattened) inputs."""
         h = self.backbone.hidden_states(input_ids, attention_mask)[-1][:, :-1]  # (B, T-1, D)
@@ -496,12 +506,15 @@ class TaskModel(nn.Module):
         end_positions: Tensor | None = None,
         labelled_positions_only: bool = False,
         language_ids: Tensor | None = None,
+        with_loss: bool = True,
     ) -> TaskOutput:
         """``labelled_positions_only`` (token classification with ``labels``): compute the head
         only where ``labels != -100``; ``logits`` is then (M, L), those positions in row-major
         order, and the loss and gradients are the same (see the module docstring).
         ``language_ids`` (B,): a multilingual XLM's row of its language table per example (a served
-        request's language); None: the task's ``language`` for every token."""
+        request's language); None: the task's ``language`` for every token.
+        ``with_loss=False``: the logits only, whatever targets are given (an embedding step's
+        gradient cache takes the loss over several forwards' vectors: ``texts_loss``)."""
         kind = self.spec
         grouped = input_ids.dim() == 3  # (B, K, T): options, or both orders of a symmetric pair
         B = input_ids.shape[0]
@@ -539,12 +552,12 @@ class TaskModel(nn.Module):
         loss, metrics = None, {}
         given = {"labels": labels, "start_positions": start_positions, "end_positions": end_positions}
         targets = [given[name] for name in kind.targets]
-        if all(t is not None for t in targets) and (kind.reads != "texts" or grouped):  # texts: (B, K, T) to train
-            texts = {"scale": self.task.scale, "gather": self.gather if self.training else None, "dims": self.task.matryoshka_dims,
-                     "weights": self.task.matryoshka_weights} if kind.reads == "texts" else {}
-            loss, metrics = LOSSES[kind.loss](logits, *targets, **texts)
+        if with_loss and kind.reads == "texts" and grouped:  # (B, K, T) to train; single texts are only encoded
+            loss, metrics = self.texts_loss(logits)
+        elif with_loss and kind.reads != "texts" and all(t is not None for t in targets):
+            loss, metrics = LOSSES[kind.loss](logits, *targets)
             metrics["task_loss"] = loss.detach()
-            if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze and kind.reads != "texts":
+            if self.family == "gpt" and self.task.lm_weight > 0 and not self.task.freeze:
                 lm = self._lm_loss(input_ids, attention_mask)
                 metrics["lm_loss"] = lm.detach()
                 loss = loss + self.task.lm_weight * lm

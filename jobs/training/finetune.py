@@ -192,6 +192,11 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     if sentence is not None:
         log(f"embedding: {sentence['pooling']} pooling, " + ("unit vectors" if sentence["normalize"] else "not normalised")
             + (f", {sentence['max_seq_length']} tokens served" if sentence["max_seq_length"] else ""))
+        if recipe.task.gradient_cache and recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
+            log(f"embedding: gradient cache, each anchor ranks against the step's {recipe.train.batch_size} rows, forwarded "
+                f"{recipe.micro_batch_size} at a time (task.gradient_cache)")
+        elif recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
+            log(f"embedding: each anchor ranks against its micro-batch of {recipe.micro_batch_size} rows only (task.gradient_cache: false)")
     if continuing:
         from jobs.training.config import RecipeError
 
@@ -517,6 +522,12 @@ class FinetuneJob(WorkerJob):
         if self.family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
             model.set_char_table(elmo_char_table(self.tok_dir, self.model_cfg.max_chars))
         return model
+
+    def cached_loss(self, model, accumulation: int):
+        """An embedding step's in-batch negatives over all its micro-batches (``task.gradient_cache``)."""
+        if self.task.kind != "embedding" or not self.recipe.task.gradient_cache or accumulation == 1:
+            return None
+        return model.texts_loss
 
     def resumed(self, resumed, rank: int) -> None:
         from jobs.runs import read_best, write_best

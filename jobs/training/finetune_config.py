@@ -98,6 +98,11 @@ class TaskSection(_Section):
     # gathered micro-batches, sentence-transformers' gather_across_devices), so the loss is the one a
     # single worker computes on the whole batch, whatever the worker count; false: its own worker's only.
     gather_across_workers: bool = True
+    # Embedding with several micro-batches a step (train.micro_batch_size below batch_size / workers): a
+    # gradient cache (Gao et al. 2021; sentence-transformers' CachedMultipleNegativesRankingLoss), so each
+    # anchor ranks against the whole step's batch at the memory of one micro-batch, for a second forward
+    # pass; it acts only when a worker's step has several micro-batches. false: each micro-batch ranks alone.
+    gradient_cache: bool = True
     # Embedding: Matryoshka widths (sentence-transformers' MatryoshkaLoss: the loss also on each vector's
     # first d dimensions, so /v1/embeddings' ``dimensions: d`` is trained), with weights (None: 1 each).
     matryoshka_dims: list[int] | None = None
@@ -121,8 +126,8 @@ class TaskSection(_Section):
         if self.matryoshka_dims is not None and (not self.matryoshka_dims or min(self.matryoshka_dims) < 1
                                                  or len(set(self.matryoshka_dims)) != len(self.matryoshka_dims)):
             raise ValueError(f"matryoshka_dims: {self.matryoshka_dims}: distinct positive widths, e.g. [384, 256, 128, 64]")
-        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims"):
-            if getattr(self, key) is not None and self.kind != "embedding":
+        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache"):
+            if (getattr(self, key) is not None if key != "gradient_cache" else key in self.model_fields_set) and self.kind != "embedding":
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:
             raise ValueError(

@@ -487,6 +487,21 @@ class Taken:
     skipped: bool = False
 
 
+def _random_state(device) -> tuple:
+    """The random state a forward's dropout draws from: the CPU generator's, and the device's."""
+    import torch
+
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(device, state: tuple) -> None:
+    import torch
+
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 @dataclass
 class Stepper:
     """One optimizer step over ``accumulation`` micro-batches of this worker (docs/EXACTLY_ONCE.md
@@ -514,6 +529,9 @@ class Stepper:
     # block, ...); the deeper groups' gradients are dropped before clipping and the update, so
     # they neither move nor gather optimizer state. None: every depth trains.
     trainable_depths: Callable[[int], int | None] | None = None
+    # A gradient-cached step (``_cached``): the loss of all the step's micro-batches' outputs at once
+    # (an embedding task's in-batch negatives over the whole batch). None: each micro-batch's own loss.
+    cached_loss: Callable[[Any], tuple[Any, dict[str, Any]]] | None = None
     _forget_memory: bool = field(default=False, repr=False)
     _bad_in_a_row: int = field(default=0, repr=False)
     _top_lr: float | None = field(default=None, repr=False)  # lr * schedule at the last step: the head's rate
@@ -532,24 +550,11 @@ class Stepper:
         from jobs.training import parallel
 
         poisoned = (state.attempts + 1) in self.debug_nan_steps and parallel._rank() == 0
-        taken, measured = [], []
-        for i in range(self.accumulation):
-            t0 = time.perf_counter()
-            batch = next(batches, None)
-            meter.waited(time.perf_counter() - t0)
-            if batch is None:
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
-            if self._forget_memory and "reset_memory" in batch:
-                batch["reset_memory"] = batch["reset_memory"].clone().fill_(1)
-                self._forget_memory = False
-            with parallel.no_sync(self.wrapped, active=i < self.accumulation - 1), parallel.autocast(self.plan, self.device):
-                out = self.wrapped(**self.inputs(batch))
-            loss = out.loss * float("nan") if poisoned else out.loss  # NaN gradients too, as a real fault gives
-            (loss / self.accumulation).backward()
-            # Numbers only: keeping ``out`` until the decision would hold every micro-batch's logits.
-            measured.append((float(loss.detach()), {k: float(v) for k, v in out.metrics.items()}))
-            taken.append(batch)
+        got = (self._cached if self.cached_loss is not None else self._accumulated)(batches, meter, poisoned)
+        if got is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        taken, measured = got
         limit = self.trainable_depths(state.step) if self.trainable_depths is not None else None
         if limit is not None:
             for g in self.optimizer.param_groups:
@@ -591,6 +596,78 @@ class Stepper:
         state.samples_seen += self.batch_size
         meter.step()
         return Taken(taken)
+
+    def _next(self, batches: Iterator[dict[str, Any]], meter: StepMeter) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        meter.waited(time.perf_counter() - t0)
+        if batch is not None and self._forget_memory and "reset_memory" in batch:
+            batch["reset_memory"] = batch["reset_memory"].clone().fill_(1)
+            self._forget_memory = False
+        return batch
+
+    def _accumulated(self, batches: Iterator[dict[str, Any]], meter: StepMeter, poisoned: bool):
+        """Each micro-batch's own loss, its gradients added up: ([batches], [(loss, metrics)]), or
+        None when the stream ended."""
+        from jobs.training import parallel
+
+        taken, measured = [], []
+        for i in range(self.accumulation):
+            batch = self._next(batches, meter)
+            if batch is None:
+                return None
+            with parallel.no_sync(self.wrapped, active=i < self.accumulation - 1), parallel.autocast(self.plan, self.device):
+                out = self.wrapped(**self.inputs(batch))
+            loss = out.loss * float("nan") if poisoned else out.loss  # NaN gradients too, as a real fault gives
+            (loss / self.accumulation).backward()
+            # Numbers only: keeping ``out`` until the decision would hold every micro-batch's logits.
+            measured.append((float(loss.detach()), {k: float(v) for k, v in out.metrics.items()}))
+            taken.append(batch)
+        return taken, measured
+
+    def _cached(self, batches: Iterator[dict[str, Any]], meter: StepMeter, poisoned: bool):
+        """One loss over the outputs of all the step's micro-batches, at the memory of one micro-batch's
+        activations: the gradient cache of Gao et al. 2021 ("Scaling Deep Contrastive Learning Batch
+        Size under Memory Limited Setup"; sentence-transformers' CachedMultipleNegativesRankingLoss).
+
+        1. each micro-batch forward without a graph, keeping its outputs (``with_loss=False``: an
+           embedding model's text vectors) and the random state it started from;
+        2. ``cached_loss`` on all of them at once, backward to the outputs only;
+        3. each micro-batch forward again from the same random state (the same dropout), its outputs'
+           backward taking the gradients step 2 found for them; the all-reduce on the last.
+
+        The parameters' gradients are those of the one loss on the whole step's batch (as if it fitted
+        in memory), for the price of a second forward. Returns what ``_accumulated`` returns: every
+        micro-batch measured with the step's loss and metrics."""
+        import torch
+
+        from jobs.training import parallel
+
+        taken = []
+        for _ in range(self.accumulation):
+            batch = self._next(batches, meter)
+            if batch is None:
+                return None
+            taken.append(batch)
+        states, parts = [], []
+        with torch.no_grad():
+            for batch in taken:
+                states.append(_random_state(self.device))
+                with parallel.autocast(self.plan, self.device):
+                    parts.append(self.wrapped(**self.inputs(batch), with_loss=False).logits.detach())
+        outputs = torch.cat(parts).requires_grad_()
+        loss, metrics = self.cached_loss(outputs)
+        loss = loss * float("nan") if poisoned else loss
+        loss.backward()
+        grads = outputs.grad.split([len(part) for part in parts])
+        del outputs, parts
+        for i, (batch, random_state, grad) in enumerate(zip(taken, states, grads)):
+            _set_random_state(self.device, random_state)
+            with parallel.no_sync(self.wrapped, active=i < self.accumulation - 1), parallel.autocast(self.plan, self.device):
+                out = self.wrapped(**self.inputs(batch), with_loss=False)
+            out.logits.backward(grad)
+        measured = (float(loss.detach()), {k: float(v) for k, v in metrics.items()})
+        return taken, [measured] * len(taken)
 
     @property
     def current_lr(self) -> float:
@@ -1009,6 +1086,11 @@ class WorkerJob:
     def meter(self) -> "StepMeter":
         return StepMeter()
 
+    def cached_loss(self, model, accumulation: int) -> Callable[[Any], tuple[Any, dict[str, Any]]] | None:
+        """A loss over the outputs of all of a step's ``accumulation`` micro-batches at once, for a
+        gradient-cached step (``Stepper._cached``); None: each micro-batch's own loss, added up."""
+        return None
+
     def trainable_depths(self, step: int) -> int | None:
         """Gradual unfreezing (``train.gradual_unfreezing``): how many layer depths train at ``step``."""
         return None
@@ -1114,7 +1196,7 @@ def run_worker(job: WorkerJob, config: dict[str, Any]) -> None:
         schedule = partial(lr_factor, warmup_samples=job.warmup_steps * t.batch_size, total_samples=total * t.batch_size)
     stepper = Stepper(wrapped, optimizer, plan, device, accum, t.batch_size, t.lr, schedule, t.grad_clip,
                       inputs=job.step_inputs, max_bad_steps=t.max_bad_steps, debug_nan_steps=t.debug_nan_steps,
-                      trainable_depths=job.trainable_depths if unfreezing else None)
+                      trainable_depths=job.trainable_depths if unfreezing else None, cached_loss=job.cached_loss(model, accum))
     meter = job.meter()
     checkpointer = Checkpointer(run, store, job.units, rank, world, resumed.position, strategy=recipe.scaling.strategy,
                                 committed_step=state.step, **job.checkpointer_options())

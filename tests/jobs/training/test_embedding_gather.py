@@ -1,8 +1,8 @@
 """An embedding model trained on two DDP workers (gloo, two CPU processes) with its texts gathered
 across them (``task.gather_across_workers``, ``jobs.training.parallel.gather_rows``) computes the
 loss and the gradients one process computes on the whole batch: every anchor ranks against every
-worker's texts, whatever the worker count. Without the gather each worker ranks against its own
-half, another loss."""
+worker's texts, whatever the worker count, and so does a gradient-cached step that forwards each
+worker's rows one at a time. Without the gather each worker ranks against its own half, another loss."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ctxmodels.bert import PRESETS
 from ctxmodels.tasks import TaskConfig, build_task_model
 from jobs.training import parallel
-from jobs.training.loop import freeze_unused
+from jobs.training.loop import StepMeter, Stepper, freeze_unused
 from tests.conftest import run_gloo_workers
 
 WORLD, B, K, T = 2, 6, 3, 10
@@ -37,20 +37,26 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     try:
         out = {}
-        for gathered in (True, False):
+        for case in ("gathered", "alone", "cached"):
             model, ids, mask = model_and_batch()
-            if gathered:
+            if case != "alone":
                 model.gather = parallel.gather_rows
             mine = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
             # As the loop does: the probe step (gathered too) freezes what the loss never reaches (the pooler).
             frozen = freeze_unused(model, {"input_ids": ids[mine], "attention_mask": mask[mine]})
             assert frozen and all(n.startswith("backbone.pooler") for n in frozen), frozen
             wrapped = parallel.wrap_model(model, parallel.ParallelPlan(strategy="ddp"), torch.device("cpu"))
-            loss = wrapped(ids[mine], attention_mask=mask[mine]).loss
-            loss.backward()  # DDP averages the gradients over the workers
+            if case == "cached":  # the worker's rows one at a time (a gradient-cached step: task.gradient_cache)
+                rows = [{"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1], "sample_id": [i]} for i in range(B)[mine]]
+                stepper = Stepper(wrapped, None, parallel.ParallelPlan(strategy="ddp"), torch.device("cpu"), len(rows), B, 0.0,
+                                  lambda samples: 1.0, cached_loss=model.texts_loss)
+                loss = torch.tensor(stepper._cached(iter(rows), StepMeter(), poisoned=False)[1][0][0])
+            else:
+                loss = wrapped(ids[mine], attention_mask=mask[mine]).loss
+                loss.backward()  # DDP averages the gradients over the workers
             losses = [torch.zeros(()) for _ in range(WORLD)]
             dist.all_gather(losses, loss.detach())
-            out[gathered] = {"loss": torch.stack(losses).mean(),
+            out[case] = {"loss": torch.stack(losses).mean(),
                              "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}}
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -66,13 +72,15 @@ def test_gathered_workers_compute_the_whole_batchs_loss_and_gradients(two_worker
     model, ids, mask = model_and_batch()
     loss = model(ids, attention_mask=mask).loss
     loss.backward()
-    got = two_workers[True]
-    torch.testing.assert_close(got["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
-    assert set(got["grads"]) == {n for n, p in model.named_parameters() if p.grad is not None}
-    for name, grad in got["grads"].items():
-        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    # Gathered, each worker's rows at once or one at a time behind a gradient cache: the same.
+    for case in ("gathered", "cached"):
+        got = two_workers[case]
+        torch.testing.assert_close(got["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
+        assert set(got["grads"]) == {n for n, p in model.named_parameters() if p.grad is not None}
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-5, rtol=1e-4, msg=f"{case}: {name}")
     # Each worker alone: a softmax over half the candidates, another (smaller) loss.
-    assert float(two_workers[False]["loss"]) < float(loss.detach()) - 0.05
+    assert float(two_workers["alone"]["loss"]) < float(loss.detach()) - 0.05
 
 
 def test_validation_never_gathers():

@@ -42,8 +42,9 @@ def test_the_recipe_keys_of_an_embedding_task_are_checked():
                      ("task.matryoshka_weights=[1.0]", "matryoshka_weights")]:
         with pytest.raises(RecipeError, match=key):
             load_finetune_recipe(RECIPE, [bad])
-    with pytest.raises(RecipeError, match="only for embedding"):
-        load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", ["task.pooling=cls"])
+    for key in ("task.pooling=cls", "task.gradient_cache=false"):
+        with pytest.raises(RecipeError, match="only for embedding"):
+            load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", [key])
 
 
 @pytest.mark.slow  # Ray Data reads the split
@@ -62,16 +63,18 @@ def test_ctx_eval_scores_any_model_as_the_embedding_model_it_serves(ray_session,
         evaluate(str(minilm_dir), str(VALIDATION))
 
 
-@pytest.mark.slow  # ~70 s: 15 steps of MiniLM on 3 texts x 32 records, two validations
+@pytest.mark.slow  # ~80 s: 15 steps of MiniLM on 3 texts x 32 records (2 micro-batches, a gradient cache), two validations
 def test_minilm_learns_to_retrieve_definitions_and_serves_what_was_scored(ray_session, minilm_dir, tmp_path):
     from jobs.training.finetune import finetune
 
     before = served_metrics(str(minilm_dir))
     logs: list[str] = []
     recipe = load_finetune_recipe(RECIPE, [f"output_dir={tmp_path}", "name=emb", "train.epochs=1", "data.test=null",
-                                           "registry.enabled=false", "task.matryoshka_dims=[384,64]"])
+                                           "registry.enabled=false", "task.matryoshka_dims=[384,64]", "train.micro_batch_size=16"])
     result = finetune(recipe, progress=False, log=logs.append)
     assert "embedding: mean pooling, unit vectors, 256 tokens served" in logs  # MiniLM's own settings, kept
+    # two micro-batches a step behind a gradient cache: the anchors rank against all 32 rows (tests/jobs/training/test_gradient_cache.py)
+    assert any(line.startswith("embedding: gradient cache, each anchor ranks against the step's 32 rows") for line in logs), logs
     assert result.best["metric"] == "ndcg_at_10"
     assert result.metrics["val_ndcg_at_10"] > before["ndcg_at_10"] + 0.02, (before, result.metrics)
     losses = [r["loss"] for r in result.history if "loss" in r]
