@@ -36,6 +36,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/finetune_throughput.py
 	$(BIN)/python benchmarks/finetune_floor.py
+	$(BIN)/python benchmarks/embedding_finetune.py
+	$(BIN)/python benchmarks/gradient_cache.py
 	$(BIN)/python benchmarks/baselines.py
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/serving_floor.py
