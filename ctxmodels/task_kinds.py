@@ -25,6 +25,7 @@ until every layer knows it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering", "embedding"]
@@ -97,3 +98,20 @@ def task_of(kind: str) -> Task:
         return TASKS[kind]
     except KeyError:
         raise ValueError(f"task kind {kind!r}: expected one of {list(TASK_KINDS)}") from None
+
+
+# The in-batch loss of the embedding kind (ctxmodels.tasks.in_batch_negatives): which similarities its softmax holds.
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def check_directions(directions: Sequence[str], partition_mode: str) -> None:
+    """The in-batch loss's directions and partition mode, as sentence-transformers checks them."""
+    unknown = sorted(set(directions) - set(DIRECTIONS))
+    if unknown or "query_to_doc" not in directions:
+        raise ValueError(f"directions={list(directions)}: query_to_doc and any of {list(DIRECTIONS[1:])}"
+                         + (f" ({unknown} unknown)" if unknown else ""))
+    if partition_mode not in ("joint", "per_direction"):
+        raise ValueError(f"partition_mode={partition_mode!r}: expected joint or per_direction")
+    if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
+        raise ValueError("partition_mode=per_direction: each direction's softmax must hold the positive pair, which "
+                         "query_to_query and doc_to_doc lack; use partition_mode=joint")

@@ -76,7 +76,7 @@ from ctxmodels.compiling import has_static_step
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, mean_pool, n_combined
 from ctxmodels.ops import Dropout
-from ctxmodels.task_kinds import TASK_KINDS, TaskKind, task_of  # noqa: F401 (TASK_KINDS re-exported)
+from ctxmodels.task_kinds import TASK_KINDS, TaskKind, check_directions, task_of  # noqa: F401 (TASK_KINDS re-exported)
 
 IGNORE_INDEX = -100
 # (B, ...) rows of this worker -> (every worker's rows, in worker order, with their gradients; where
@@ -135,6 +135,10 @@ class TaskConfig:
     # each), so a client asking /v1/embeddings for ``dimensions: d`` gets a vector trained to be one.
     matryoshka_dims: list[int] = field(default_factory=list)
     matryoshka_weights: list[float] = field(default_factory=list)
+    # Which similarities the in-batch loss's softmax holds, and how it is normalised (``in_batch_negatives``;
+    # sentence-transformers' MultipleNegativesRankingLoss ``directions`` and ``partition_mode``).
+    directions: list[str] = field(default_factory=lambda: ["query_to_doc"])
+    partition_mode: Literal["joint", "per_direction"] = "joint"
 
     def __post_init__(self) -> None:
         if task_of(self.kind).labelled and self.num_labels < 1:
@@ -149,6 +153,8 @@ class TaskConfig:
             raise ValueError(f"matryoshka_dims={self.matryoshka_dims}, matryoshka_weights={self.matryoshka_weights}: "
                              "positive widths, and one weight per width (or none: 1 each)")
         self.labels = [str(x) for x in self.labels]
+        self.directions = list(self.directions)
+        check_directions(self.directions, self.partition_mode)
 
 
 @dataclass
@@ -274,7 +280,8 @@ def span_cross_entropy(logits: Tensor, start_positions: Tensor, end_positions: T
 
 
 def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | None = None, dims: Sequence[int] = (),
-                       weights: Sequence[float] = ()) -> tuple[Tensor, dict[str, Tensor]]:
+                       weights: Sequence[float] = (), directions: Sequence[str] = ("query_to_doc",),
+                       partition_mode: str = "joint") -> tuple[Tensor, dict[str, Tensor]]:
     """Texts' vectors (B, K, D), anchor first, then its positive and K-2 hard negatives: each anchor
     against all B*(K-1) candidates of the batch (the positives, then the first negatives, ...: the
     order sentence-transformers' MultipleNegativesRankingLoss concatenates them in), ``scale`` times
@@ -282,17 +289,38 @@ def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | No
     positive scores highest (``acc``). ``gather``: every worker's batch as candidates (``Gather``,
     sentence-transformers' ``gather_across_devices``), so the anchors of each worker rank against all.
     ``dims``: the loss is instead the sum, times ``weights``, of this loss on each vector's first d
-    dimensions re-normalised (sentence-transformers' MatryoshkaLoss around it); ``acc`` stays the full width's."""
+    dimensions re-normalised (sentence-transformers' MatryoshkaLoss around it); ``acc`` stays the full width's.
+
+    ``directions`` (sentence-transformers' MultipleNegativesRankingLoss ``directions``): besides each
+    anchor against the documents (``query_to_doc``), each positive against every anchor
+    (``doc_to_query``: the symmetric loss), each anchor against the other anchors (``query_to_query``),
+    each positive against the other records' documents (``doc_to_doc``); the positive pair's score
+    is the right one in each. ``partition_mode`` joint: one softmax over all of them (GTE's improved
+    contrastive loss with all four); per_direction: each direction's own softmax, the log-partitions
+    averaged (Jina's symmetric loss with query_to_doc and doc_to_query)."""
     B, K, D = vectors.shape
     pool, first = (vectors, 0) if gather is None else gather(vectors)  # (W*B, K, D), this worker's first row there
-    right = first + torch.arange(B, device=vectors.device)
+    rows = torch.arange(B, device=vectors.device)
+    right = first + rows
 
     def at(width: int) -> tuple[Tensor, Tensor]:
         v = F.normalize(pool[..., :width].float(), dim=-1)  # cosine similarity, in float32 whatever the model's dtype
-        anchors = v[first : first + B, 0]  # (B, d): this worker's
+        queries, anchors, positives = v[:, 0], v[first : first + B, 0], v[first : first + B, 1]  # (W*B, d), (B, d), (B, d)
         candidates = v[:, 1:].transpose(0, 1).reshape(-1, width)  # (K-1)*W*B rows: every positive, then negatives
-        scores = scale * anchors @ candidates.T  # (B, (K-1)*W*B)
-        return F.cross_entropy(scores, right), scores
+        scores = {"query_to_doc": scale * anchors @ candidates.T}  # (B, (K-1)*W*B)
+        record = torch.arange(candidates.shape[0], device=v.device) % len(queries)  # each candidate's record
+        if "query_to_query" in directions:  # (B, W*B), an anchor never against itself
+            scores["query_to_query"] = (scale * anchors @ queries.T).masked_fill(record[None, : len(queries)] == right[:, None], -torch.inf)
+        if "doc_to_query" in directions:  # (B, W*B): the positive pair's score at the anchor's column
+            scores["doc_to_query"] = scale * positives @ queries.T
+        if "doc_to_doc" in directions:  # (B, (K-1)*W*B), never a document of its own record
+            scores["doc_to_doc"] = (scale * positives @ candidates.T).masked_fill(record[None, :] == right[:, None], -torch.inf)
+        positive = scores["query_to_doc"][rows, right]
+        if partition_mode == "joint":
+            log_z = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
+        else:
+            log_z = sum(torch.logsumexp(s, dim=1) for s in scores.values()) / len(scores)
+        return (log_z - positive).mean(), scores["query_to_doc"]
 
     loss, scores = at(D)
     if dims:
@@ -481,7 +509,8 @@ class TaskModel(nn.Module):
         when ``gather`` is set). The forward's loss; a gradient-cached step calls it on the vectors of
         all its micro-batches at once (``jobs.training.loop.Stepper``)."""
         loss, metrics = LOSSES[self.spec.loss](vectors, scale=self.task.scale, gather=self.gather if self.training else None,
-                                               dims=self.task.matryoshka_dims, weights=self.task.matryoshka_weights)
+                                               dims=self.task.matryoshka_dims, weights=self.task.matryoshka_weights,
+                                               directions=self.task.directions, partition_mode=self.task.partition_mode)
         metrics["task_loss"] = loss.detach()
         return loss, metrics
 

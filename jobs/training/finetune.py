@@ -79,6 +79,8 @@ def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, .
         "scale": recipe.task.scale,
         "matryoshka_dims": list(recipe.task.matryoshka_dims or []),
         "matryoshka_weights": list(recipe.task.matryoshka_weights or []),
+        "directions": list(recipe.task.directions or ["query_to_doc"]),
+        "partition_mode": recipe.task.partition_mode or "joint",
         "kind": kind,
         "num_labels": len(labels) if TASKS[kind].labelled else 1,
         "labels": list(labels),

@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from jobs.training.config import RecipeBase, RecipeError, StepChecks, _Section, load_recipe
-from ctxmodels.task_kinds import TASKS, TaskKind
+from ctxmodels.task_kinds import TASKS, TaskKind, check_directions
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 Features = Literal["last", "first", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
@@ -103,6 +103,11 @@ class TaskSection(_Section):
     # anchor ranks against the whole step's batch at the memory of one micro-batch, for a second forward
     # pass; it acts only when a worker's step has several micro-batches. false: each micro-batch ranks alone.
     gradient_cache: bool = True
+    # Embedding: the in-batch loss's similarities (sentence-transformers' MultipleNegativesRankingLoss
+    # ``directions``; None: query_to_doc only) and their softmax (``partition_mode``; None: joint).
+    # [query_to_doc, doc_to_query] with per_direction: the symmetric loss; all four, joint: GTE's.
+    directions: list[str] | None = None
+    partition_mode: Literal["joint", "per_direction"] | None = None
     # Embedding: Matryoshka widths (sentence-transformers' MatryoshkaLoss: the loss also on each vector's
     # first d dimensions, so /v1/embeddings' ``dimensions: d`` is trained), with weights (None: 1 each).
     matryoshka_dims: list[int] | None = None
@@ -126,7 +131,9 @@ class TaskSection(_Section):
         if self.matryoshka_dims is not None and (not self.matryoshka_dims or min(self.matryoshka_dims) < 1
                                                  or len(set(self.matryoshka_dims)) != len(self.matryoshka_dims)):
             raise ValueError(f"matryoshka_dims: {self.matryoshka_dims}: distinct positive widths, e.g. [384, 256, 128, 64]")
-        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache"):
+        if self.directions is not None or self.partition_mode is not None:
+            check_directions(self.directions or ["query_to_doc"], self.partition_mode or "joint")
+        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache", "directions", "partition_mode"):
             if (getattr(self, key) is not None if key != "gradient_cache" else key in self.model_fields_set) and self.kind != "embedding":
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:

@@ -67,6 +67,42 @@ def test_the_loss_is_sentence_transformers_multiple_negatives_ranking_loss(minil
     assert float(out.loss) > (0.5 if records is not RECORDS else 0.0)
 
 
+@pytest.mark.parametrize("directions,mode", [
+    (["query_to_doc", "doc_to_query"], "per_direction"),  # the symmetric loss (Jina)
+    (["query_to_doc", "doc_to_query"], "joint"),
+    (["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"], "joint"),  # GTE's improved contrastive loss
+    (["query_to_doc", "doc_to_doc"], "joint"),
+])
+@pytest.mark.parametrize("records", [RECORDS_SWAPPED, [r[:2] for r in RECORDS_SWAPPED]], ids=["triplets", "pairs"])
+def test_directions_give_sentence_transformers_loss_with_the_same_directions(minilm, records, directions, mode):
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    model, tok, reference = minilm
+    ids, mask = batch(tok, records)
+    with torch.no_grad():
+        vectors = model(ids, attention_mask=mask, with_loss=False).logits
+        features = [reference.tokenize([r[k] for r in records]) for k in range(len(records[0]))]
+        want = MultipleNegativesRankingLoss(reference, directions=tuple(directions), partition_mode=mode)(features, None)
+        got = in_batch_negatives(vectors, directions=directions, partition_mode=mode)[0]
+        other = torch.randn(4, len(records[0]), 8, generator=torch.Generator().manual_seed(0))
+        assert abs(float(in_batch_negatives(other, directions=directions, partition_mode=mode)[0] - in_batch_negatives(other)[0])) > 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    model.task.directions, model.task.partition_mode = directions, mode  # the model's own loss reads them
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, attention_mask=mask).loss, want, rtol=1e-4, atol=1e-6)
+    finally:
+        model.task.directions, model.task.partition_mode = ["query_to_doc"], "joint"
+
+
+def test_directions_are_checked_as_sentence_transformers_checks_them():
+    for directions, mode, match in [(["doc_to_query"], "joint", "query_to_doc"), (["query_to_doc", "sideways"], "joint", "unknown"),
+                                    (["query_to_doc", "doc_to_doc"], "per_direction", "use partition_mode=joint"),
+                                    (["query_to_doc"], "sum", "joint or per_direction")]:
+        with pytest.raises(ValueError, match=match):
+            TaskConfig(kind="embedding", directions=directions, partition_mode=mode)
+
+
 @pytest.mark.parametrize("dims,weights", [([384, 128, 32], []), ([256, 64], [1.0, 0.5])])
 def test_matryoshka_dims_give_sentence_transformers_matryoshka_loss(minilm, dims, weights):
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss

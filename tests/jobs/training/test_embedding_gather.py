@@ -2,7 +2,8 @@
 across them (``task.gather_across_workers``, ``jobs.training.parallel.gather_rows``) computes the
 loss and the gradients one process computes on the whole batch: every anchor ranks against every
 worker's texts, whatever the worker count, and so does a gradient-cached step that forwards each
-worker's rows one at a time. Without the gather each worker ranks against its own half, another loss."""
+worker's rows one at a time, and so does every direction of the loss (``task.directions``). Without the
+gather each worker ranks against its own half, another loss."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jobs.training.loop import StepMeter, Stepper, freeze_unused
 from tests.conftest import run_gloo_workers
 
 WORLD, B, K, T = 2, 6, 3, 10
+ALL_DIRECTIONS = ["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]  # each needs the gathered rows
 
 
 def model_and_batch():
@@ -37,10 +39,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     try:
         out = {}
-        for case in ("gathered", "alone", "cached"):
+        for case in ("gathered", "alone", "cached", "all directions"):
             model, ids, mask = model_and_batch()
             if case != "alone":
                 model.gather = parallel.gather_rows
+            if case == "all directions":
+                model.task.directions = ALL_DIRECTIONS
             mine = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
             # As the loop does: the probe step (gathered too) freezes what the loss never reaches (the pooler).
             frozen = freeze_unused(model, {"input_ids": ids[mine], "attention_mask": mask[mine]})
@@ -68,19 +72,22 @@ def two_workers(tmp_path_factory) -> dict:
     return run_gloo_workers(_worker, tmp_path_factory.mktemp("gather"), WORLD)[0]
 
 
-def test_gathered_workers_compute_the_whole_batchs_loss_and_gradients(two_workers):
+@pytest.mark.parametrize("cases", [("gathered", "cached"), ("all directions",)])
+def test_gathered_workers_compute_the_whole_batchs_loss_and_gradients(two_workers, cases):
     model, ids, mask = model_and_batch()
+    if cases == ("all directions",):
+        model.task.directions = ALL_DIRECTIONS
     loss = model(ids, attention_mask=mask).loss
     loss.backward()
     # Gathered, each worker's rows at once or one at a time behind a gradient cache: the same.
-    for case in ("gathered", "cached"):
+    for case in cases:
         got = two_workers[case]
         torch.testing.assert_close(got["loss"], loss.detach(), atol=1e-5, rtol=1e-5)
         assert set(got["grads"]) == {n for n, p in model.named_parameters() if p.grad is not None}
         for name, grad in got["grads"].items():
             torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-5, rtol=1e-4, msg=f"{case}: {name}")
-    # Each worker alone: a softmax over half the candidates, another (smaller) loss.
-    assert float(two_workers["alone"]["loss"]) < float(loss.detach()) - 0.05
+    if cases == ("gathered", "cached"):  # each worker alone: a softmax over half the candidates, another (smaller) loss
+        assert float(two_workers["alone"]["loss"]) < float(loss.detach()) - 0.05
 
 
 def test_validation_never_gathers():

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ctxmodels.tasks import TaskConfig
+from jobs.training.finetune import task_config_fields
 from jobs.training.finetune_config import RecipeError, load_finetune_recipe
 from pipelines.metrics import retrieval_metrics
 from pipelines.rng import stable_hash64
@@ -39,10 +41,15 @@ def test_the_recipe_keys_of_an_embedding_task_are_checked():
     assert recipe.task.kind == "embedding" and recipe.task.best_metric == "ndcg_at_10"
     for bad, key in [("task.pooling=max", "pooling"), ("task.scale=0", "scale"), ("model.freeze=true", "model.freeze"),
                      ("task.metric=accuracy", "metric"), ("task.matryoshka_dims=[64,0]", "matryoshka_dims"),
-                     ("task.matryoshka_weights=[1.0]", "matryoshka_weights")]:
+                     ("task.matryoshka_weights=[1.0]", "matryoshka_weights"), ("task.directions=[doc_to_query]", "directions"),
+                     ("task.partition_mode=both", "partition_mode")]:
         with pytest.raises(RecipeError, match=key):
             load_finetune_recipe(RECIPE, [bad])
-    for key in ("task.pooling=cls", "task.gradient_cache=false"):
+    recipe = load_finetune_recipe(RECIPE, ["task.directions=[query_to_doc,doc_to_query]", "task.partition_mode=per_direction"])
+    task = TaskConfig(**task_config_fields(recipe, "bert", ()))  # what the workers build the model's loss from
+    assert (task.directions, task.partition_mode) == (["query_to_doc", "doc_to_query"], "per_direction")
+    assert TaskConfig(**task_config_fields(load_finetune_recipe(RECIPE), "bert", ())).directions == ["query_to_doc"]
+    for key in ("task.pooling=cls", "task.gradient_cache=false", "task.directions=[query_to_doc]"):
         with pytest.raises(RecipeError, match="only for embedding"):
             load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", [key])
 

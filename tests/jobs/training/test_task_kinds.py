@@ -26,7 +26,8 @@ from pipelines.metrics import METRICS
 # checkpoint choice do); every other one must reach pipelines.finetune.TaskDataConfig by name.
 # language: the XLM task model's row; pooling, normalize, scale: the embedding model's (ctxmodels.tasks.TaskConfig)
 RECIPE_ONLY = {"max_answer_len", "null_threshold", "lm_weight", "metric", "language", "pooling", "normalize", "scale",
-               "gather_across_workers", "gradient_cache", "matryoshka_dims", "matryoshka_weights"}
+               "gather_across_workers", "gradient_cache", "matryoshka_dims", "matryoshka_weights",
+               "directions", "partition_mode"}
 
 
 def test_one_table_names_every_kind_once():
