@@ -233,6 +233,17 @@ def _run_eval(args: argparse.Namespace) -> int:
         return 0
     from jobs.evaluation.evaluate import evaluate, write_result
 
+    if args.suite == "retrieval":
+        from jobs.evaluation.retrieval import evaluate_retrieval
+
+        if not args.data:
+            raise CommandError("--data is required: a BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv), local or s3://")
+        if args.task is not None or args.language is not None:
+            raise CommandError("--task and --language are for scoring a split, not a retrieval benchmark")
+        print(write_result(evaluate_retrieval(args.model, args.data, args.split, _store(args)), args.output))
+        return 0
+    if args.split != "test":
+        raise CommandError("--split is for `ctx eval retrieval` (the benchmark's qrels/<split>.tsv)")
     if not args.data:
         raise CommandError("--data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
     print(write_result(evaluate(args.model, args.data, _store(args), _language(args.language), args.task), args.output))
@@ -724,10 +735,13 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _add_eval(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", nargs="?", choices=["wic"], help="wic: the word-in-context test on a model's contextual vectors")
+    p.add_argument("suite", nargs="?", choices=["wic", "retrieval"],
+                   help="wic: the word-in-context test on a model's contextual vectors; retrieval: any model's sentence "
+                        "vectors on a BEIR-layout benchmark (corpus.jsonl, queries.jsonl, qrels/<split>.tsv), as MTEB scores them")
     p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic any model")
     p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl; default: the shipped data/tasks/wic)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
+    p.add_argument("--split", default="test", help="retrieval: the judgements to score, qrels/<split>.tsv (default test)")
     p.add_argument("--task", default=None, choices=["embedding"],
                    help="embedding: score any model (pretrained, HF or sentence-transformers folder) as ctx serve embeds "
                         "with it, on retrieval records (anchor, positive, negatives): the baseline before fine-tuning")
@@ -826,7 +840,8 @@ COMMANDS = {
     ("pretrain",): ("pretrain a model from a recipe with Ray Train", _add_pretrain, cmd_pretrain),
     ("finetune",): ("fine-tune a model on a downstream task from a recipe with Ray Train", _add_pretrain, cmd_finetune),
     ("distill",): ("distil a model into a shallower student of its family (DistilBERT's recipe) with Ray Train", _add_pretrain, cmd_distill),
-    ("eval",): ("score a fine-tuned model on a split (JSON + HTML), or `eval wic` a model's contextual vectors", _add_eval, cmd_eval),
+    ("eval",): ("score a fine-tuned model on a split (JSON + HTML), `eval wic` a model's contextual vectors, or `eval retrieval` "
+                "its sentence vectors on a BEIR benchmark", _add_eval, cmd_eval),
     ("serve",): ("serve models over HTTP with Ray Serve", _add_serve_run, cmd_serve),
     ("serve", "build"): ("write the Serve config that `serve deploy` accepts", _add_serve_build, cmd_serve_build),
     ("submit",): ("run a ctx command as a job on a Ray cluster (the same run submitted again attaches to it)", _add_submit, cmd_submit),

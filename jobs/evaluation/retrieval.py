@@ -1,0 +1,42 @@
+"""`ctx eval retrieval`: a model's sentence vectors on a retrieval benchmark in the BEIR layout
+(``pipelines.retrieval``: corpus, queries, graded judgements), as MTEB's retrieval tasks score them.
+
+The model is any one ``ctx serve`` serves (a checkpoint, a run folder, ``models:/NAME@ALIAS``, a
+Hugging Face or sentence-transformers folder), run in this process by ``jobs.serving.local.LocalModel``:
+the queries through ``encode_query``, the documents through ``encode_document`` (a folder's query and
+document prompts, as sentence-transformers applies them), each text cut to what the server reads.
+Every query ranks the whole corpus by cosine similarity (``pipelines.negatives.top_candidates``, a
+block of queries at a time), and its top 100 are scored against the judgements."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+TOP_K = 100  # the deepest cutoff of the metrics (map_at_100, recall_at_100)
+
+
+def evaluate_retrieval(model_uri: str, data_uri: str, split: str = "test", store=None, batch_size: int = 32) -> dict[str, Any]:
+    """The scores of ``model_uri`` on the benchmark folder ``data_uri``'s ``split`` (module docstring)."""
+    from jobs.serving.local import LocalModel
+    from pipelines.negatives import top_candidates
+    from pipelines.retrieval import ranking_metrics, read_beir
+    from pipelines.storage import as_store
+
+    bench = read_beir(data_uri, split, as_store(store))
+    t0 = time.perf_counter()
+    with LocalModel(model_uri, max_batch_size=batch_size) as model:
+        queries = np.asarray(model.encode_query(bench.queries), dtype=np.float32)
+        corpus = np.asarray(model.encode_document(bench.corpus), dtype=np.float32)
+        info = model.info
+    encoded = time.perf_counter() - t0
+    scores, rows = top_candidates(queries, corpus, TOP_K, [np.empty(0, dtype=np.int64)] * len(queries))
+    return {
+        "model": model_uri, "model_version": info.get("version"), "data": data_uri, "task": "retrieval", "split": split,
+        "examples": len(bench.queries), "corpus": len(bench.corpus),
+        "relevant_per_query": round(float(np.mean([len(r) for r in bench.relevant])), 3),
+        "encode_s": round(encoded, 2),
+        "metrics": ranking_metrics(scores, rows, bench.relevant),
+    }
