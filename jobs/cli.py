@@ -780,7 +780,8 @@ def _add_mine_negatives(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-negatives", type=int, default=3, help="negatives per record (default %(default)s); a record with fewer is not written")
     p.add_argument("--range-min", type=int, default=0, help="skip this many of the most similar candidates (likely unlabelled positives)")
     p.add_argument("--range-max", type=int, default=None,
-                   help="candidates looked at per anchor (default: range-min + num-negatives, x10 with a margin or a score bound)")
+                   help="candidates kept per anchor, after the top range-max + (most positives of an anchor) lose the positives "
+                        "(default: range-min + num-negatives, x10 with a margin or a score bound, + room for the positives)")
     p.add_argument("--absolute-margin", type=float, default=None, help="a negative scores at least this much below the positive")
     p.add_argument("--relative-margin", type=float, default=None, help="... at least this fraction of the positive's score below it (0.05)")
     p.add_argument("--max-score", type=float, default=None)

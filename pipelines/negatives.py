@@ -7,13 +7,14 @@ strategies; Karpukhin et al. 2020 and Xiong et al. 2021 on why negatives a retri
 teach it more than random ones, and Moreira et al. 2024, "NV-Retriever", on the margins that keep
 unlabelled positives out):
 
-1. Each anchor's candidates are the ``range_max`` corpus texts of highest cosine similarity,
-   its own positives (every positive any record pairs it with) left out.
+1. Each anchor's candidates are the ``range_max`` + (the most positives an anchor has) corpus
+   texts of highest cosine similarity, its own positives (every positive any record pairs it with)
+   then left out; ``range_max`` defaults to room for those positives, ``range_min`` and the negatives.
 2. A candidate is skipped when ``score + absolute_margin > positive`` or ``score > positive -
    |positive| * relative_margin`` (``positive``: the anchor's lowest positive score: the harder one),
    ``score > max_score`` or ``score < min_score``.
-3. The first ``range_min`` of what is left (the most similar: likely unlabelled positives) are
-   dropped, and of the rest the ``num_negatives`` best ("top") or a seeded random draw of them
+3. Of what is left, the ``range_max`` most similar are kept, the first ``range_min`` of them (the
+   most similar: likely unlabelled positives) dropped, and of the rest the ``num_negatives`` best ("top") or a seeded random draw of them
    ("random", best first again).
 
 Candidates are found in blocks of anchors (``top_candidates``), so the (anchors, corpus) score
@@ -54,22 +55,24 @@ class MiningConfig:
             raise bad("range_min", "expected a non-negative rank")
         if self.sampling not in ("top", "random"):
             raise bad("sampling", "expected top or random")
-        if self.window <= self.range_min:
+        window = self.window()
+        if window <= self.range_min:
             raise bad("range_max", f"must exceed range_min={self.range_min}")
-        if self.num_negatives > self.window - self.range_min:
-            raise bad("num_negatives", f"only {self.window - self.range_min} candidates remain between range_min={self.range_min} "
-                                       f"and range_max={self.window}: lower it or range_min, or raise range_max")
+        if self.num_negatives > window - self.range_min:
+            raise bad("num_negatives", f"only {window - self.range_min} candidates remain between range_min={self.range_min} "
+                                       f"and range_max={window}: lower it or range_min, or raise range_max")
 
     @property
     def filtered(self) -> bool:
         return any(v is not None for v in (self.absolute_margin, self.relative_margin, self.max_score, self.min_score))
 
-    @property
-    def window(self) -> int:
-        """Candidates looked at per anchor (``range_max``, else sentence-transformers' default)."""
+    def window(self, max_positives: int = 0) -> int:
+        """Candidates kept per anchor (``range_max``, else sentence-transformers' default for anchors
+        of at most ``max_positives`` positives: room for them, ``range_min`` and the negatives, ten
+        times the negatives when a margin or score bound may skip some)."""
         if self.range_max is not None:
             return self.range_max
-        return self.range_min + self.num_negatives * (10 if self.filtered else 1)
+        return self.range_min + self.num_negatives * (10 if self.filtered else 1) + max_positives
 
 
 def unit(vectors: np.ndarray) -> np.ndarray:
@@ -105,10 +108,12 @@ def top_candidates(anchors: np.ndarray, corpus: np.ndarray, k: int, exclude: lis
 
 
 def select_negatives(scores: np.ndarray, rows: np.ndarray, positive_scores: np.ndarray,
-                     cfg: MiningConfig) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+                     cfg: MiningConfig, keep: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
     """Rules 2 and 3 of the module doc on ``top_candidates``' (Q, k) output, ``positive_scores``
     (Q,) each anchor's lowest positive score: (rows int64 (Q, n), scores float32 (Q, n)), best
-    first, -1 / -inf where fewer than n candidates qualify; and how many candidates each rule skipped."""
+    first, -1 / -inf where fewer than n candidates qualify; and how many candidates each rule skipped.
+    ``keep``: of what qualifies, only the best ``keep`` are ranked on (sentence-transformers' cut
+    to ``range_max`` after it looked at ``range_max`` + the most positives an anchor has)."""
     s = np.array(scores, dtype=np.float32, copy=True)
     skipped: dict[str, int] = {}
 
@@ -129,7 +134,7 @@ def select_negatives(scores: np.ndarray, rows: np.ndarray, positive_scores: np.n
         drop("min_score", s < cfg.min_score)
     order = np.argsort(-s, axis=1, kind="stable")  # what qualifies first, still best first
     s, r = np.take_along_axis(s, order, axis=1), np.take_along_axis(rows, order, axis=1)
-    s, r = s[:, cfg.range_min :], r[:, cfg.range_min :]  # (Q, k - range_min)
+    s, r = s[:, cfg.range_min : keep], r[:, cfg.range_min : keep]  # (Q, keep - range_min)
     n = cfg.num_negatives
     if cfg.sampling == "random":
         # A seeded draw of n among each anchor's qualifying candidates (all of them where fewer qualify).

@@ -59,8 +59,14 @@ def mine_hard_negatives(records: list[dict[str, Any]], model: Any, cfg: MiningCo
     own = np.einsum("nd,nd->n", q_unit[pair_query], d_unit[pair_doc])  # (N,) each record's positive score
     lowest = np.full(len(queries), np.inf, dtype=np.float32)
     np.minimum.at(lowest, pair_query, own)  # an anchor's harder positive sets its margins
-    scores, rows = top_candidates(q_vec, d_vec, cfg.window, exclude)
-    chosen, chosen_scores, skipped = select_negatives(scores, rows, lowest, cfg)
+    # As sentence-transformers looks: the range_max + (most positives) best texts, the anchor's own positives then out.
+    most = max(len(e) for e in exclude)
+    window = cfg.window(most)
+    scores, rows = top_candidates(q_vec, d_vec, window + most, [np.empty(0, dtype=np.int64)] * len(queries))
+    width = len(docs) + 1  # (anchor, corpus row) keys; a missing row (-1) never matches one
+    own_rows = np.isin(np.arange(len(queries))[:, None] * width + rows, pairs[:, 0] * width + pairs[:, 1])
+    scores[own_rows], rows[own_rows] = -np.inf, -1
+    chosen, chosen_scores, skipped = select_negatives(scores, rows, lowest, cfg, keep=window)
 
     out, short = [], 0
     for i, a in zip(good, anchors_of):

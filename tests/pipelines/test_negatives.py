@@ -85,4 +85,5 @@ def test_settings_that_cannot_mine_are_named():
         MiningConfig(num_negatives=3, range_min=8, range_max=10)
     with pytest.raises(ValueError, match="range_max=5: must exceed range_min=5"):
         MiningConfig(range_min=5, range_max=5)
-    assert MiningConfig(num_negatives=3).window == 3 and MiningConfig(num_negatives=3, range_min=2, relative_margin=0.05).window == 32
+    assert MiningConfig(num_negatives=3).window() == 3 and MiningConfig(num_negatives=3, range_min=2, relative_margin=0.05).window() == 32
+    assert MiningConfig(num_negatives=3).window(2) == 5 and MiningConfig(range_max=9).window(2) == 9  # room for an anchor's positives

@@ -84,6 +84,33 @@ def test_minilm_negatives_are_the_texts_it_ranks_closest_besides_the_positive(mi
         assert r["negative"] == ranked[:3]
 
 
+@pytest.mark.parametrize("settings", [
+    {"num_negatives": 2},
+    {"num_negatives": 2, "range_min": 1, "relative_margin": 0.05},  # NV-Retriever's margin
+    {"num_negatives": 3, "absolute_margin": 0.1, "max_score": 0.9},
+    {"num_negatives": 2, "range_max": 12, "min_score": 0.2},
+], ids=["top", "relative", "absolute", "bounded"])
+def test_the_negatives_are_sentence_transformers_mine_hard_negatives(minilm_dir, pairs, settings):
+    """The same records written, with the same negatives in the same order, as sentence-transformers'
+    util.mine_hard_negatives (its n-tuple output) with the same settings on the same model."""
+    st = pytest.importorskip("sentence_transformers")
+    datasets = pytest.importorskip("datasets")
+    from sentence_transformers.util import mine_hard_negatives as reference_mining
+
+    from jobs.serving.local import LocalModel
+
+    texts = [{"anchor": r["anchor"], "positive": r["positive"]} for r in pairs]
+    with LocalModel(str(minilm_dir)) as model:
+        out, _ = mine_hard_negatives(texts, model, MiningConfig(**settings))
+    theirs = reference_mining(datasets.Dataset.from_list(texts), st.SentenceTransformer(str(minilm_dir), device="cpu"),
+                              output_format="n-tuple", sampling_strategy="top", verbose=False, **settings)
+    n = settings["num_negatives"]
+    want = [(r["anchor"], r["positive"], [r[f"negative_{i + 1}"] for i in range(n)]) for r in theirs]
+    assert sorted((r["anchor"], r["positive"], r["negative"]) for r in out) == sorted(want)
+    if "relative_margin" in settings or "absolute_margin" in settings:
+        assert len(out) < len(texts)  # the margins did leave some anchors short: the rule was exercised
+
+
 @pytest.mark.slow  # Ray Data reads the split, MiniLM mines, ctx finetune's record check reads the result
 def test_ctx_mine_negatives_writes_a_split_the_embedding_task_reads(ray_session, minilm_dir, pairs, tmp_path):
     from jobs.cli import main
