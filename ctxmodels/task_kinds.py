@@ -104,8 +104,13 @@ def task_of(kind: str) -> Task:
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 
-def check_directions(directions: Sequence[str], partition_mode: str) -> None:
-    """The in-batch loss's directions and partition mode, as sentence-transformers checks them."""
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
+
+
+def check_directions(directions: Sequence[str], partition_mode: str, hardness_mode: str | None = None,
+                     hardness_strength: float = 0.0) -> None:
+    """The in-batch loss's directions, partition mode and hardness weighting, as sentence-transformers
+    checks them (a hardness mode of strength 0, which it only warns of, is refused: it changes nothing)."""
     unknown = sorted(set(directions) - set(DIRECTIONS))
     if unknown or "query_to_doc" not in directions:
         raise ValueError(f"directions={list(directions)}: query_to_doc and any of {list(DIRECTIONS[1:])}"
@@ -115,3 +120,12 @@ def check_directions(directions: Sequence[str], partition_mode: str) -> None:
     if partition_mode == "per_direction" and set(directions) & {"query_to_query", "doc_to_doc"}:
         raise ValueError("partition_mode=per_direction: each direction's softmax must hold the positive pair, which "
                          "query_to_query and doc_to_doc lack; use partition_mode=joint")
+    if hardness_mode is not None and hardness_mode not in HARDNESS_MODES:
+        raise ValueError(f"hardness_mode={hardness_mode!r}: expected one of {list(HARDNESS_MODES)}")
+    if not hardness_strength >= 0:
+        raise ValueError(f"hardness_strength={hardness_strength!r}: must be non-negative")
+    if hardness_mode is not None and hardness_strength == 0:
+        raise ValueError(f"hardness_mode={hardness_mode}: needs a positive hardness_strength (Lan et al. use 9 with "
+                         "in_batch_negatives, Schechter Vera et al. 5 with hard_negatives); at 0 it changes nothing")
+    if hardness_mode is None and hardness_strength:
+        raise ValueError(f"hardness_strength={hardness_strength}: set hardness_mode too (which negatives it weighs)")

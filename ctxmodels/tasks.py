@@ -139,6 +139,9 @@ class TaskConfig:
     # sentence-transformers' MultipleNegativesRankingLoss ``directions`` and ``partition_mode``).
     directions: list[str] = field(default_factory=lambda: ["query_to_doc"])
     partition_mode: Literal["joint", "per_direction"] = "joint"
+    # Hardness weighting of the negatives' logits (``in_batch_negatives``; sentence-transformers' names).
+    hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None
+    hardness_strength: float = 0.0
 
     def __post_init__(self) -> None:
         if task_of(self.kind).labelled and self.num_labels < 1:
@@ -154,7 +157,7 @@ class TaskConfig:
                              "positive widths, and one weight per width (or none: 1 each)")
         self.labels = [str(x) for x in self.labels]
         self.directions = list(self.directions)
-        check_directions(self.directions, self.partition_mode)
+        check_directions(self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength)
 
 
 @dataclass
@@ -281,7 +284,8 @@ def span_cross_entropy(logits: Tensor, start_positions: Tensor, end_positions: T
 
 def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | None = None, dims: Sequence[int] = (),
                        weights: Sequence[float] = (), directions: Sequence[str] = ("query_to_doc",),
-                       partition_mode: str = "joint") -> tuple[Tensor, dict[str, Tensor]]:
+                       partition_mode: str = "joint", hardness_mode: str | None = None,
+                       hardness_strength: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Texts' vectors (B, K, D), anchor first, then its positive and K-2 hard negatives: each anchor
     against all B*(K-1) candidates of the batch (the positives, then the first negatives, ...: the
     order sentence-transformers' MultipleNegativesRankingLoss concatenates them in), ``scale`` times
@@ -297,7 +301,13 @@ def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | No
     each positive against the other records' documents (``doc_to_doc``); the positive pair's score
     is the right one in each. ``partition_mode`` joint: one softmax over all of them (GTE's improved
     contrastive loss with all four); per_direction: each direction's own softmax, the log-partitions
-    averaged (Jina's symmetric loss with query_to_doc and doc_to_query)."""
+    averaged (Jina's symmetric loss with query_to_doc and doc_to_query).
+
+    ``hardness_mode`` (sentence-transformers' ``hardness_mode``/``hardness_strength``): the anchor's
+    logit of some negatives gains ``hardness_strength`` times their cosine similarity (no gradient
+    through it), so the harder ones weigh more in the softmax: ``in_batch_negatives`` the other
+    records' texts (Lan et al. 2025), ``hard_negatives`` the record's own negatives (Schechter Vera et
+    al. 2025), ``all_negatives`` both. ``acc`` reads the plain scores."""
     B, K, D = vectors.shape
     pool, first = (vectors, 0) if gather is None else gather(vectors)  # (W*B, K, D), this worker's first row there
     rows = torch.arange(B, device=vectors.device)
@@ -307,8 +317,15 @@ def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | No
         v = F.normalize(pool[..., :width].float(), dim=-1)  # cosine similarity, in float32 whatever the model's dtype
         queries, anchors, positives = v[:, 0], v[first : first + B, 0], v[first : first + B, 1]  # (W*B, d), (B, d), (B, d)
         candidates = v[:, 1:].transpose(0, 1).reshape(-1, width)  # (K-1)*W*B rows: every positive, then negatives
-        scores = {"query_to_doc": scale * anchors @ candidates.T}  # (B, (K-1)*W*B)
-        record = torch.arange(candidates.shape[0], device=v.device) % len(queries)  # each candidate's record
+        cosine = anchors @ candidates.T  # (B, (K-1)*W*B)
+        column = torch.arange(candidates.shape[0], device=v.device)
+        record = column % len(queries)  # each candidate's record
+        plain = scale * cosine
+        scores = {"query_to_doc": plain}
+        if hardness_mode is not None:
+            own, positive_block = record[None, :] == right[:, None], (column < len(queries))[None, :]
+            harder = {"in_batch_negatives": ~own, "hard_negatives": own & ~positive_block, "all_negatives": ~(own & positive_block)}
+            scores["query_to_doc"] = plain + hardness_strength * cosine.detach() * harder[hardness_mode]
         if "query_to_query" in directions:  # (B, W*B), an anchor never against itself
             scores["query_to_query"] = (scale * anchors @ queries.T).masked_fill(record[None, : len(queries)] == right[:, None], -torch.inf)
         if "doc_to_query" in directions:  # (B, W*B): the positive pair's score at the anchor's column
@@ -320,7 +337,7 @@ def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | No
             log_z = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
         else:
             log_z = sum(torch.logsumexp(s, dim=1) for s in scores.values()) / len(scores)
-        return (log_z - positive).mean(), scores["query_to_doc"]
+        return (log_z - positive).mean(), plain
 
     loss, scores = at(D)
     if dims:
@@ -510,7 +527,8 @@ class TaskModel(nn.Module):
         all its micro-batches at once (``jobs.training.loop.Stepper``)."""
         loss, metrics = LOSSES[self.spec.loss](vectors, scale=self.task.scale, gather=self.gather if self.training else None,
                                                dims=self.task.matryoshka_dims, weights=self.task.matryoshka_weights,
-                                               directions=self.task.directions, partition_mode=self.task.partition_mode)
+                                               directions=self.task.directions, partition_mode=self.task.partition_mode,
+                                               hardness_mode=self.task.hardness_mode, hardness_strength=self.task.hardness_strength)
         metrics["task_loss"] = loss.detach()
         return loss, metrics
 

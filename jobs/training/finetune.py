@@ -81,6 +81,8 @@ def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, .
         "matryoshka_weights": list(recipe.task.matryoshka_weights or []),
         "directions": list(recipe.task.directions or ["query_to_doc"]),
         "partition_mode": recipe.task.partition_mode or "joint",
+        "hardness_mode": recipe.task.hardness_mode,
+        "hardness_strength": recipe.task.hardness_strength or 0.0,
         "kind": kind,
         "num_labels": len(labels) if TASKS[kind].labelled else 1,
         "labels": list(labels),

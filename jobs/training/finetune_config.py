@@ -108,6 +108,10 @@ class TaskSection(_Section):
     # [query_to_doc, doc_to_query] with per_direction: the symmetric loss; all four, joint: GTE's.
     directions: list[str] | None = None
     partition_mode: Literal["joint", "per_direction"] | None = None
+    # Embedding: hardness weighting of negatives' logits (sentence-transformers' hardness_mode: in_batch_negatives,
+    # hard_negatives or all_negatives; hardness_strength: 9 in Lan et al. 2025, 5 in Schechter Vera et al. 2025).
+    hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None
+    hardness_strength: float | None = None
     # Embedding: Matryoshka widths (sentence-transformers' MatryoshkaLoss: the loss also on each vector's
     # first d dimensions, so /v1/embeddings' ``dimensions: d`` is trained), with weights (None: 1 each).
     matryoshka_dims: list[int] | None = None
@@ -131,11 +135,13 @@ class TaskSection(_Section):
         if self.matryoshka_dims is not None and (not self.matryoshka_dims or min(self.matryoshka_dims) < 1
                                                  or len(set(self.matryoshka_dims)) != len(self.matryoshka_dims)):
             raise ValueError(f"matryoshka_dims: {self.matryoshka_dims}: distinct positive widths, e.g. [384, 256, 128, 64]")
-        if self.directions is not None or self.partition_mode is not None:
-            check_directions(self.directions or ["query_to_doc"], self.partition_mode or "joint")
-        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache", "directions", "partition_mode"):
+        for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache", "directions", "partition_mode",
+                    "hardness_mode", "hardness_strength"):
             if (getattr(self, key) is not None if key != "gradient_cache" else key in self.model_fields_set) and self.kind != "embedding":
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
+        if any(getattr(self, k) is not None for k in ("directions", "partition_mode", "hardness_mode", "hardness_strength")):
+            check_directions(self.directions or ["query_to_doc"], self.partition_mode or "joint", self.hardness_mode,
+                             self.hardness_strength or 0.0)
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:
             raise ValueError(
                 f"doc_stride: {self.doc_stride} must be below max_len - max_query_len - 3 = "

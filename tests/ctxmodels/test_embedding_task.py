@@ -95,7 +95,36 @@ def test_directions_give_sentence_transformers_loss_with_the_same_directions(min
         model.task.directions, model.task.partition_mode = ["query_to_doc"], "joint"
 
 
+@pytest.mark.parametrize("mode,strength,directions", [
+    ("in_batch_negatives", 9.0, ["query_to_doc"]),  # Lan et al. 2025
+    ("hard_negatives", 5.0, ["query_to_doc"]),  # Schechter Vera et al. 2025
+    ("all_negatives", 3.0, ["query_to_doc", "doc_to_query", "doc_to_doc"]),
+])
+def test_hardness_weighting_gives_sentence_transformers_loss(minilm, mode, strength, directions):
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    model, tok, reference = minilm
+    ids, mask = batch(tok, RECORDS_SWAPPED)
+    with torch.no_grad():
+        vectors = model(ids, attention_mask=mask, with_loss=False).logits
+        features = [reference.tokenize([r[k] for r in RECORDS_SWAPPED]) for k in range(3)]
+        want = MultipleNegativesRankingLoss(reference, directions=tuple(directions), hardness_mode=mode,
+                                            hardness_strength=strength)(features, None)
+        got, metrics = in_batch_negatives(vectors, directions=directions, hardness_mode=mode, hardness_strength=strength)
+        plain = in_batch_negatives(vectors, directions=directions)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert float(got) > float(plain[0]) + 1e-3 and metrics["acc"] == plain[1]["acc"]  # harder, the same ranking read
+    # the weighting carries no gradient itself: the gradient is the plain loss's with the weighted softmax
+    v = vectors.clone().requires_grad_()
+    in_batch_negatives(v, hardness_mode=mode, hardness_strength=strength)[0].backward()
+    assert torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
+
+
 def test_directions_are_checked_as_sentence_transformers_checks_them():
+    for mode, strength, match in [("hard_negatives", 0.0, "needs a positive hardness_strength"), ("softest", 1.0, "expected one of"),
+                                  (None, 2.0, "set hardness_mode too"), ("all_negatives", -1.0, "non-negative")]:
+        with pytest.raises(ValueError, match=match):
+            TaskConfig(kind="embedding", hardness_mode=mode, hardness_strength=strength)
     for directions, mode, match in [(["doc_to_query"], "joint", "query_to_doc"), (["query_to_doc", "sideways"], "joint", "unknown"),
                                     (["query_to_doc", "doc_to_doc"], "per_direction", "use partition_mode=joint"),
                                     (["query_to_doc"], "sum", "joint or per_direction")]:

@@ -42,14 +42,16 @@ def test_the_recipe_keys_of_an_embedding_task_are_checked():
     for bad, key in [("task.pooling=max", "pooling"), ("task.scale=0", "scale"), ("model.freeze=true", "model.freeze"),
                      ("task.metric=accuracy", "metric"), ("task.matryoshka_dims=[64,0]", "matryoshka_dims"),
                      ("task.matryoshka_weights=[1.0]", "matryoshka_weights"), ("task.directions=[doc_to_query]", "directions"),
-                     ("task.partition_mode=both", "partition_mode")]:
+                     ("task.partition_mode=both", "partition_mode"), ("task.hardness_mode=hard_negatives", "hardness_strength")]:
         with pytest.raises(RecipeError, match=key):
             load_finetune_recipe(RECIPE, [bad])
-    recipe = load_finetune_recipe(RECIPE, ["task.directions=[query_to_doc,doc_to_query]", "task.partition_mode=per_direction"])
+    recipe = load_finetune_recipe(RECIPE, ["task.directions=[query_to_doc,doc_to_query]", "task.partition_mode=per_direction",
+                                           "task.hardness_mode=hard_negatives", "task.hardness_strength=5"])
     task = TaskConfig(**task_config_fields(recipe, "bert", ()))  # what the workers build the model's loss from
     assert (task.directions, task.partition_mode) == (["query_to_doc", "doc_to_query"], "per_direction")
+    assert (task.hardness_mode, task.hardness_strength) == ("hard_negatives", 5.0)
     assert TaskConfig(**task_config_fields(load_finetune_recipe(RECIPE), "bert", ())).directions == ["query_to_doc"]
-    for key in ("task.pooling=cls", "task.gradient_cache=false", "task.directions=[query_to_doc]"):
+    for key in ("task.pooling=cls", "task.gradient_cache=false", "task.directions=[query_to_doc]", "task.hardness_strength=5"):
         with pytest.raises(RecipeError, match="only for embedding"):
             load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", [key])
 

@@ -27,7 +27,7 @@ from pipelines.metrics import METRICS
 # language: the XLM task model's row; pooling, normalize, scale: the embedding model's (ctxmodels.tasks.TaskConfig)
 RECIPE_ONLY = {"max_answer_len", "null_threshold", "lm_weight", "metric", "language", "pooling", "normalize", "scale",
                "gather_across_workers", "gradient_cache", "matryoshka_dims", "matryoshka_weights",
-               "directions", "partition_mode"}
+               "directions", "partition_mode", "hardness_mode", "hardness_strength"}
 
 
 def test_one_table_names_every_kind_once():
