@@ -22,12 +22,12 @@ relevant ones last, so ties count against the model (a collapsed model scores wo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipelines import storage
+from pipelines.sources import json_lines
 
 CUTOFFS = (1, 10, 100)
 
@@ -50,15 +50,9 @@ def _jsonl(store: storage.Store, uri: str) -> list[dict]:
     if data is None:
         raise BenchmarkError(f"{uri}: not found (a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv)")
     out = []
-    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BenchmarkError(f"{uri} line {n}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or "_id" not in row or not isinstance(row.get("text"), str):
-            raise BenchmarkError(f"{uri} line {n}: expected an object with \"_id\" and a \"text\" string")
+    for n, row in json_lines(data, uri, BenchmarkError):
+        if "_id" not in row or not isinstance(row.get("text"), str):
+            raise BenchmarkError(f"{uri}:{n}: expected an object with \"_id\" and a \"text\" string")
         out.append(row)
     return out
 
@@ -82,13 +76,13 @@ def read_beir(folder: str, split: str = "test", store: storage.Store | None = No
         if not line.strip() or (n == 1 and cells[-1].strip().lower() == "score"):
             continue
         if len(cells) != 3:
-            raise BenchmarkError(f"{qrels_uri} line {n}: expected query-id, corpus-id and score separated by tabs")
+            raise BenchmarkError(f"{qrels_uri}:{n}: expected query-id, corpus-id and score separated by tabs")
         try:
             score = float(cells[2])
         except ValueError:
-            raise BenchmarkError(f"{qrels_uri} line {n}: score {cells[2]!r} is not a number") from None
+            raise BenchmarkError(f"{qrels_uri}:{n}: score {cells[2]!r} is not a number") from None
         if cells[1] not in row_of:
-            raise BenchmarkError(f"{qrels_uri} line {n}: document {cells[1]!r} is not in corpus.jsonl")
+            raise BenchmarkError(f"{qrels_uri}:{n}: document {cells[1]!r} is not in corpus.jsonl")
         if score > 0:
             judged.setdefault(cells[0], {})[row_of[cells[1]]] = score
     queries = [q for q in _jsonl(store, f"{base}/queries.jsonl") if str(q["_id"]) in judged]

@@ -413,6 +413,22 @@ def _text_docs(lines: Iterator[tuple[int, str]], stats: ReadStats) -> Iterator[s
         yield "\n".join(doc)
 
 
+def json_lines(data: bytes, uri: str, error: type[ValueError] = ValueError) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of every line of a small JSONL file read whole (a benchmark's or a
+    test set's), blank lines skipped; the first line that is not a JSON object raises ``error``
+    naming the file and line (a corpus shard rejects such lines and goes on instead: ``read_shard``)."""
+    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{uri}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise error(f"{uri}:{n}: a JSON {type(record).__name__}, not an object")
+        yield n, record
+
+
 def _json_objects(lines: Iterator[tuple[int, str]], shard: _Shard) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` of every JSON object line; blank lines skipped, the rest rejected."""
     for n, line in lines:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pipelines.sources import json_lines
 from pipelines.storage import Store, as_store
 from pipelines.wic import accuracy_at, cosine_rows, fit_threshold
 
@@ -34,15 +35,8 @@ def read_split(uri: str, store: Store | str | None = None) -> dict[str, list]:
     data = as_store(store).read_bytes(uri, missing_ok=True)
     if data is None:
         raise ValueError(f"{uri}: no such file; a WiC folder holds validation.jsonl and test.jsonl (--data)")
-    lines = data.decode("utf-8").splitlines()
     cols: dict[str, list] = {k: [] for k in FIELDS}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{uri}:{n}: not valid JSON ({e.msg})") from None
+    for n, rec in json_lines(data, uri):
         missing = [k for k in FIELDS if k not in rec]
         if missing:
             raise ValueError(f"{uri}:{n}: a WiC record needs {list(FIELDS)}; missing {missing}")

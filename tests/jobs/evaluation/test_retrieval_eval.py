@@ -92,9 +92,9 @@ def test_a_benchmark_that_cannot_be_read_says_which_file_and_why(tmp_path):
     assert read_beir(str(good)).relevant == [{0: 1.0}]
     for name, change, match in [
         ("nosplit", lambda f: (f / "qrels" / "test.tsv").unlink(), r"qrels/test.tsv: not found"),
-        ("badjson", lambda f: (f / "corpus.jsonl").write_text('{"_id": "d1", "text": "a"}\n{oops\n'), r"corpus.jsonl line 2: not JSON"),
-        ("notext", lambda f: (f / "queries.jsonl").write_text('{"_id": "q1"}\n'), r"queries.jsonl line 1: expected an object"),
-        ("unknown", lambda f: (f / "qrels" / "test.tsv").write_text("q1\td9\t1\n"), r"line 1: document 'd9' is not in corpus.jsonl"),
+        ("badjson", lambda f: (f / "corpus.jsonl").write_text('{"_id": "d1", "text": "a"}\n{oops\n'), r"corpus.jsonl:2: not valid JSON"),
+        ("notext", lambda f: (f / "queries.jsonl").write_text('{"_id": "q1"}\n'), r"queries.jsonl:1: expected an object"),
+        ("unknown", lambda f: (f / "qrels" / "test.tsv").write_text("q1\td9\t1\n"), r"test.tsv:1: document 'd9' is not in corpus.jsonl"),
         ("cells", lambda f: (f / "qrels" / "test.tsv").write_text("q1 d1 1\n"), r"separated by tabs"),
         ("unjudged", lambda f: (f / "qrels" / "test.tsv").write_text("q1\td1\t0\n"), r"no query of queries.jsonl is judged"),
     ]:
