@@ -240,10 +240,11 @@ def _run_eval(args: argparse.Namespace) -> int:
             raise CommandError("--data is required: a BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv), local or s3://")
         if args.task is not None or args.language is not None:
             raise CommandError("--task and --language are for scoring a split, not a retrieval benchmark")
-        print(write_result(evaluate_retrieval(args.model, args.data, args.split, _store(args)), args.output))
+        print(write_result(evaluate_retrieval(args.model, args.data, args.split, _store(args), query_prompt=args.query_prompt,
+                                              document_prompt=args.document_prompt), args.output))
         return 0
-    if args.split != "test":
-        raise CommandError("--split is for `ctx eval retrieval` (the benchmark's qrels/<split>.tsv)")
+    if args.split != "test" or args.query_prompt is not None or args.document_prompt is not None:
+        raise CommandError("--split, --query-prompt and --document-prompt are for `ctx eval retrieval`")
     if not args.data:
         raise CommandError("--data is required (a split: JSONL, CSV/TSV, Parquet or SQuAD JSON)")
     print(write_result(evaluate(args.model, args.data, _store(args), _language(args.language), args.task), args.output))
@@ -742,6 +743,10 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl; default: the shipped data/tasks/wic)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
     p.add_argument("--split", default="test", help="retrieval: the judgements to score, qrels/<split>.tsv (default test)")
+    p.add_argument("--query-prompt", default=None,
+                   help="retrieval: text before each query instead of the model folder's query prompt (E5: 'query: ')")
+    p.add_argument("--document-prompt", default=None,
+                   help="retrieval: text before each document instead of the folder's document prompt (E5: 'passage: ')")
     p.add_argument("--task", default=None, choices=["embedding"],
                    help="embedding: score any model (pretrained, HF or sentence-transformers folder) as ctx serve embeds "
                         "with it, on retrieval records (anchor, positive, negatives): the baseline before fine-tuning")

@@ -67,6 +67,17 @@ def test_ctx_eval_retrieval_equals_sentence_transformers_information_retrieval_e
         assert got["metrics"][ours] == pytest.approx(want[f"cosine_{theirs}"], abs=1e-4), ours
     assert 0.3 < got["metrics"]["ndcg_at_10"] < 0.9
 
+    # E5-style prompts, given on the command line: as sentence-transformers' evaluator with the same prompts
+    prompted = tmp_path / "prompted.json"
+    assert main(["eval", "retrieval", "--model", str(minilm_dir), "--data", str(folder), "--output", str(prompted),
+                 "--query-prompt", "query: ", "--document-prompt", "passage: "]) == 0
+    plain_ndcg, got = got["metrics"]["ndcg_at_10"], json.loads(prompted.read_text())
+    want = InformationRetrievalEvaluator(queries, corpus, relevant, write_csv=False, query_prompt="query: ",
+                                         corpus_prompt="passage: ")(st.SentenceTransformer(str(minilm_dir), device="cpu"))
+    assert got["query_prompt"] == "query: " and abs(got["metrics"]["ndcg_at_10"] - plain_ndcg) > 1e-3  # the prompts were read
+    for ours, theirs in [("ndcg_at_10", "ndcg@10"), ("mrr_at_10", "mrr@10"), ("map_at_100", "map@100")]:
+        assert got["metrics"][ours] == pytest.approx(want[f"cosine_{theirs}"], abs=1e-4), ours
+
 
 def test_graded_judgements_give_scikit_learns_ndcg_and_ties_count_against_the_model():
     from sklearn.metrics import ndcg_score
