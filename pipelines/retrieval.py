@@ -30,6 +30,8 @@ from pipelines import storage
 from pipelines.sources import json_lines
 
 CUTOFFS = (1, 10, 100)
+# What ranking_metrics returns for rankings of 100 or more documents (MTEB's names).
+RETRIEVAL_METRICS = ("ndcg_at_10", "mrr_at_10", "map_at_100", *(f"{m}_at_{c}" for m in ("recall", "precision") for c in CUTOFFS))
 
 
 class BenchmarkError(ValueError):

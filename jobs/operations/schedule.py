@@ -279,6 +279,11 @@ def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=prin
                 from jobs.evaluation.wic import evaluate_wic
 
                 m["wic_accuracy"] = float(evaluate_wic(str(local), cfg.evaluate.wic, strategies=("last",), store=cfg.store)["accuracy"])
+            if cfg.evaluate.retrieval:
+                from jobs.evaluation.retrieval import evaluate_retrieval
+
+                scored = evaluate_retrieval(str(local), cfg.evaluate.retrieval, cfg.evaluate.retrieval_split, cfg.store)
+                m.update({f"retrieval_{k}": float(v) for k, v in scored["metrics"].items()})
             vectors[role] = probe_vectors(local, texts)
             out[role] = m
             log(f"evaluate: {role} {uri}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(m.items())))

@@ -17,6 +17,7 @@ names the file and the key. Nothing here imports Ray or torch.
       output_dir: s3://runs/schedules/bert-nightly/rounds
     evaluate:
       held_out: s3://corpora/wiki/heldout/   # the same data for candidate and production
+      # retrieval: s3://benchmarks/scifact/  # optional: a BEIR folder, gates retrieval_ndcg_at_10, ...
     gates:                                   # every gate must pass for the candidate to be promoted
       eval_acc: {threshold: 0.10, min_absolute_change: -0.01}
       eval_ppl: {greater_is_better: false, min_relative_change: -0.05}
@@ -37,6 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipelines.retrieval import RETRIEVAL_METRICS
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 # What a round measures, by train.kind; a gate on anything else is refused on load. Lower is
@@ -45,6 +47,8 @@ PRETRAIN_METRICS = ("eval_loss", "eval_ppl", "eval_acc", "knn_overlap", "cka", "
 LOWER_IS_BETTER = ("eval_loss", "eval_ppl", "loss")
 # Drift is measured between candidate and production: production's own value is 1 by definition.
 DRIFT_METRICS = ("knn_overlap", "cka")
+# With evaluate.retrieval: both versions' sentence vectors on a BEIR benchmark (ctx eval retrieval).
+RETRIEVAL_GATES = tuple(f"retrieval_{m}" for m in RETRIEVAL_METRICS)
 
 
 def round_metrics(kind: str, recipe: dict[str, Any]) -> tuple[str, ...]:
@@ -52,11 +56,11 @@ def round_metrics(kind: str, recipe: dict[str, Any]) -> tuple[str, ...]:
     round reports what ``jobs.training.finetune.score_split`` gives for the recipe's task kind, without the
     ``val_`` prefix (classification: loss, accuracy, f1, mcc), plus the drift of the backbones."""
     if kind == "pretrain":
-        return PRETRAIN_METRICS
+        return (*PRETRAIN_METRICS, *RETRIEVAL_GATES)
     from ctxmodels.task_kinds import TASKS
 
     task = (recipe.get("task") or {}).get("kind", "classification")
-    return ("loss", *TASKS[task].metrics, *DRIFT_METRICS, "wic_accuracy")
+    return ("loss", *TASKS[task].metrics, *DRIFT_METRICS, "wic_accuracy", *RETRIEVAL_GATES)
 
 
 class ScheduleError(ValueError):
@@ -191,6 +195,10 @@ class EvaluateStep(_Section):
     n_probes: int = Field(200, ge=3)
     k: int = Field(10, ge=1)  # the k of the neighbour overlap
     wic: str | None = None  # a WiC folder (validation.jsonl, test.jsonl): ctx eval wic on both versions
+    # A retrieval benchmark in the BEIR layout (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): ctx eval
+    # retrieval on both versions' sentence vectors, as retrieval_ndcg_at_10, retrieval_recall_at_10, ...
+    retrieval: str | None = None
+    retrieval_split: str = "test"
 
 
 class ServeStep(_Section):
@@ -256,6 +264,9 @@ class ScheduleConfig(_Section):
     def _wic_gate(self) -> "ScheduleConfig":
         if "wic_accuracy" in self.gates and self.evaluate.wic is None:
             raise ValueError("gates.wic_accuracy: needs evaluate.wic (the WiC folder)")
+        needs = [m for m in self.gates if m in RETRIEVAL_GATES]
+        if needs and self.evaluate.retrieval is None:
+            raise ValueError(f"gates.{needs[0]}: needs evaluate.retrieval (a BEIR folder: corpus.jsonl, queries.jsonl, qrels/)")
         return self
 
     @property

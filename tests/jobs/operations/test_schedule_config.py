@@ -84,6 +84,8 @@ def test_example_config_loads_with_its_recipe_and_serve_app(monkeypatch):
         ({"train.set": ["train.lr=-1"]}, "train.lr"),
         ({"serve.model": "nope"}, "serve.model"),
         ({"name": "a b"}, "name"),
+        ({"gates": {"retrieval_ndcg_at_10": {"min_absolute_change": 0.0}}}, "gates.retrieval_ndcg_at_10: needs evaluate.retrieval"),
+        ({"gates": {"retrieval_ndcg_at_5": {"min_absolute_change": 0.0}}, "evaluate.retrieval": "b"}, "gates.retrieval_ndcg_at_5"),
     ],
 )
 def test_errors_name_the_key(tmp_path, monkeypatch, change, key):

@@ -45,6 +45,22 @@ def test_same_version_scores_the_same_and_has_not_moved(versions, tmp_path):
     assert len(probe_texts(cfg)) == 12 and len(set(probe_texts(cfg))) == 12
 
 
+def test_a_retrieval_benchmark_scores_both_versions_for_its_gates(versions, tmp_path):
+    from tests.jobs.evaluation.test_retrieval_eval import write_beir
+
+    docs = {f"d{i}": t for i, t in enumerate(["the river bank", "a bank loan", "a fish swims", "the stock market", "a cat sleeps"])}
+    bench = write_beir(tmp_path / "beir", docs, {"q1": "money at the bank", "q2": "a pet"}, [("q1", "d1", 1), ("q2", "d4", 1)])
+    cfg = validate(schedule(str(tmp_path / "state"), evaluate={"held_out": HELD_OUT, "max_samples": 8, "n_probes": 6, "k": 3,
+                                                                "retrieval": str(bench)},
+                            gates={"retrieval_ndcg_at_10": {"min_absolute_change": 0.0}}), base=REPO)
+    cand, prod = evaluate_pair(cfg, str(versions[1]), str(versions[0]), log=lambda *_: None)
+    for m in (cand, prod):
+        assert {"retrieval_ndcg_at_10", "retrieval_recall_at_1", "retrieval_map_at_100"} <= set(m) and 0 < m["retrieval_ndcg_at_10"] <= 1
+    assert cand["retrieval_ndcg_at_10"] != prod["retrieval_ndcg_at_10"] or cand["retrieval_mrr_at_10"] != prod["retrieval_mrr_at_10"]
+    same, _ = evaluate_pair(cfg, str(versions[0]), str(versions[0]), log=lambda *_: None)
+    assert same["retrieval_ndcg_at_10"] == prod["retrieval_ndcg_at_10"]  # the same version, the same score
+
+
 def test_state_on_s3_new_shards_and_no_overlapping_rounds(s3_bucket):
     s3 = boto3.client("s3")
     bucket = f"s3://{s3_bucket}"
