@@ -196,7 +196,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
     if sentence is not None:
         log(f"embedding: {sentence['pooling']} pooling, " + ("unit vectors" if sentence["normalize"] else "not normalised")
             + (f", {sentence['max_seq_length']} tokens served" if sentence["max_seq_length"] else ""))
-        if recipe.task.gradient_cache and recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
+        if recipe.task.gradient_cache is not False and recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
             log(f"embedding: gradient cache, each anchor ranks against the step's {recipe.train.batch_size} rows, forwarded "
                 f"{recipe.micro_batch_size} at a time (task.gradient_cache)")
         elif recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
@@ -529,7 +529,7 @@ class FinetuneJob(WorkerJob):
 
     def cached_loss(self, model, accumulation: int):
         """An embedding step's in-batch negatives over all its micro-batches (``task.gradient_cache``)."""
-        if self.task.kind != "embedding" or not self.recipe.task.gradient_cache or accumulation == 1:
+        if self.task.kind != "embedding" or self.recipe.task.gradient_cache is False or accumulation == 1:
             return None
         return model.texts_loss
 

@@ -101,8 +101,8 @@ class TaskSection(_Section):
     # Embedding with several micro-batches a step (train.micro_batch_size below batch_size / workers): a
     # gradient cache (Gao et al. 2021; sentence-transformers' CachedMultipleNegativesRankingLoss), so each
     # anchor ranks against the whole step's batch at the memory of one micro-batch, for a second forward
-    # pass; it acts only when a worker's step has several micro-batches. false: each micro-batch ranks alone.
-    gradient_cache: bool = True
+    # pass; it acts only when a worker's step has several micro-batches. None: on; false: each micro-batch ranks alone.
+    gradient_cache: bool | None = None
     # Embedding: the in-batch loss's similarities (sentence-transformers' MultipleNegativesRankingLoss
     # ``directions``; None: query_to_doc only) and their softmax (``partition_mode``; None: joint).
     # [query_to_doc, doc_to_query] with per_direction: the symmetric loss; all four, joint: GTE's.
@@ -137,7 +137,7 @@ class TaskSection(_Section):
             raise ValueError(f"matryoshka_dims: {self.matryoshka_dims}: distinct positive widths, e.g. [384, 256, 128, 64]")
         for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache", "directions", "partition_mode",
                     "hardness_mode", "hardness_strength"):
-            if (getattr(self, key) is not None if key != "gradient_cache" else key in self.model_fields_set) and self.kind != "embedding":
+            if getattr(self, key) is not None and self.kind != "embedding":
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
         if any(getattr(self, k) is not None for k in ("directions", "partition_mode", "hardness_mode", "hardness_strength")):
             check_directions(self.directions or ["query_to_doc"], self.partition_mode or "joint", self.hardness_mode,

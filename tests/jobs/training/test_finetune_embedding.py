@@ -12,7 +12,7 @@ import pytest
 
 from ctxmodels.tasks import TaskConfig
 from jobs.training.finetune import task_config_fields
-from jobs.training.finetune_config import RecipeError, load_finetune_recipe
+from jobs.training.finetune_config import FinetuneRecipe, RecipeError, load_finetune_recipe
 from pipelines.metrics import retrieval_metrics
 from pipelines.rng import stable_hash64
 
@@ -51,6 +51,10 @@ def test_the_recipe_keys_of_an_embedding_task_are_checked():
     assert (task.directions, task.partition_mode) == (["query_to_doc", "doc_to_query"], "per_direction")
     assert (task.hardness_mode, task.hardness_strength) == ("hard_negatives", 5.0)
     assert TaskConfig(**task_config_fields(load_finetune_recipe(RECIPE), "bert", ())).directions == ["query_to_doc"]
+    # what the workers validate again: every recipe's dump, whatever its kind (task.gradient_cache: false too)
+    for path, sets in [(RECIPE, ["task.gradient_cache=false"]), (REPO / "configs/finetune/minilm-pairs.yaml", [])]:
+        dumped = load_finetune_recipe(path, sets).model_dump(mode="json")
+        assert FinetuneRecipe.model_validate(dumped).model_dump(mode="json") == dumped
     for key in ("task.pooling=cls", "task.gradient_cache=false", "task.directions=[query_to_doc]", "task.hardness_strength=5"):
         with pytest.raises(RecipeError, match="only for embedding"):
             load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", [key])
