@@ -229,6 +229,8 @@ def _run_eval(args: argparse.Namespace) -> int:
             raise CommandError("--language is for a fine-tuned XLM's split, not the word-in-context test")
         if args.task is not None:
             raise CommandError("--task is for scoring a split, not the word-in-context test")
+        if args.split != "test" or args.query_prompt is not None or args.document_prompt is not None:
+            raise CommandError("--split, --query-prompt and --document-prompt are for `ctx eval retrieval`")
         print(write_output(evaluate_wic(args.model, args.data or DEFAULT_DATA, store=_store(args)), args.output))
         return 0
     from jobs.evaluation.evaluate import evaluate, write_result
@@ -739,7 +741,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", choices=["wic", "retrieval"],
                    help="wic: the word-in-context test on a model's contextual vectors; retrieval: any model's sentence "
                         "vectors on a BEIR-layout benchmark (corpus.jsonl, queries.jsonl, qrels/<split>.tsv), as MTEB scores them")
-    p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic any model")
+    p.add_argument("--model", required=True, help="fine-tuned checkpoint or run folder (its best checkpoint); for wic and retrieval any model")
     p.add_argument("--data", default=None, help="the split to score (wic: the folder with validation.jsonl and test.jsonl; default: the shipped data/tasks/wic)")
     p.add_argument("--output", default=None, help="write the JSON here, and an HTML page beside it")
     p.add_argument("--split", default="test", help="retrieval: the judgements to score, qrels/<split>.tsv (default test)")

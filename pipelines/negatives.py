@@ -81,10 +81,11 @@ def unit(vectors: np.ndarray) -> np.ndarray:
     return unit_rows(np.asarray(vectors, dtype=np.float32))
 
 
-def top_candidates(anchors: np.ndarray, corpus: np.ndarray, k: int, exclude: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def top_candidates(anchors: np.ndarray, corpus: np.ndarray, k: int,
+                   exclude: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` corpus rows of highest cosine similarity to each anchor, best first, leaving out
-    ``exclude[q]`` (its positives' corpus rows): (scores float32 (Q, k), rows int64 (Q, k)), -inf
-    and -1 where the corpus has fewer than k others."""
+    ``exclude[q]`` when given (corpus rows): (scores float32 (Q, k), rows int64 (Q, k)), -inf and -1
+    where the corpus has fewer than k others."""
     a, c = unit(anchors), unit(corpus)
     Q, C = len(a), len(c)
     take = min(k, C)
@@ -93,7 +94,7 @@ def top_candidates(anchors: np.ndarray, corpus: np.ndarray, k: int, exclude: lis
     block = max(1, SCORE_CELLS // max(C, 1))
     for start in range(0, Q, block):
         s = a[start : start + block] @ c.T  # (q, C)
-        q = np.repeat(np.arange(len(s)), [len(exclude[start + i]) for i in range(len(s))])
+        q = np.repeat(np.arange(len(s)), [len(exclude[start + i]) for i in range(len(s))]) if exclude else ()
         if len(q):
             s[q, np.concatenate(exclude[start : start + len(s)])] = -np.inf
         if take == 0:

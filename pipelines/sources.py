@@ -416,7 +416,7 @@ def _text_docs(lines: Iterator[tuple[int, str]], stats: ReadStats) -> Iterator[s
 def json_lines(data: bytes, uri: str, error: type[ValueError] = ValueError) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` of every line of a small JSONL file read whole (a benchmark's or a
     test set's), blank lines skipped; the first line that is not a JSON object raises ``error``
-    naming the file and line (a corpus shard rejects such lines and goes on instead: ``read_shard``)."""
+    naming the file and line (a corpus shard rejects such lines and goes on instead: ``_json_objects``)."""
     for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
         if not line.strip():
             continue

@@ -55,14 +55,13 @@ def mine_hard_negatives(records: list[dict[str, Any]], model: Any, cfg: MiningCo
     d_vec = np.asarray(model.encode_document(docs), dtype=np.float32)  # (C, D)
     q_unit, d_unit = unit(q_vec), unit(d_vec)
     pairs = np.unique(np.stack([pair_query, pair_doc], axis=1), axis=0)  # (P, 2): every positive an anchor is paired with
-    exclude = np.split(pairs[:, 1], np.flatnonzero(np.diff(pairs[:, 0])) + 1)  # per anchor, in query order
     own = np.einsum("nd,nd->n", q_unit[pair_query], d_unit[pair_doc])  # (N,) each record's positive score
     lowest = np.full(len(queries), np.inf, dtype=np.float32)
     np.minimum.at(lowest, pair_query, own)  # an anchor's harder positive sets its margins
     # As sentence-transformers looks: the range_max + (most positives) best texts, the anchor's own positives then out.
-    most = max(len(e) for e in exclude)
+    most = int(np.bincount(pairs[:, 0]).max())  # the most positives an anchor has
     window = cfg.window(most)
-    scores, rows = top_candidates(q_vec, d_vec, window + most, [np.empty(0, dtype=np.int64)] * len(queries))
+    scores, rows = top_candidates(q_vec, d_vec, window + most)
     width = len(docs) + 1  # (anchor, corpus row) keys; a missing row (-1) never matches one
     own_rows = np.isin(np.arange(len(queries))[:, None] * width + rows, pairs[:, 0] * width + pairs[:, 1])
     scores[own_rows], rows[own_rows] = -np.inf, -1
