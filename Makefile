@@ -6,17 +6,35 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install bench gpu-folder clean
+.PHONY: demo test test-all install lock bench gpu-folder clean
 
-$(STAMP): pyproject.toml
+# Every package at the version constraints.txt locks (resolved and tested together): a release on
+# PyPI since then neither changes nor breaks a clean clone's install.
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: a CPU wheel here; an unpinned torch would pull GBs of CUDA.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Re-resolve constraints.txt: the newest versions pyproject.toml allows, in a throwaway virtualenv,
+# frozen with the file's own header kept. LOCK_BOUNDS adds requirements to that one resolution
+# (LOCK_BOUNDS='botocore<1.43.118') where two new releases leave pip no solution.
+LOCK_VENV := .venv-lock
+LOCK_BOUNDS ?=
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/pip install -q -e ".[dev]" $(foreach b,$(LOCK_BOUNDS),'$(b)')
+	$(LOCK_VENV)/bin/pip check
+	{ sed -n '/^#/p;/^#/!q' constraints.txt; $(LOCK_VENV)/bin/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
 
 demo: $(STAMP)
 	$(BIN)/ctx demo
