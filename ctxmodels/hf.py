@@ -72,7 +72,7 @@ from ctxmodels.albert import AlbertConfig
 from ctxmodels.bert import BertConfig
 from ctxmodels.gpt import GPTConfig
 from ctxmodels.registry import family_spec, new_model
-from ctxmodels.task_kinds import TASKS, task_of
+from ctxmodels.task_kinds import TASKS, label_names, task_of
 from ctxmodels.tasks import TaskConfig, TaskModel, build_task_model
 from ctxmodels.xlnet import XLNetConfig
 
@@ -999,10 +999,7 @@ def _labels_from_hf(hf_config: dict) -> list[str]:
 def _task_config_to_hf(task: TaskConfig) -> dict:
     """config.json fields transformers' head classes read: labels, problem type."""
     kind = task_of(task.kind)
-    if kind.labelled:
-        names = task.labels if len(task.labels) == task.num_labels else [f"LABEL_{i}" for i in range(task.num_labels)]
-    else:
-        names = list(kind.outputs)
+    names = label_names(task)
     out: dict[str, Any] = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
     if kind.hf_problem_type:
         out["problem_type"] = kind.hf_problem_type

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 TaskKind = Literal["classification", "regression", "multiple-choice", "token-classification", "question-answering", "embedding"]
 TASK_KINDS: tuple[str, ...] = get_args(TaskKind)
@@ -98,6 +98,16 @@ def task_of(kind: str) -> Task:
         return TASKS[kind]
     except KeyError:
         raise ValueError(f"task kind {kind!r}: expected one of {list(TASK_KINDS)}") from None
+
+
+def label_names(task: Any) -> list[str]:
+    """The names of a task head's outputs (``task``: a ``ctxmodels.tasks.TaskConfig``), as its
+    config.json's ``id2label`` gives them: the training split's classes, else transformers'
+    ``LABEL_i``; a regression head's one output is ``LABEL_0``."""
+    kind = task_of(task.kind)
+    if kind.labelled:
+        return list(task.labels) if len(task.labels) == task.num_labels else [f"LABEL_{i}" for i in range(task.num_labels)]
+    return list(kind.outputs)
 
 
 # The in-batch loss of the embedding kind (ctxmodels.tasks.in_batch_negatives): which similarities its softmax holds.

@@ -325,12 +325,13 @@ class Tokenizer:
         """The id of ``token`` (a vocabulary entry such as "##ing" or "▁bank"), None if absent."""
         return self._ids.get(token)
 
-    def decode(self, ids: list[int] | np.ndarray) -> str:
-        """The text of token ids, special tokens dropped, through the tokenizer's own decoder
-        (WordPiece joins "##" pieces; byte-level BPE and SentencePiece restore spaces and bytes).
-        Byte-level BPE keeps the space its pre-tokenizer puts before a word, also before the first
-        one (" bank"), as GPT-2's tokenizer does: what a generated continuation needs."""
-        special = set(self.special_ids.tolist())
+    def decode(self, ids: list[int] | np.ndarray, skip_special: bool = True) -> str:
+        """The text of token ids, special tokens dropped (``skip_special``; else written as their
+        token strings), through the tokenizer's own decoder (WordPiece joins "##" pieces; byte-level
+        BPE and SentencePiece restore spaces and bytes). Byte-level BPE keeps the space its
+        pre-tokenizer puts before a word, also before the first one (" bank"), as GPT-2's tokenizer
+        does: what a generated continuation needs."""
+        special = set(self.special_ids.tolist()) if skip_special else set()
         return self._backend.decode([int(i) for i in ids if int(i) not in special])
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:

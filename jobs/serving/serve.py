@@ -8,6 +8,9 @@
                                "normalize" (default true), "truncate", "dimensions", "prompt_name"} -> a bare
                                list of vectors; "model" (ours) picks one of several served models
     POST /rerank               TEI's and Infinity's rerank route (/v1/rerank's bodies; "model" optional as on /embed)
+    POST /predict, /similarity, /decode; GET /info, /health   TEI's other routes, in TEI's shapes ("model"
+                               optional as on /embed): a classifier's scores, cosine similarities to a
+                               source sentence, token ids back to text, the model's settings, readiness
     POST /embeddings, GET /models   Infinity's paths (no /v1) for /v1/embeddings and /v1/models
     POST /v1/token-embeddings  one vector per token (or per word: granularity "word") from any layers or a
                                ``features`` strategy, with the token strings and their character offsets
@@ -94,7 +97,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jobs.identity import checkpoint_version
 from jobs.serving.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
 from jobs.serving.replica import EmbeddingReplica
-from jobs.serving.serve_tasks import REQUESTS, RerankRequest, TaskRequest, cannot_serve, check_texts
+from jobs.serving.serve_tasks import (REQUESTS, TEI_NEEDS, DecodeRequest, PredictRequest, RerankRequest, TaskRequest, cannot_serve,
+                                      check_texts, one_text, tei_model_type)
 
 logger = logging.getLogger("ray.serve")
 
@@ -389,6 +393,43 @@ class TeiRerankRequest(RerankRequest):
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate
 
 
+class SimilarityInputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source_sentence: str
+    sentences: list[str]
+
+    @field_validator("source_sentence", mode="before")
+    @classmethod
+    def _source(cls, v: Any) -> Any:
+        return one_text(v)
+
+    @field_validator("sentences", mode="before")
+    @classmethod
+    def _sentences(cls, v: Any) -> Any:
+        return check_texts(v, allow_str=False)
+
+
+class SimilarityParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    truncate: bool | None = False
+    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /embed's truncate
+    prompt_name: str | None = None  # one of the model's sentence-transformers prompts, put before every sentence
+
+
+class SimilarityRequest(BaseModel):
+    """TEI's ``/similarity`` body, as huggingface_hub's ``InferenceClient.sentence_similarity`` sends it:
+    the cosine similarity of each sentence's vector to the source sentence's (vectors as ``/embed``
+    gives them). ``model`` as on ``/embed``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters | None = None
+    model: str | None = None
+
+
 def tei_model(requested: str | None, served: list[str]) -> str:
     """The model a TEI request reads: the one it names, else the only one served (TEI's own case)."""
     if requested is not None:
@@ -442,8 +483,8 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/v1/models", "/models", "/healthz",
-              "/readyz", "/metrics")
+    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/predict", "/similarity", "/decode",
+              "/v1/models", "/models", "/info", "/healthz", "/readyz", "/health", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -514,7 +555,7 @@ class Guard:
     Pure ASGI (no BaseHTTPMiddleware): the body limit wraps ``receive``, so a body without
     Content-Length is cut off at the limit instead of read whole."""
 
-    OPEN = ("/healthz", "/readyz")  # probes answer without a key
+    OPEN = ("/healthz", "/readyz", "/health")  # probes answer without a key
 
     def __init__(self, app, gateway: "Gateway"):
         self.app, self.gw = app, gateway
@@ -585,7 +626,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank")
+    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank", "/predict", "/similarity", "/decode")
 
 
 def _body_too_large(limit: int) -> Response:
@@ -637,6 +678,7 @@ def http_api(gw: "Gateway") -> FastAPI:
         return {"status": "ok", "models": gw.config.names()}
 
     @api.get("/readyz", responses={503: {"description": "Not ready: {status, models} says which model is not"}})
+    @api.get("/health", responses={503: {"description": "Not ready: {status, models} says which model is not"}})  # TEI's
     async def readyz() -> Response:
         return await gw.readyz()
 
@@ -663,6 +705,22 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.post("/rerank")
     async def tei_rerank(req: TeiRerankRequest) -> Response:
         return await gw.task("/v1/rerank", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
+
+    @api.post("/predict")
+    async def tei_predict(req: PredictRequest) -> Response:
+        return await gw.task("/predict", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
+
+    @api.post("/decode")
+    async def tei_decode(req: DecodeRequest) -> Response:
+        return await gw.task("/decode", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
+
+    @api.post("/similarity")
+    async def tei_similarity(req: SimilarityRequest) -> Response:
+        return await gw.tei_similarity(req)
+
+    @api.get("/info")
+    async def tei_info(model: str | None = None) -> Response:
+        return await gw.tei_info(model)
 
     @api.post("/v1/token-embeddings")
     async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:
@@ -829,6 +887,40 @@ class GatewayBase:
         self.metrics.observe_batches(model, out["batches"])
         return VectorJSON(list(out["embeddings"]), headers=_stamp_headers(out))
 
+    async def tei_similarity(self, req: SimilarityRequest) -> Response:
+        """TEI's answer: one cosine similarity per sentence, in order, of unit vectors as ``/embed`` gives them."""
+        model = tei_model(req.model, list(self.models))
+        self._handle(model)
+        texts = [req.inputs.source_sentence, *req.inputs.sentences]
+        check_limits(texts, self.config.limits)
+        p = req.parameters or SimilarityParameters()
+        out = await self._call(model, "embed", texts, None, True, None, bool(p.truncate), "last", None, p.prompt_name)
+        self.metrics.observe_batches(model, out["batches"])
+        vectors = np.asarray(out["embeddings"], dtype=np.float32)
+        return AsciiJSON([float(x) for x in vectors[1:] @ vectors[0]], headers=_stamp_headers(out))
+
+    async def tei_info(self, requested: str | None) -> Response:
+        """TEI's ``/info`` of a model: its name, version, dtype and type (embedding with its pooling, a
+        classifier with its labels, or a reranker: a one-output head), and the limits requests meet."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        name = tei_model(requested, list(self.models))
+        self._handle(name)
+        info = await self._model_info(name)
+        settings = self.config.settings(name)
+        try:
+            package = version("ctxmodels")
+        except PackageNotFoundError:  # running from a source tree that was never installed
+            package = "unknown"
+        return AsciiJSON({
+            "model_id": name, "model_sha": info["version"], "model_dtype": info["dtype"], "model_type": tei_model_type(info),
+            "max_concurrent_requests": self.config.gateway.max_ongoing_requests,
+            "max_input_length": info.get("task_max_len", info["max_len"]),  # what /predict reads of a fine-tuned model
+            "max_batch_tokens": settings.max_batch_tokens, "max_batch_requests": settings.max_batch_size,
+            "max_client_batch_size": self.config.limits.max_inputs, "auto_truncate": False, "tokenization_workers": 1,
+            "version": package, "sha": None, "docker_label": None,
+        })
+
     async def token_embeddings(self, req: TokenEmbeddingsRequest) -> Response:
         self._handle(req.model)
         check_limits(req.input, self.config.limits)
@@ -871,11 +963,12 @@ class GatewayBase:
         if problem is not None:
             raise ApiError(413, problem, code="request_too_large")
         info = await self._model_info(req.model)
-        if route not in info["routes"]:
-            raise ApiError(400, cannot_serve(req.model, info, route), code="unsupported_task")
+        needed = TEI_NEEDS.get(route, route)  # TEI's /predict needs a /v1/classify model, ...
+        if needed not in info["routes"]:
+            raise ApiError(400, cannot_serve(req.model, info, needed), code="unsupported_task")
         out = await self._call(req.model, "task", route, req.payload())
         self.metrics.observe_batches(req.model, out["batches"])
-        body = req.answer(out["body"]) if isinstance(req, RerankRequest) else out["body"]
+        body = req.answer(out["body"])
         if isinstance(body, dict):  # /v1/rerank answers TEI's bare list: its version is in the headers
             body = {"model": req.model, "model_version": out["version"], "registry_version": out["registry_version"],
                     "tokenizer_hash": out["tokenizer_hash"], **body}

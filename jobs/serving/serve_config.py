@@ -259,9 +259,12 @@ class ServeConfig(BaseModel):
             )
         return self
 
+    def settings(self, model: str) -> ModelSettings:
+        """The settings a served model runs with (a multiplexed one: the multiplexed deployment's)."""
+        return self.multiplexed if self.is_multiplexed(model) else self.models[model]
+
     def timeout_s(self, model: str) -> float:
-        settings = self.multiplexed if self.is_multiplexed(model) else self.models[model]
-        return settings.request_timeout_s or self.limits.request_timeout_s
+        return self.settings(model).request_timeout_s or self.limits.request_timeout_s
 
     @classmethod
     def from_models(cls, models: dict[str, str], **settings: Any) -> ServeConfig:

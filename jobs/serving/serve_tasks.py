@@ -44,11 +44,11 @@ import dataclasses
 import json
 import secrets
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from ctxmodels.task_kinds import TASKS
+from ctxmodels.task_kinds import TASKS, label_names
 from jobs.serving.batching import Batcher
 from jobs.serving.serve_config import InputError, LimitError, Limits
 
@@ -70,6 +70,10 @@ NEEDS: dict[str, str] = {
     "/v1/fill-mask": f"a pretrained {' / '.join(MLM_FAMILIES)} checkpoint with its masked-LM head (XLM: pretrained with mlm or tlm)",
     "/v1/generate": f"a pretrained {' / '.join(LM_FAMILIES)} checkpoint, or an XLM pretrained as a causal LM (objective clm)",
 }
+
+
+# TEI's routes that answer from a native one's model (not listed in /v1/models): what they need of it.
+TEI_NEEDS = {"/predict": "/v1/classify", "/decode": "/tokenize"}
 
 
 def routes_of(family: str, task: Any, untrained_heads: set[str], causal: bool = False) -> list[str]:
@@ -168,6 +172,10 @@ class TaskRequest(BaseModel):
     def payload(self) -> dict[str, Any]:
         """What the replica's handler receives."""
         return self.model_dump(exclude={"model"})
+
+    def answer(self, body: Any) -> Any:
+        """The replica's body as this request's answer (a route whose request shapes its answer overrides it)."""
+        return body
 
 
 class ClassifyRequest(TaskRequest):
@@ -359,6 +367,132 @@ class RerankRequest(TaskRequest):
         return {"object": "rerank", "results": results}
 
 
+def tei_sequences(value: Any) -> Any:
+    """TEI's ``/predict`` inputs, read as TEI reads them: a string; a list of one or two strings (one
+    text, or a pair [text, text_pair]); or a batch of such lists, [[text], [text, text_pair], ...]."""
+    shapes = "a text, a pair [text, text_pair], or a batch of [text] and [text, text_pair] lists"
+    if isinstance(value, str):
+        return one_text(value)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"must be {shapes}, got " + ("an empty list" if isinstance(value, list) else type(value).__name__))
+    if isinstance(value[0], str):  # one sequence
+        if len(value) > 2:
+            raise ValueError(f"a list of strings is one text or a pair [text, text_pair], not {len(value)} strings; "
+                             "a batch is a list of lists, [[text], [text, text_pair], ...]")
+        return check_texts(value, allow_str=False)
+    for i, seq in enumerate(value):
+        if not (isinstance(seq, list) and 1 <= len(seq) <= 2 and all(isinstance(t, str) for t in seq)):
+            raise ValueError(f"item {i}: a batch's items are [text] or [text, text_pair], one or two strings")
+        for j, t in enumerate(seq):
+            if not t.strip():
+                raise ValueError(f"item {i}: text {j} is empty or only whitespace")
+    return value
+
+
+# The shapes of TEI's inputs, declared so the OpenAPI schema tells them (the validators above check them first).
+Sequence = Annotated[list[str], Field(min_length=1, max_length=2)]  # [text] or [text, text_pair]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class TeiParameters(BaseModel):
+    """The Hugging Face Inference API's text-classification ``parameters``, which huggingface_hub's
+    ``InferenceClient.text_classification`` sends: ``function_to_apply`` in place of TEI's choice,
+    ``top_k`` the best k labels only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
+    top_k: int | None = Field(None, ge=1)
+
+
+class PredictRequest(TaskRequest):
+    """TEI's ``/predict``: a fine-tuned classification or regression model's scores, each sequence's
+    labels best first as ``{"score", "label"}``; a batch gets a list per sequence. Scores as TEI's:
+    the softmax over the labels, or the sigmoid of a one-output head's logit; ``raw_scores``: the
+    logits. TEI serves one model and its clients name none; ``model`` picks one when this server
+    serves several."""
+
+    model: str | None = None
+    inputs: str | Sequence | Annotated[list[Sequence], Field(min_length=1)]
+    raw_scores: bool = False
+    truncate: bool | None = False  # false: an input longer than the model's max_len is a 400
+    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate
+    parameters: TeiParameters | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        return tei_sequences(v)
+
+    @model_validator(mode="after")
+    def _one_function(self) -> "PredictRequest":
+        function = self.parameters.function_to_apply if self.parameters is not None else None
+        if self.raw_scores and function not in (None, "none"):
+            raise ValueError(f"raw_scores asks for the logits and parameters.function_to_apply for {function!r}: give one of them")
+        return self
+
+    def is_batch(self) -> bool:
+        return isinstance(self.inputs, list) and isinstance(self.inputs[0], list)
+
+    def sequences(self) -> list[list[str]]:
+        if isinstance(self.inputs, str):
+            return [[self.inputs]]
+        return [list(seq) for seq in self.inputs] if self.is_batch() else [list(self.inputs)]
+
+    def texts(self) -> list[str]:
+        return [t for seq in self.sequences() for t in seq]
+
+    def payload(self) -> dict[str, Any]:
+        function = "none" if self.raw_scores else (self.parameters.function_to_apply if self.parameters is not None else None)
+        return {"sequences": self.sequences(), "function": function, "top_k": self.parameters.top_k if self.parameters is not None else None,
+                "truncate": bool(self.truncate)}
+
+    def answer(self, body: list[list[dict]]) -> list[dict] | list[list[dict]]:
+        return body if self.is_batch() else body[0]
+
+
+class DecodeRequest(TaskRequest):
+    """TEI's ``/decode``: token ids (one list, or a list of lists) back to text through the model's own
+    tokenizer; a list of texts either way. ``model`` as on ``/predict``."""
+
+    model: str | None = None
+    ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    skip_special_tokens: bool = True
+
+    @field_validator("ids", mode="before")
+    @classmethod
+    def _ids(cls, v: Any) -> Any:
+        def is_id(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if isinstance(v, list) and v and all(is_id(x) for x in v):
+            rows = [v]
+        elif isinstance(v, list) and v and all(isinstance(r, list) and r and all(is_id(x) for x in r) for r in v):
+            rows = v
+        else:
+            raise ValueError("must be token ids, [id, ...], or a batch of them, [[id, ...], ...]; none empty")
+        for i, row in enumerate(rows):
+            bad = next((x for x in row if x < 0), None)
+            if bad is not None:
+                raise ValueError(f"item {i}: {bad} is not a token id (ids are 0 or more)")
+        return v
+
+    def rows(self) -> list[list[int]]:
+        return [list(r) for r in self.ids] if isinstance(self.ids[0], list) else [list(self.ids)]
+
+    def texts(self) -> list[str]:
+        return []
+
+    def limit_problem(self, limits: Limits) -> str | None:
+        n = sum(len(r) for r in self.rows())
+        if n > limits.max_tokens_per_request:
+            return f"ids has {n} token ids, more than {limits.max_tokens_per_request} (max_tokens_per_request): send fewer"
+        return None
+
+    def payload(self) -> dict[str, Any]:
+        return {"ids": self.rows(), "skip_special_tokens": self.skip_special_tokens}
+
+
 class FillMaskRequest(TextsRequest):
     # each text holds the tokenizer's mask token ([MASK], <mask>) at least once
     top_k: int = Field(5, ge=1, le=100)
@@ -434,6 +568,30 @@ def class_results(logits: np.ndarray, kind: str, labels: list[str]) -> list[dict
         order = np.argsort(-p, kind="stable")
         ranked = [{"label": labels[k], "score": float(p[k])} for k in order]
         out.append({"index": i, "label": ranked[0]["label"], "score": ranked[0]["score"], "labels": ranked})
+    return out
+
+
+def tei_model_type(info: dict) -> dict:
+    """TEI's ``model_type`` of a served model's info: a classifier with its labels, or a reranker (a
+    one-output head: TEI's word for it), else an embedding model with the pooling it serves."""
+    if "outputs" not in info:
+        return {"embedding": {"pooling": info["pooling"]}}
+    labels = {"id2label": {str(i): n for i, n in enumerate(info["outputs"])}, "label2id": {n: i for i, n in enumerate(info["outputs"])}}
+    return {"reranker" if len(info["outputs"]) == 1 else "classifier": labels}
+
+
+def tei_predictions(logits: np.ndarray, labels: list[str], function: str | None, top_k: int | None) -> list[list[dict]]:
+    """TEI's ``/predict`` answer of logits (N, L): per sequence, its labels best first as {"score",
+    "label"}. ``function`` None: TEI's choice, the softmax over the labels, or the sigmoid of a
+    one-output head's logit; "softmax", "sigmoid" or "none" (the logits) in its place. ``top_k``: the
+    best k only."""
+    z = np.asarray(logits, dtype=np.float64).reshape(len(logits), -1)
+    function = function or ("softmax" if z.shape[1] > 1 else "sigmoid")
+    scores = softmax(z) if function == "softmax" else 1.0 / (1.0 + np.exp(-z)) if function == "sigmoid" else z
+    out = []
+    for row in scores:
+        order = np.argsort(-row, kind="stable")[:top_k]
+        out.append([{"score": float(row[k]), "label": labels[k]} for k in order])
     return out
 
 
@@ -687,6 +845,8 @@ class TaskServing:
             info["mask_token"] = self.tokenizer.special_tokens["mask"]
         if self.task_config is not None and self.task_config.matryoshka_dims:  # the `dimensions` trained to be vectors
             info["matryoshka_dims"] = list(self.task_config.matryoshka_dims)
+        if self.task_config is not None and self.task_config.kind in ("classification", "regression"):
+            info["outputs"] = label_names(self.task_config)  # the head's outputs by name (TEI's /info, /predict)
         if self.settings is not None:
             info["task_max_len"] = self.settings.data.max_len
             if self.task_config.kind == "question-answering":
@@ -694,11 +854,13 @@ class TaskServing:
         return info
 
     async def _task(self, route: str, args: dict) -> dict:
-        if route not in self.routes:  # the Gateway checks first; a direct handle call gets the same answer
-            raise InputError(cannot_serve(self.name, {"family": self.family, **self.task_info()}, route))
+        needed = TEI_NEEDS.get(route, route)
+        if needed not in self.routes:  # the Gateway checks first; a direct handle call gets the same answer
+            raise InputError(cannot_serve(self.name, {"family": self.family, **self.task_info()}, needed))
         handler = {
             "/v1/classify": self._classify, "/v1/tag": self._tag, "/v1/answer": self._answer, "/v1/rerank": self._rerank,
             "/v1/fill-mask": self._fill_mask, "/v1/generate": self._generate, "/tokenize": self._tokenize,
+            "/predict": self._predict, "/decode": self._decode,
         }[route]
         body, passes = await handler(**args)
         return {"body": body, "batches": passes, **self._stamp()}
@@ -806,11 +968,12 @@ class TaskServing:
         return outputs, [size for _, size in done if size is not None]
 
     async def _task_rows(self, records: dict, fields: dict[str, Any], truncate: bool, what: str = "input",
-                         language: int | str | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], list]:
+                         language: int | str | None = None, indexes: list[int] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], list]:
         """Records encoded as the fine-tuning run encoded them (its TaskDataConfig with the request's
         field names in place of the recipe's), then every row through the batched forward pass;
         returns (logits stacked over rows, the encoded columns, the passes' (rows, tokens, padded tokens)).
-        ``language``: a multilingual XLM reads the rows as this language (None: the deployment's)."""
+        ``language``: a multilingual XLM reads the rows as this language (None: the deployment's).
+        ``indexes``: each record's place in the request, for messages (None: its place here)."""
         from pipelines.finetune import RecordError, encode_task
 
         lang_row = self._language_row(language)
@@ -824,7 +987,7 @@ class TaskServing:
             if cfg.kind == "question-answering":  # contexts are windowed; only a question can be cut
                 index, length = int(cols["example_index"][row]), f"{cfg.max_query_len} tokens (max_query_len)"
             else:
-                index, length = row, f"{cfg.max_len} tokens (max_len, special tokens included)"
+                index, length = (indexes[row] if indexes else row), f"{cfg.max_len} tokens (max_len, special tokens included)"
             raise InputError(
                 f"{what}[{index}] is longer than the {length} model {self.name!r} was fine-tuned to read: "
                 f"shorten it, or send \"truncate\": true to cut it as training did"
@@ -847,6 +1010,33 @@ class TaskServing:
         logits, cols, passes = await self._task_rows(records, cfg_fields, truncate, "input", language)
         data = class_results(logits, self.task_config.kind, list(self.task_config.labels))
         return {"object": "list", "task": self.task_config.kind, "data": data, "usage": _usage(cols)}, passes
+
+    async def _predict(self, sequences: list[list[str]], function: str | None, top_k: int | None, truncate: bool) -> tuple[list[list[dict]], list]:
+        """TEI's /predict: the texts and the pairs of a batch are encoded apart (a pair as /v1/classify's
+        [text, text_pair]), their logits put back in the request's order."""
+        groups = {n: [i for i, seq in enumerate(sequences) if len(seq) == n] for n in (1, 2)}
+        if groups[1] and self.settings.data.symmetric:
+            raise InputError(f"model {self.name!r} compares text pairs (symmetric): send each input as [text, text_pair]")
+        logits: list[np.ndarray | None] = [None] * len(sequences)
+        passes: list = []
+        for n, where in groups.items():
+            if not where:
+                continue
+            records = {"text": [sequences[i][0] for i in where], **({"text_pair": [sequences[i][1] for i in where]} if n == 2 else {})}
+            fields = {"text_field": "text", "pair_field": "text_pair" if n == 2 else None, "id_field": None}
+            out, _, group_passes = await self._task_rows(records, fields, truncate, "inputs", None, where)
+            for i, row in zip(where, out):
+                logits[i] = row
+            passes += group_passes
+        return tei_predictions(np.stack(logits), label_names(self.task_config), function, top_k), passes
+
+    async def _decode(self, ids: list[list[int]], skip_special_tokens: bool) -> tuple[list[str], list]:
+        n = self.tokenizer.vocab_size
+        for i, row in enumerate(ids):
+            bad = next((x for x in row if x >= n), None)
+            if bad is not None:
+                raise InputError(f"ids item {i}: {bad} is not a token id of model {self.name!r}, whose vocabulary has {n} (0 to {n - 1})")
+        return [self.tokenizer.decode(row, skip_special=skip_special_tokens) for row in ids], []
 
     async def _rerank(self, query: str, texts: list[str], raw_scores: bool, return_text: bool, truncate: bool,
                       language: int | str | None = None) -> tuple[list[dict], list]:

@@ -33,9 +33,11 @@ from schemathesis.specs.openapi.checks import response_schema_conformance  # noq
 
 V = {"vocab_size": 30522}  # MiniLM's vocabulary
 MODELS = ("mlm", "pair", "gpt")
-SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
+SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/predict": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
+TEI_ROUTES = ("/embed", "/rerank", "/predict", "/similarity", "/decode")  # "model" optional: TEI serves one
 # Routes some served model answers with a 200 (no model here tags or answers questions).
-SERVED = ("POST /v1/embeddings", "POST /embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank", "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize")
+SERVED = ("POST /v1/embeddings", "POST /embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank",
+          "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize", "POST /predict", "POST /similarity", "POST /decode", "GET /info")
 LIMITS = {  # small, so a generated list or number reaches each limit quickly instead of running long
     "max_inputs": 16,
     "max_chars_per_text": 2_000,
@@ -83,7 +85,7 @@ def map_body(context, body):
     if path in ("/v1/rerank", "/rerank") and isinstance(body, dict):  # one of its two bodies, TEI's or Cohere's, as a client sends it
         other = ("documents", "top_n", "return_documents") if "texts" in body else ("raw_scores", "return_text")
         body = {k: v for k, v in body.items() if k not in other}
-    if path in ("/embed", "/rerank") and isinstance(body, dict) and "model" not in body:  # TEI's clients name none; this server serves several
+    if path in TEI_ROUTES and isinstance(body, dict) and "model" not in body:  # TEI's clients name none; this server serves several
         return {**body, "model": SERVES.get(path, "mlm")}
     if not (isinstance(body, dict) and isinstance(body.get("model"), str)):
         return body
@@ -98,10 +100,21 @@ def map_body(context, body):
     return body
 
 
+def map_query(context, query):
+    """GET /info's ``model``, mapped as a body's is: a served model, or left unknown, by its length."""
+    path = context.operation.path if context.operation is not None else ""
+    if path != "/info" or not isinstance(query, dict):
+        return query
+    name = query.get("model")
+    choices = (*MODELS, name) if isinstance(name, str) else MODELS
+    return {**query, "model": choices[len(name if isinstance(name, str) else "") % len(choices)]}
+
+
 @pytest.fixture(scope="module")
 def api_schema(server):
     schema = schemathesis.openapi.from_url(f"{server}/openapi.json", timeout=60)
     schema.hook(map_body)
+    schema.hook(map_query)
     return schema
 
 
