@@ -728,6 +728,8 @@ def http_api(gw: "Gateway") -> FastAPI:
 
     def task_route(route: str, request_cls: type[TaskRequest]) -> None:
         async def endpoint(req: request_cls) -> Response:  # FastAPI reads the body's class from here
+            if req.model is None:  # TEI's /tokenize body names none: the only model served
+                req = req.model_copy(update={"model": tei_model(None, list(gw.models))})
             return await gw.task(route, req)
 
         api.post(route, name=route)(endpoint)

@@ -526,11 +526,40 @@ class GenerateRequest(TaskRequest):
         return None
 
 
-class TokenizeRequest(TextsRequest):
+class TokenizeRequest(TaskRequest):
+    """Ours, ``{"model", "input"}``: ids, token strings and character offsets per text, and whether it
+    fits the model. Or TEI's, ``{"inputs", "prompt_name"}`` (``model`` optional, as on ``/embed``): per
+    text its tokens as TEI's ``{"id", "text", "special", "start", "stop"}`` (a special token's text is
+    the token, its offsets null)."""
+
+    model: str | None = None
+    input: str | list[str] | None = None
+    inputs: str | list[str] | None = None
     add_special_tokens: bool = True  # [CLS] ... [SEP] as the embeddings endpoints read a text
+    prompt_name: str | None = None  # TEI's: one of the model's sentence-transformers prompts, put before each input
+
+    @field_validator("input", "inputs", mode="before")
+    @classmethod
+    def _texts(cls, v: Any) -> Any:
+        return check_texts(v, allow_str=True)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "TokenizeRequest":
+        if (self.input is None) == (self.inputs is None):
+            raise ValueError("give exactly one of input (this server's body, with model) or inputs (TEI's), "
+                             + ("both were given" if self.input is not None else "neither was given"))
+        if self.input is not None and self.model is None:
+            raise ValueError("model: required with input (TEI's body, with inputs, may leave it out)")
+        if self.input is not None and self.prompt_name is not None:
+            raise ValueError("prompt_name belongs to TEI's body: send the texts as inputs")
+        return self
+
+    def texts(self) -> list[str]:
+        return _as_list(self.input if self.input is not None else self.inputs)
 
     def payload(self) -> dict[str, Any]:
-        return {"texts": self.texts(), "add_special_tokens": self.add_special_tokens}
+        return {"texts": self.texts(), "add_special_tokens": self.add_special_tokens, "tei": self.inputs is not None,
+                "prompt_name": self.prompt_name}
 
 
 REQUESTS: dict[str, type[TaskRequest]] = {
@@ -1107,12 +1136,27 @@ class TaskServing:
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)}
         return {"object": "text_completion", "choices": [choice], "seed": seed, "usage": usage}, []  # one request at a time: no batched passes
 
-    async def _tokenize(self, texts: list[str], add_special_tokens: bool) -> tuple[dict, list]:
+    async def _tokenize(self, texts: list[str], add_special_tokens: bool, tei: bool = False, prompt_name: str | None = None) -> tuple[dict | list, list]:
+        if prompt_name is not None:  # before each text, as /embed puts it
+            texts = self._sentence_defaults(texts, None, None, prompt_name)[0]
         ids, offsets, tokens = await asyncio.to_thread(self.tokenizer.encode_for_model, texts, 2**31)
         n_tokens = sum(len(row) for row in ids)
         if n_tokens > self.limits.max_tokens_per_request:
             raise LimitError(f"the texts have {n_tokens} tokens, more than {self.limits.max_tokens_per_request} (max_tokens_per_request): send fewer or shorter texts")
-        cut = slice(None) if add_special_tokens else slice(1, -1)
+        # [CLS] and [SEP] come off; a GPT-2-style tokenizer adds none, so nothing does
+        cut = slice(1, -1) if not add_special_tokens and self.tokenizer.wraps_with_cls_sep else slice(None)
+        if tei:  # TEI's tokens: "special" marks the ones the tokenizer added ([CLS], [SEP]), as the tokenizers library's mask does
+            out = []
+            for text, row_ids, row_offsets, row_tokens in zip(texts, ids, offsets, tokens):
+                added = {0, len(row_ids) - 1} if self.tokenizer.wraps_with_cls_sep else set()
+                row = []
+                for k, (i, (a, b), tok) in enumerate(zip(row_ids, row_offsets, row_tokens)):
+                    if k not in added:
+                        row.append({"id": int(i), "text": text[a:b], "special": False, "start": int(a), "stop": int(b)})
+                    elif add_special_tokens:
+                        row.append({"id": int(i), "text": tok, "special": True, "start": None, "stop": None})
+                out.append(row)
+            return out, []
         data = [
             {"index": i, "ids": [int(x) for x in ids[i][cut]], "tokens": list(tokens[i][cut]), "offsets": [list(o) for o in offsets[i][cut]],
              "n_tokens": len(ids[i][cut]), "fits": len(ids[i]) <= self.max_len}

@@ -3,8 +3,8 @@ special token is <|endoftext|>, both built here) reads as the server reads a mod
 EmbeddingModel: load_checkpoint, the tokenizer's encode_for_model, right padding with
 ``padding_id``, the last layer, last-token or mean pooling): texts get GPT2Tokenizer's ids (no
 [CLS]/[SEP] to add) and transformers' GPT2Model vectors. /v1/generate's prompt and stop token on
-such a folder, and pretraining's check of the tokenizer against the objective. In-process: a
-replica's constructor needs a Serve context."""
+such a folder, /tokenize without special tokens, and pretraining's check of the tokenizer against the
+objective. In-process, without Serve."""
 
 from __future__ import annotations
 
@@ -122,3 +122,25 @@ def test_pretraining_with_a_gpt2_tokenizer_is_checked_against_the_objective_befo
     code = main(["pretrain", "--config", "configs/elmo-tiny.yaml", "--set", f"tokenizer.path={folder}", "--set", f"output_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and "no pad token" in err and "'bilm' gives it its own characters" in err, err
+
+
+def test_tokenize_without_special_tokens_keeps_every_token_of_a_gpt2_tokenizer(gpt2_folder):
+    """A GPT-2 tokenizer adds no [CLS]/[SEP]: add_special_tokens false takes nothing off (it cut the
+    first and last real tokens), in this server's /tokenize shape and TEI's alike."""
+    import asyncio
+
+    from jobs.serving.serve import EmbeddingModel
+    from jobs.serving.serve_config import Limits, ModelConfig
+    from jobs.serving.serve_tasks import TokenizeRequest
+
+    folder, _ = gpt2_folder
+    want = transformers.GPT2TokenizerFast.from_pretrained(folder)(TEXTS)["input_ids"]
+    model = EmbeddingModel.func_or_class("gpt2", str(folder), None, ModelConfig(uri=str(folder)), Limits())
+
+    def ask(**body):
+        return asyncio.run(model.task("/tokenize", TokenizeRequest(model="gpt2", **body).payload()))["body"]
+
+    for special in (True, False):
+        assert [row["ids"] for row in ask(input=TEXTS, add_special_tokens=special)["data"]] == want
+        tei = ask(inputs=TEXTS, add_special_tokens=special)
+        assert [[t["id"] for t in row] for row in tei] == want and not any(t["special"] for row in tei for t in row)

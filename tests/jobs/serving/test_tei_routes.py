@@ -208,6 +208,7 @@ def test_decode_equals_the_tokenizers_librarys_decoding(urls, minilm_dir):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_padding()  # the folder's tokenizer.json pads to 128
     rows = [tok.encode(t).ids for t in TEXTS]  # [CLS] ... [SEP]
     url = urls["minilm"]
     assert post(url, "/decode", {"ids": rows[0]}).json() == [tok.decode(rows[0], skip_special_tokens=True)]
@@ -235,3 +236,33 @@ def test_info_has_teis_fields_and_health_answers_without_a_key(urls, models):
     assert infos["sts"]["model_type"] == {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
     assert httpx.get(f"{urls['sts']}/info", params={"model": "other"}, timeout=30).status_code == 404
     assert httpx.get(f"{urls['sts']}/health", timeout=30).status_code == 200
+
+
+def test_tokenize_takes_teis_body_and_answers_teis_tokens(urls, minilm_dir):
+    """TEI's /tokenize: each token's id, its text in the input (a special token: the token itself, no
+    offsets), as TEI builds them from the tokenizers library's encoding; this server's own body still
+    answers its own shape on the same route."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()  # the folder's tokenizer.json pads to 128
+    texts = ["The Bank's rates, again!", "naïve café [MASK] words"]
+
+    def tei(text: str, special: bool) -> list[dict]:
+        enc = tok.encode(text, add_special_tokens=special)
+        return [{"id": i, "text": t, "special": True, "start": None, "stop": None} if m else
+                {"id": i, "text": text[a:b], "special": False, "start": a, "stop": b}
+                for i, (a, b), m, t in zip(enc.ids, enc.offsets, enc.special_tokens_mask, enc.tokens)]
+
+    url = urls["minilm"]
+    assert post(url, "/tokenize", {"inputs": texts[0]}).json() == [tei(texts[0], True)]
+    assert post(url, "/tokenize", {"inputs": texts, "add_special_tokens": False}).json() == [tei(t, False) for t in texts]
+    ours = post(url, "/tokenize", {"model": "minilm", "input": texts[0]}).json()
+    assert ours["data"][0]["ids"] == tok.encode(texts[0]).ids and ours["max_len"] == 256
+    for body, words in (({"model": "minilm", "input": "a", "inputs": "a"}, "both were given"), ({"input": "a"}, "model: required"),
+                        ({"model": "minilm", "input": "a", "prompt_name": "query"}, "prompt_name belongs to TEI's body")):
+        r = post(url, "/tokenize", body)
+        assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
+    r = post(url, "/tokenize", {"inputs": "a", "prompt_name": "query"})  # MiniLM's folder has no prompts
+    assert r.status_code == 400 and "has no such prompt" in r.json()["error"]["message"]
