@@ -8,9 +8,10 @@
                                "normalize" (default true), "truncate", "dimensions", "prompt_name"} -> a bare
                                list of vectors; "model" (ours) picks one of several served models
     POST /rerank               TEI's and Infinity's rerank route (/v1/rerank's bodies; "model" optional as on /embed)
-    POST /predict, /similarity, /decode; GET /info, /health   TEI's other routes, in TEI's shapes ("model"
-                               optional as on /embed): a classifier's scores, cosine similarities to a
-                               source sentence, token ids back to text, the model's settings, readiness
+    POST /predict, /similarity, /embed_all, /decode; GET /info, /health   TEI's other routes, in TEI's
+                               shapes ("model" optional as on /embed): a classifier's scores, cosine
+                               similarities to a source sentence, unpooled token vectors, token ids back
+                               to text, the model's settings, readiness; /tokenize takes TEI's body too
     POST /embeddings, GET /models   Infinity's paths (no /v1) for /v1/embeddings and /v1/models
     POST /v1/token-embeddings  one vector per token (or per word: granularity "word") from any layers or a
                                ``features`` strategy, with the token strings and their character offsets
@@ -393,6 +394,24 @@ class TeiRerankRequest(RerankRequest):
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate
 
 
+class TeiEmbedAllRequest(BaseModel):
+    """TEI's ``/embed_all`` body: every token's vector of the last layer, no pooling (special tokens
+    included), a list per input. ``model`` as on ``/embed``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str | list[str]
+    truncate: bool | None = False
+    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /embed's truncate
+    prompt_name: str | None = None  # one of the model's sentence-transformers prompts, put before each input
+    model: str | None = None
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        return check_texts(v, allow_str=True)
+
+
 class SimilarityInputs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -483,7 +502,7 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/predict", "/similarity", "/decode",
+    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/predict", "/similarity", "/decode", "/embed_all",
               "/v1/models", "/models", "/info", "/healthz", "/readyz", "/health", "/metrics")
 
     def __init__(self):
@@ -626,7 +645,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank", "/predict", "/similarity", "/decode")
+    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank", "/predict", "/similarity", "/decode", "/embed_all")
 
 
 def _body_too_large(limit: int) -> Response:
@@ -717,6 +736,10 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.post("/similarity")
     async def tei_similarity(req: SimilarityRequest) -> Response:
         return await gw.tei_similarity(req)
+
+    @api.post("/embed_all")
+    async def tei_embed_all(req: TeiEmbedAllRequest) -> Response:
+        return await gw.tei_embed_all(req)
 
     @api.get("/info")
     async def tei_info(model: str | None = None) -> Response:
@@ -900,6 +923,22 @@ class GatewayBase:
         self.metrics.observe_batches(model, out["batches"])
         vectors = np.asarray(out["embeddings"], dtype=np.float32)
         return AsciiJSON([float(x) for x in vectors[1:] @ vectors[0]], headers=_stamp_headers(out))
+
+    async def tei_embed_all(self, req: TeiEmbedAllRequest) -> Response:
+        """TEI's answer: per input, its tokens' last-layer vectors (/v1/token-embeddings' rows), bare."""
+        model = tei_model(req.model, list(self.models))
+        self._handle(model)
+        texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+        if req.prompt_name is not None:  # put before each input, as /embed puts it
+            prompts = ((await self._model_info(model)).get("sentence_transformers") or {}).get("prompts") or {}
+            if req.prompt_name not in prompts:
+                raise ApiError(400, f"prompt_name {req.prompt_name!r}: model {model!r} has no such prompt (its prompts: "
+                                    f"{', '.join(map(repr, prompts)) or 'none'})")
+            texts = [prompts[req.prompt_name] + t for t in texts]
+        check_limits(texts, self.config.limits)
+        out = await self._call(model, "token_embeddings", texts, "last", bool(req.truncate), None, "token", None)
+        self.metrics.observe_batches(model, out["batches"])
+        return VectorJSON([np.asarray(r["embeddings"], dtype=np.float32) for r in out["rows"]], headers=_stamp_headers(out))
 
     async def tei_info(self, requested: str | None) -> Response:
         """TEI's ``/info`` of a model: its name, version, dtype and type (embedding with its pooling, a

@@ -34,10 +34,10 @@ from schemathesis.specs.openapi.checks import response_schema_conformance  # noq
 V = {"vocab_size": 30522}  # MiniLM's vocabulary
 MODELS = ("mlm", "pair", "gpt")
 SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/predict": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
-TEI_ROUTES = ("/embed", "/rerank", "/predict", "/similarity", "/decode", "/tokenize")  # "model" optional: TEI serves one
+TEI_ROUTES = ("/embed", "/rerank", "/predict", "/similarity", "/embed_all", "/decode", "/tokenize")  # "model" optional: TEI serves one
 # Routes some served model answers with a 200 (no model here tags or answers questions).
 SERVED = ("POST /v1/embeddings", "POST /embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank",
-          "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize", "POST /predict", "POST /similarity", "POST /decode", "GET /info")
+          "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize", "POST /predict", "POST /similarity", "POST /embed_all", "POST /decode", "GET /info")
 LIMITS = {  # small, so a generated list or number reaches each limit quickly instead of running long
     "max_inputs": 16,
     "max_chars_per_text": 2_000,

@@ -266,3 +266,21 @@ def test_tokenize_takes_teis_body_and_answers_teis_tokens(urls, minilm_dir):
         assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
     r = post(url, "/tokenize", {"inputs": "a", "prompt_name": "query"})  # MiniLM's folder has no prompts
     assert r.status_code == 400 and "has no such prompt" in r.json()["error"]["message"]
+
+
+def test_embed_all_gives_sentence_transformers_token_embeddings(urls, minilm_dir):
+    """TEI's /embed_all: each input's last-layer token vectors, unpooled, special tokens included:
+    sentence-transformers' output_value="token_embeddings"."""
+    st = pytest.importorskip("sentence_transformers")
+
+    reference = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    got = post(urls["minilm"], "/embed_all", {"inputs": TEXTS[:2]})
+    assert got.status_code == 200, got.text
+    want = reference.encode(TEXTS[:2], output_value="token_embeddings")
+    assert [len(rows) for rows in got.json()] == [len(w) for w in want]
+    for rows, w in zip(got.json(), want):
+        np.testing.assert_allclose(np.asarray(rows), w.numpy(), atol=TOL)
+    one = post(urls["minilm"], "/embed_all", {"inputs": TEXTS[0]}).json()  # a string: a list of one
+    np.testing.assert_allclose(np.asarray(one[0]), want[0].numpy(), atol=TOL)
+    r = post(urls["minilm"], "/embed_all", {"inputs": TEXTS[0], "prompt_name": "query"})
+    assert r.status_code == 400 and "has no such prompt" in r.json()["error"]["message"]
