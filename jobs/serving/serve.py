@@ -8,7 +8,8 @@
                                "normalize" (default true), "truncate", "dimensions", "prompt_name"} -> a bare
                                list of vectors; "model" (ours) picks one of several served models
     POST /rerank               TEI's and Infinity's rerank route (/v1/rerank's bodies; "model" optional as on /embed)
-    POST /predict, /similarity, /embed_all, /decode; GET /info, /health   TEI's other routes, in TEI's
+    POST /, /invocations       TEI's default route (and SageMaker's): /predict, /rerank or /embed by the model
+    POST /predict, /similarity, /embed_all, /decode; GET /info, /health, /ping   TEI's other routes, in TEI's
                                shapes ("model" optional as on /embed): a classifier's scores, cosine
                                similarities to a source sentence, unpooled token vectors, token ids back
                                to text, the model's settings, readiness; /tokenize takes TEI's body too
@@ -502,8 +503,8 @@ class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/predict", "/similarity", "/decode", "/embed_all",
-              "/v1/models", "/models", "/info", "/healthz", "/readyz", "/health", "/metrics")
+    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/predict", "/similarity", "/decode", "/embed_all", "/",
+              "/invocations", "/v1/models", "/models", "/info", "/healthz", "/readyz", "/health", "/ping", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -574,7 +575,7 @@ class Guard:
     Pure ASGI (no BaseHTTPMiddleware): the body limit wraps ``receive``, so a body without
     Content-Length is cut off at the limit instead of read whole."""
 
-    OPEN = ("/healthz", "/readyz", "/health")  # probes answer without a key
+    OPEN = ("/healthz", "/readyz", "/health", "/ping")  # probes answer without a key
 
     def __init__(self, app, gateway: "Gateway"):
         self.app, self.gw = app, gateway
@@ -645,7 +646,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank", "/predict", "/similarity", "/decode", "/embed_all")
+    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank", "/predict", "/similarity", "/decode", "/embed_all", "/", "/invocations")
 
 
 def _body_too_large(limit: int) -> Response:
@@ -698,6 +699,7 @@ def http_api(gw: "Gateway") -> FastAPI:
 
     @api.get("/readyz", responses={503: {"description": "Not ready: {status, models} says which model is not"}})
     @api.get("/health", responses={503: {"description": "Not ready: {status, models} says which model is not"}})  # TEI's
+    @api.get("/ping", responses={503: {"description": "Not ready: {status, models} says which model is not"}})  # TEI's SageMaker probe
     async def readyz() -> Response:
         return await gw.readyz()
 
@@ -744,6 +746,17 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.get("/info")
     async def tei_info(model: str | None = None) -> Response:
         return await gw.tei_info(model)
+
+    # TEI's default route, and SageMaker's: where a client given the server's bare URL posts (huggingface_hub's
+    # InferenceClient(model=URL), LangChain's HuggingFaceEndpointEmbeddings): /predict, /rerank or /embed, by the model.
+    @api.post("/", responses={200: {"description": "/predict's, /rerank's or /embed's answer, by the model's TEI type (GET /info)"}})
+    @api.post("/invocations", responses={200: {"description": "as POST /"}})
+    async def tei_default(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(e), "ctx": {"error": str(e)}}]) from None
+        return await gw.tei_default(body)
 
     @api.post("/v1/token-embeddings")
     async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:
@@ -939,6 +952,30 @@ class GatewayBase:
         out = await self._call(model, "token_embeddings", texts, "last", bool(req.truncate), None, "token", None)
         self.metrics.observe_batches(model, out["batches"])
         return VectorJSON([np.asarray(r["embeddings"], dtype=np.float32) for r in out["rows"]], headers=_stamp_headers(out))
+
+    async def tei_default(self, body: Any) -> Response:
+        """TEI's ``POST /``: the body read as the request of the model's TEI type (``tei_model_type``), a
+        classifier's ``/predict``, a reranker's ``/rerank`` or an embedding model's ``/embed``."""
+        from pydantic import ValidationError
+
+        if not isinstance(body, dict):
+            raise ApiError(422, f"the request body must be a JSON object, got {type(body).__name__}")
+        requested = body.get("model")
+        if requested is not None and not isinstance(requested, str):
+            raise ApiError(422, f"model: must be a string, got {type(requested).__name__}")
+        name = tei_model(requested, list(self.models))
+        self._handle(name)
+        kind = next(iter(tei_model_type(await self._model_info(name))))
+        request_cls = {"classifier": PredictRequest, "reranker": TeiRerankRequest, "embedding": TeiEmbedRequest}[kind]
+        try:
+            req = request_cls.model_validate({**body, "model": name})
+        except ValidationError as e:  # answered as a route's own body errors are
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        if kind == "classifier":
+            return await self.task("/predict", req)
+        if kind == "reranker":
+            return await self.task("/v1/rerank", req)
+        return await self.tei_embed(req)
 
     async def tei_info(self, requested: str | None) -> Response:
         """TEI's ``/info`` of a model: its name, version, dtype and type (embedding with its pooling, a

@@ -284,3 +284,30 @@ def test_embed_all_gives_sentence_transformers_token_embeddings(urls, minilm_dir
     np.testing.assert_allclose(np.asarray(one[0]), want[0].numpy(), atol=TOL)
     r = post(urls["minilm"], "/embed_all", {"inputs": TEXTS[0], "prompt_name": "query"})
     assert r.status_code == 400 and "has no such prompt" in r.json()["error"]["message"]
+
+
+def test_the_bare_url_answers_as_tei_by_the_models_type(urls, minilm_dir, hf_logits, monkeypatch):
+    """TEI's POST / (and SageMaker's /invocations): an embedding model's /embed, a classifier's /predict,
+    a reranker's (a one-output head) /rerank: where huggingface_hub's InferenceClient, and LangChain's
+    HuggingFaceEndpointEmbeddings through it, post when given the server's URL alone."""
+    hub = pytest.importorskip("huggingface_hub")
+    st = pytest.importorskip("sentence_transformers")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)  # the client reaches this server's URLs only
+
+    reference = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    vector = hub.InferenceClient(model=urls["minilm"]).feature_extraction(TEXTS[0])
+    np.testing.assert_allclose(np.asarray(vector).reshape(-1), reference.encode(TEXTS[0], normalize_embeddings=True), atol=TOL)
+    top = hub.InferenceClient(model=urls["emotion"]).text_classification(TEXTS[0])
+    assert top.label == _expected(_softmax(hf_logits["emotion"](TEXTS[:1])[0]), LABELS)[0]["label"]
+
+    s = hf_logits["sts"]([TEXTS[0]] * 2, TEXTS[1:])[:, 0]
+    ranked = post(urls["sts"], "/invocations", {"query": TEXTS[0], "texts": TEXTS[1:], "raw_scores": True}).json()
+    assert [r["index"] for r in ranked] == list(np.argsort(-s, kind="stable"))
+    np.testing.assert_allclose([r["score"] for r in ranked], np.sort(s)[::-1], atol=TOL)
+
+    for body, words in (([1, 2], "must be a JSON object"), ({"inputs": 3}, "inputs: must be"), ({"query": "q"}, "texts")):
+        r = post(urls["emotion"] if "inputs" in str(body) else urls["sts"], "/", body)
+        assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{urls['minilm']}/", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(f"{urls['minilm']}/ping", timeout=30).status_code == 200
