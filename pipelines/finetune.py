@@ -926,30 +926,35 @@ def encode_question_answering(records: dict, tok, cfg: TaskDataConfig) -> dict[s
     return out
 
 
+def encode_text_rows(texts: list[str], tok, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask) int64 (N, max_len) and truncated bool (N,) of texts, each
+    ``tok.ids_for_model(text, max_len)`` (what /v1/embeddings encodes) padded with ``tok.padding_id``."""
+    # One token more than the row holds tells the texts that do not fit; only those are encoded
+    # again at max_len, so the kept ids are ids_for_model's own (its truncation keeps [SEP]).
+    ids = tok.ids_for_model(texts, max_len + 1)
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))  # (N,)
+    cut = lengths > max_len
+    long = np.flatnonzero(cut).tolist()
+    for j, row in zip(long, tok.ids_for_model([texts[j] for j in long], max_len)):
+        ids[j] = row
+    lengths = np.minimum(lengths, max_len)
+    input_ids = np.full((len(texts), max_len), tok.padding_id, dtype=np.int64)  # (N, L)
+    if len(texts) and lengths.sum():
+        rows = np.repeat(np.arange(len(texts)), lengths)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        input_ids[rows, cols] = np.concatenate(ids)
+    attention_mask = (np.arange(max_len)[None, :] < lengths[:, None]).astype(np.int64)  # (N, L)
+    return input_ids, attention_mask, cut
+
+
 def encode_embedding(records: dict, tok, cfg: TaskDataConfig) -> dict[str, np.ndarray]:
-    """Anchor, positive and negatives -> rows (N, K, max_len), one text per row, each
-    ``tok.ids_for_model(text, max_len)`` (what /v1/embeddings encodes) padded with ``tok.padding_id``;
+    """Anchor, positive and negatives -> rows (N, K, max_len), one text per row (``encode_text_rows``);
     ``token_type_ids`` all 0 (one segment). ``doc_ids`` (N, K-1): ``stable_hash64`` of each candidate
     text, so the retrieval metrics see a text shared by records as one document. No labels: the
     anchor's positive is column 0 of the candidates."""
     texts = pick_embedding_texts(records, cfg)
     n, k, max_len = len(texts), len(texts[0]) if texts else 2 + (cfg.n_negatives or 0), cfg.max_len
-    flat = [t for row in texts for t in row]  # (N*K,)
-    # One token more than the row holds tells the texts that do not fit; only those are encoded
-    # again at max_len, so the kept ids are ids_for_model's own (its truncation keeps [SEP]).
-    ids = tok.ids_for_model(flat, max_len + 1)
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))  # (N*K,)
-    cut = lengths > max_len
-    long = np.flatnonzero(cut).tolist()
-    for j, row in zip(long, tok.ids_for_model([flat[j] for j in long], max_len)):
-        ids[j] = row
-    lengths = np.minimum(lengths, max_len)
-    input_ids = np.full((len(flat), max_len), tok.padding_id, dtype=np.int64)  # (N*K, L)
-    if len(flat) and lengths.sum():
-        rows = np.repeat(np.arange(len(flat)), lengths)
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        input_ids[rows, cols] = np.concatenate(ids)
-    attention_mask = (np.arange(max_len)[None, :] < lengths[:, None]).astype(np.int64)  # (N*K, L)
+    input_ids, attention_mask, cut = encode_text_rows([t for row in texts for t in row], tok, max_len)  # (N*K, L)
     doc_ids = np.fromiter((stable_hash64(t) for row in texts for t in row[1:]), dtype=np.int64, count=n * (k - 1))
     return {
         "input_ids": input_ids.reshape(n, k, max_len),  # (N, K, L)

@@ -237,6 +237,8 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         report = fs.write_split_report(run, "validation", val_check, store)
         val = {"rows": fs.encode_split(val_table, val_check.usable, files, cfg), **fs.references(val_table, val_check.usable, cfg)}
         log(f"data: {len(val_check.usable):,} of {val_table.num_rows:,} validation records usable")
+    if recipe.data.validation_retrieval:
+        val = {**(val or {}), "retrieval": retrieval_rows(recipe, files, store, log)}
     for line in format_report(report).splitlines():
         log(f"data: {line}")
     log(f"data: {train_check.truncated:,} training records cut to task.max_len={recipe.task.max_len}")
@@ -258,7 +260,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         if int(state["step"]) >= total_steps or first_epoch >= t.epochs:
             log(f"resume: {run} already trained {state['step']} of {total_steps} steps; nothing to do")
             latest = store.latest_complete_checkpoint(run)
-            best = best_checkpoint(run, store) if val is not None else None
+            best = best_checkpoint(run, store) if recipe.validated else None
             return FinetuneResult(run, best, latest, state, read_best(run, store) if best else None, None, report, [])
         log(f"resume: step {state['step']} from the latest checkpoint of {run} (epoch {first_epoch}, "
             f"{position.committed(first_epoch)} of its rows already trained on)")
@@ -266,7 +268,7 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         train_table, train_check.usable, files, cfg, seed=t.seed, first_epoch=first_epoch, epochs=t.epochs,
         unit_records=recipe.data.unit_records, run_uri=run, store=store,
     )
-    scored = val is not None
+    scored = recipe.validated
     result = fit(
         finetune_loop_per_worker,
         {
@@ -309,6 +311,23 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         extra_tags={"ctx.task": recipe.task.kind, "ctx.init": init_uri, **({"ctx.labels": json.dumps(list(labels))} if labels else {})},
     )
     return FinetuneResult(run, best, result.checkpoint_uri, result.metrics, best_record, test_metrics, report, result.history, registered)
+
+
+def retrieval_rows(recipe: FinetuneRecipe, files: dict[str, bytes], store: storage.Store, log=print) -> dict[str, Any]:
+    """The run's retrieval benchmark (``data.validation_retrieval``, the BEIR layout ``ctx eval retrieval``
+    reads) as the workers score it: ``rows`` (N, 1, task.max_len), the queries then the corpus, each
+    text encoded as the training texts are; ``n_queries``; ``relevant`` per query, corpus row -> grade."""
+    from pipelines.dataset import tokenizer_from_files
+    from pipelines.finetune import encode_text_rows
+    from pipelines.retrieval import read_beir
+
+    uri, split = recipe.data.validation_retrieval, recipe.data.validation_retrieval_split
+    bench = read_beir(uri, split, store)
+    input_ids, attention_mask, cut = encode_text_rows([*bench.queries, *bench.corpus], tokenizer_from_files(files), recipe.task.max_len)
+    log(f"data: retrieval benchmark {uri} ({split}): {len(bench.queries):,} queries, {len(bench.corpus):,} documents, "
+        f"{int(cut.sum()):,} texts cut to task.max_len={recipe.task.max_len}")
+    rows = {"input_ids": input_ids[:, None], "attention_mask": attention_mask[:, None], "token_type_ids": np.zeros_like(input_ids)[:, None]}
+    return {"rows": rows, "n_queries": len(bench.queries), "relevant": bench.relevant}
 
 
 def _split_files(recipe: FinetuneRecipe) -> list[str]:
@@ -406,13 +425,57 @@ def _pad_time(x: np.ndarray, length: int, fill: float) -> np.ndarray:
     return np.concatenate([x, pad], axis=1)
 
 
+def _row_batches(rows: dict[str, np.ndarray], size: int, device) -> list[dict[str, Any]]:
+    """Encoded rows as the model's batches of ``size``, each with its rows' places (``_rows``)."""
+    import torch
+
+    n = len(rows["input_ids"])
+    batches = []
+    for start in range(0, n, size):
+        b = {k: torch.as_tensor(v[start : start + size]).to(device) for k, v in rows.items() if k in FORWARD_KEYS}
+        b["_rows"] = torch.arange(start, min(start + size, n))
+        b[TRIM_LENGTH] = trim_length(torch.as_tensor(rows["attention_mask"][start : start + size]), device)
+        batches.append(b)
+    return batches
+
+
 def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[str, ...], plan, device, rank: int, world: int,
              details: dict[str, Any] | None = None) -> dict[str, float]:
     """``val_loss`` and the task's metrics (``val_accuracy``, ``val_f1``, ...) on encoded split
-    rows; every worker scores a share and all gather the logits, so all get the same numbers.
-    ``details``, when given, receives the split's ``logits`` (in row order) for reports."""
-    import torch
+    rows, and an embedding run's retrieval benchmark's (``val_retrieval_ndcg_at_10``, ...); every
+    worker scores a share and all gather the outputs, so all get the same numbers. ``details``, when
+    given, receives the split's ``logits`` (in row order) for reports."""
+    out = _split_metrics(model, data, recipe, labels, plan, device, rank, world, details) if data.get("rows") else {}
+    if data.get("retrieval") is not None:
+        out.update(_retrieval_metrics(model, data["retrieval"], recipe, plan, device, rank, world))
+    return out
 
+
+def _retrieval_metrics(model, bench: dict[str, Any], recipe: FinetuneRecipe, plan, device, rank: int, world: int) -> dict[str, float]:
+    """``retrieval_rows``' benchmark scored as ``ctx eval retrieval`` scores it: every query's vector ranks
+    the corpus's by cosine similarity, its top 100 against the judgements."""
+    from jobs.evaluation.retrieval import TOP_K
+    from pipelines.negatives import top_candidates
+    from pipelines.retrieval import ranking_metrics
+
+    got: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def forward(m, batch: dict[str, Any], counted: bool) -> None:
+        vectors = m(**task_inputs(batch), with_loss=False).logits  # (B, 1, D)
+        if counted:
+            got.append((batch["_rows"].numpy(), vectors[:, 0].float().cpu().numpy()))
+
+    evaluate_batches(model, _row_batches(bench["rows"], recipe.micro_batch_size, device), plan, device, rank, world, forward)
+    parts = [x for part in all_gather(got, world) for x in part]
+    order = np.concatenate([p[0] for p in parts])
+    vectors = np.concatenate([p[1] for p in parts])[np.argsort(order, kind="stable")]  # (queries + corpus, D)
+    q = bench["n_queries"]
+    scores, top = top_candidates(vectors[:q], vectors[q:], TOP_K)
+    return {f"val_retrieval_{k}": v for k, v in ranking_metrics(scores, top, bench["relevant"]).items()}
+
+
+def _split_metrics(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[str, ...], plan, device, rank: int, world: int,
+                   details: dict[str, Any] | None = None) -> dict[str, float]:
     from pipelines.metrics import task_metrics
     from pipelines.qa import decode_qa
 
@@ -421,13 +484,7 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
     n = len(rows.get("sample_id", ()))
     if n == 0:
         return {}
-    size = recipe.micro_batch_size
-    batches = []
-    for start in range(0, n, size):
-        b = {k: torch.as_tensor(v[start : start + size]).to(device) for k, v in rows.items() if k in FORWARD_KEYS}
-        b["_rows"] = torch.arange(start, min(start + size, n))
-        b[TRIM_LENGTH] = trim_length(torch.as_tensor(rows["attention_mask"][start : start + size]), device)
-        batches.append(b)
+    batches = _row_batches(rows, recipe.micro_batch_size, device)
     got: list[tuple[np.ndarray, float, int, np.ndarray]] = []
 
     def forward(m, batch: dict[str, Any], counted: bool) -> None:
@@ -476,7 +533,7 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
 class FinetuneJob(WorkerJob):
     """Fine-tuning as the worker loop runs it: a task model (a fresh head on the pretrained backbone,
     or the fine-tuned model as it was), the task's padded rows, validation every epoch (and every
-    ``train.eval_every``), the best checkpoint by ``task.best_metric`` (``best.json``), early
+    ``train.eval_every``), the best checkpoint by ``best_metric`` (the recipe's) (``best.json``), early
     stopping after ``train.patience`` validations without a better one."""
 
     def __init__(self, config: dict[str, Any], tok_dir: Path) -> None:
@@ -492,7 +549,7 @@ class FinetuneJob(WorkerJob):
         self.model_cfg = config_from_dict(self.family, config["model"])
         self.units = list(range(config["n_units"]))
         self.extra = {"recipe": config["recipe"], "task": config["task"]}
-        self.metric = recipe.task.best_metric
+        self.metric = recipe.best_metric
         self.data: dict[str, Any] | None = None
 
     step_inputs = staticmethod(train_inputs)

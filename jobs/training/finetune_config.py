@@ -28,6 +28,7 @@ from pydantic import Field, field_validator, model_validator
 
 from jobs.training.config import RecipeBase, RecipeError, StepChecks, _Section, load_recipe
 from ctxmodels.task_kinds import TASKS, TaskKind, check_directions
+from pipelines.retrieval import RETRIEVAL_METRICS
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
 Features = Literal["last", "first", "second-to-last", "sum-last-four", "concat-last-four", "sum-all", "scalar-mix"]
@@ -37,6 +38,8 @@ SplitFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet", "squad"]
 # pipelines.metrics.METRICS); its first is the default one the best checkpoint is kept by. "loss"
 # (the validation loss; lower is better) is always allowed.
 LOWER_IS_BETTER = ("loss",)
+# An embedding run's metrics on its retrieval benchmark (data.validation_retrieval), as task.metric names them.
+RETRIEVAL_METRIC_NAMES = tuple(f"retrieval_{m}" for m in RETRIEVAL_METRICS)
 
 
 class FtModelSection(_Section):
@@ -117,13 +120,9 @@ class TaskSection(_Section):
     matryoshka_dims: list[int] | None = None
     matryoshka_weights: list[float] | None = None
 
-    @property
-    def best_metric(self) -> str:
-        return self.metric or TASKS[self.kind].metrics[0]
-
     @model_validator(mode="after")
     def _check(self) -> "TaskSection":
-        allowed = TASKS[self.kind].metrics + LOWER_IS_BETTER
+        allowed = TASKS[self.kind].metrics + LOWER_IS_BETTER + (RETRIEVAL_METRIC_NAMES if self.kind == "embedding" else ())
         if self.metric is not None and self.metric not in allowed:
             raise ValueError(f"metric: {self.metric!r} is not a metric of {self.kind}; use one of {list(allowed)}")
         if self.symmetric and not TASKS[self.kind].both_orders:
@@ -153,6 +152,10 @@ class TaskSection(_Section):
 class FtDataSection(_Section):
     train: str | list[str]  # file, folder, glob or a list of them; local, file:// or s3://
     validation: str | list[str] | None = None  # evaluated every epoch (and every train.eval_every steps)
+    # Embedding: a retrieval benchmark in the BEIR layout (corpus.jsonl, queries.jsonl, qrels/<split>.tsv; what
+    # `ctx eval retrieval` reads), scored at every validation as that command scores it: val_retrieval_ndcg_at_10, ...
+    validation_retrieval: str | None = None
+    validation_retrieval_split: str = "dev"
     test: str | list[str] | None = None  # scored once with the best checkpoint at the end
     format: SplitFormat = "auto"  # auto: by suffix (.jsonl/.json, .csv, .tsv, .parquet; a SQuAD .json by its shape)
     endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
@@ -189,10 +192,27 @@ class FinetuneRecipe(RecipeBase):
     data: FtDataSection
     train: FtTrainSection = FtTrainSection()
 
+    @property
+    def best_metric(self) -> str:
+        """What picks the best checkpoint (and early stopping): task.metric, else the retrieval
+        benchmark's ndcg_at_10 when the run has one, else the task's first metric."""
+        if self.task.metric is not None:
+            return self.task.metric
+        return "retrieval_ndcg_at_10" if self.data.validation_retrieval else TASKS[self.task.kind].metrics[0]
+
+    @property
+    def validated(self) -> bool:
+        """Whether the run validates (and so keeps its best checkpoint)."""
+        return bool(self.data.validation or self.data.validation_retrieval)
+
     @model_validator(mode="after")
     def _check(self) -> "FinetuneRecipe":
-        if self.train.patience is not None and not self.data.validation:
-            raise ValueError("train.patience: early stopping needs a validation split (data.validation)")
+        if self.train.patience is not None and not self.validated:
+            raise ValueError("train.patience: early stopping needs a validation split (data.validation or data.validation_retrieval)")
+        if self.data.validation_retrieval and self.task.kind != "embedding":
+            raise ValueError(f"data.validation_retrieval: a retrieval benchmark scores sentence vectors (task.kind embedding), not {self.task.kind}")
+        if self.task.metric in RETRIEVAL_METRIC_NAMES and not self.data.validation_retrieval:
+            raise ValueError(f"task.metric: {self.task.metric} is measured on a retrieval benchmark: set data.validation_retrieval")
         if self.model.task_model == "bilstm" and self.model.features is None:
             raise ValueError("model.task_model: a BiLSTM task model reads features; set model.features (e.g. scalar-mix)")
         if self.task.kind == "embedding" and (self.model.freeze or self.model.features is not None):

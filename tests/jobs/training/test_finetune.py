@@ -82,7 +82,7 @@ def test_the_documented_recipes_and_keys_exist():
     pairs = load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml")
     assert (pairs.task.kind, pairs.task.text_field, pairs.task.pair_field, pairs.task.label_field) == ("classification", "sentence1", "sentence2", "label")
     qa = load_finetune_recipe(REPO / "configs/finetune/minilm-qa.yaml")
-    assert qa.task.kind == "question-answering" and qa.task.best_metric == "f1"
+    assert qa.task.kind == "question-answering" and qa.best_metric == "f1"
     r = load_finetune_recipe(REPO / "configs/finetune/minilm-pairs.yaml", [
         "model.init=/models/x", "task.kind=regression", "data.train=s3://b/train.csv", "data.validation=s3://b/dev.csv",
         "output_dir=s3://b/runs", "train.max_steps=7", "train.epochs=2", "scaling.num_workers=[1, 2]", "task.metric=spearman",

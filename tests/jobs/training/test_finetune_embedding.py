@@ -21,6 +21,64 @@ RECIPE = REPO / "configs/finetune/minilm-definitions.yaml"
 VALIDATION = REPO / "data/tasks/definitions/validation.jsonl"
 
 
+def definitions_benchmark(folder: Path) -> Path:
+    """The definitions test split in the BEIR layout: each question's definition is relevant."""
+    records = [json.loads(line) for line in (REPO / "data/tasks/definitions/test.jsonl").read_text().splitlines()]
+    texts = list(dict.fromkeys(t for r in records for t in (r["positive"], r["negative"])))
+    doc_id = {t: f"d{i}" for i, t in enumerate(texts)}
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": doc_id[t], "text": t}) + "\n" for t in texts))
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": r["anchor"]}) + "\n" for i, r in enumerate(records)))
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\t{doc_id[r['positive']]}\t1\n" for i, r in enumerate(records)))
+    return folder
+
+
+def test_validation_scores_a_retrieval_benchmark_as_sentence_transformers_evaluator(minilm_dir, tmp_path):
+    """data.validation_retrieval: the workers' validation scores the benchmark as sentence-transformers'
+    InformationRetrievalEvaluator does (here in one process, MiniLM as the run starts from it)."""
+    st = pytest.importorskip("sentence_transformers")
+    import torch
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    from ctxmodels.checkpoint import load_checkpoint
+    from jobs.training.finetune import as_embedding_model, retrieval_rows, validate
+    from jobs.training.parallel import ParallelPlan
+    from pipelines.dataset import tokenizer_files
+    from pipelines.retrieval import read_beir
+
+    folder = definitions_benchmark(tmp_path / "beir")
+    recipe = load_finetune_recipe(RECIPE, [f"model.init={minilm_dir}", f"data.validation_retrieval={folder}",
+                                           "data.validation_retrieval_split=test", "train.micro_batch_size=16", "task.metric=null"])
+    assert recipe.best_metric == "retrieval_ndcg_at_10"  # the benchmark picks the best checkpoint unless task.metric says
+    loaded = load_checkpoint(minilm_dir)
+    model = as_embedding_model(loaded, recipe, minilm_dir).model
+    logs: list[str] = []
+    bench = retrieval_rows(recipe, tokenizer_files(loaded.tokenizer_dir), None, logs.append)
+    assert logs[0].startswith(f"data: retrieval benchmark {folder} (test): 200 queries, ")
+    got = validate(model, {"retrieval": bench}, recipe, (), ParallelPlan(), torch.device("cpu"), 0, 1)
+
+    split = read_beir(str(folder), "test")
+    evaluator = InformationRetrievalEvaluator(dict(zip(split.query_ids, split.queries)), dict(zip(split.corpus_ids, split.corpus)),
+                                              {q: {split.corpus_ids[r] for r in rel} for q, rel in zip(split.query_ids, split.relevant)},
+                                              precision_recall_at_k=[1, 10, 100], write_csv=False)
+    want = evaluator(st.SentenceTransformer(str(minilm_dir), device="cpu"))
+    for ours, theirs in [("ndcg_at_10", "ndcg@10"), ("mrr_at_10", "mrr@10"), ("map_at_100", "map@100"), ("recall_at_1", "recall@1"),
+                         ("recall_at_10", "recall@10"), ("precision_at_10", "precision@10")]:
+        assert got[f"val_retrieval_{ours}"] == pytest.approx(want[f"cosine_{theirs}"], abs=1e-4), ours
+
+
+def test_a_retrieval_benchmark_is_checked_against_the_task():
+    for overrides, words in ((["task.kind=classification", "task.metric=null", "data.validation_retrieval=/b"], "scores sentence vectors"),
+                             (["task.metric=retrieval_ndcg_at_10"], "set data.validation_retrieval"),
+                             (["task.metric=retrieval_ndcg_at_11", "data.validation_retrieval=/b"], "not a metric of embedding")):
+        with pytest.raises(RecipeError, match=words):
+            load_finetune_recipe(RECIPE, overrides)
+    both = load_finetune_recipe(RECIPE, ["data.validation_retrieval=/b", "task.metric=loss", "train.patience=2"])
+    assert both.best_metric == "loss" and both.validated
+    alone = load_finetune_recipe(RECIPE, ["data.validation=null", "data.validation_retrieval=/b", "train.patience=2", "task.metric=null"])
+    assert alone.best_metric == "retrieval_ndcg_at_10"
+
+
 def served_metrics(model: str, dimensions: int | None = None) -> dict[str, float]:
     """The validation split's retrieval metrics from the vectors ``ctx serve`` gives (in-process)."""
     from jobs.serving.local import LocalModel
@@ -38,7 +96,7 @@ def served_metrics(model: str, dimensions: int | None = None) -> dict[str, float
 
 def test_the_recipe_keys_of_an_embedding_task_are_checked():
     recipe = load_finetune_recipe(RECIPE)
-    assert recipe.task.kind == "embedding" and recipe.task.best_metric == "ndcg_at_10"
+    assert recipe.task.kind == "embedding" and recipe.best_metric == "ndcg_at_10"
     for bad, key in [("task.pooling=max", "pooling"), ("task.scale=0", "scale"), ("model.freeze=true", "model.freeze"),
                      ("task.metric=accuracy", "metric"), ("task.matryoshka_dims=[64,0]", "matryoshka_dims"),
                      ("task.matryoshka_weights=[1.0]", "matryoshka_weights"), ("task.directions=[doc_to_query]", "directions"),
@@ -80,11 +138,20 @@ def test_ctx_eval_scores_any_model_as_the_embedding_model_it_serves(ray_session,
 def test_minilm_learns_to_retrieve_definitions_and_serves_what_was_scored(ray_session, minilm_dir, tmp_path):
     from jobs.training.finetune import finetune
 
+    from jobs.evaluation.retrieval import evaluate_retrieval
+
     before = served_metrics(str(minilm_dir))
     logs: list[str] = []
+    benchmark = definitions_benchmark(tmp_path / "beir")  # scored at every validation beside the split
     recipe = load_finetune_recipe(RECIPE, [f"output_dir={tmp_path}", "name=emb", "train.epochs=1", "data.test=null",
-                                           "registry.enabled=false", "task.matryoshka_dims=[384,64]", "train.micro_batch_size=16"])
+                                           "registry.enabled=false", "task.matryoshka_dims=[384,64]", "train.micro_batch_size=16",
+                                           f"data.validation_retrieval={benchmark}", "data.validation_retrieval_split=test",
+                                           "task.metric=ndcg_at_10"])
     result = finetune(recipe, progress=False, log=logs.append)
+    # One validation (the epoch's end): the kept checkpoint, scored by `ctx eval retrieval`, gives what the run measured.
+    offline = evaluate_retrieval(result.best_checkpoint, str(benchmark), "test")["metrics"]
+    for name in ("ndcg_at_10", "mrr_at_10", "recall_at_10"):
+        assert result.metrics[f"val_retrieval_{name}"] == pytest.approx(offline[name], abs=2e-3), name
     assert "embedding: mean pooling, unit vectors, 256 tokens served" in logs  # MiniLM's own settings, kept
     # two micro-batches a step behind a gradient cache: the anchors rank against all 32 rows (tests/jobs/training/test_gradient_cache.py)
     assert any(line.startswith("embedding: gradient cache, each anchor ranks against the step's 32 rows") for line in logs), logs
