@@ -364,25 +364,32 @@ class EmbeddingsRequest(BaseModel):
         return check_texts(v, allow_str=True)
 
 
-class TeiEmbedRequest(BaseModel):
-    """TEI's ``/embed`` body, as its clients send it (huggingface_hub's ``InferenceClient.feature_extraction``,
-    LlamaIndex's ``TextEmbeddingsInference``, LangChain's ``HuggingFaceEndpointEmbeddings``). TEI serves one
-    model and its clients name none; ``model`` (ours) picks one when this server serves several."""
+class TeiTextsRequest(BaseModel):
+    """What TEI's text routes share: ``inputs`` (a text or a list), ``truncate``, ``prompt_name`` (one of
+    the model's sentence-transformers prompts, put before each input), and ``model`` (ours: TEI serves
+    one model and its clients name none; it picks one when this server serves several)."""
 
     model_config = ConfigDict(extra="forbid")
 
     inputs: str | list[str]
-    normalize: bool = True  # TEI's default
-    truncate: bool = False
+    truncate: bool | None = False
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /v1/embeddings' truncate
-    dimensions: int | None = Field(None, ge=1)
-    prompt_name: str | None = None  # one of the model's sentence-transformers prompts, put before each input
+    prompt_name: str | None = None
     model: str | None = None
 
     @field_validator("inputs", mode="before")
     @classmethod
     def _inputs(cls, v: Any) -> Any:
         return check_texts(v, allow_str=True)
+
+
+class TeiEmbedRequest(TeiTextsRequest):
+    """TEI's ``/embed`` body, as its clients send it (huggingface_hub's ``InferenceClient.feature_extraction``,
+    LlamaIndex's ``TextEmbeddingsInference``, LangChain's ``HuggingFaceEndpointEmbeddings``). TEI serves one
+    model and its clients name none; ``model`` (ours) picks one when this server serves several."""
+
+    normalize: bool = True  # TEI's default
+    dimensions: int | None = Field(None, ge=1)
 
 
 class TeiRerankRequest(RerankRequest):
@@ -395,22 +402,9 @@ class TeiRerankRequest(RerankRequest):
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate
 
 
-class TeiEmbedAllRequest(BaseModel):
+class TeiEmbedAllRequest(TeiTextsRequest):
     """TEI's ``/embed_all`` body: every token's vector of the last layer, no pooling (special tokens
-    included), a list per input. ``model`` as on ``/embed``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    inputs: str | list[str]
-    truncate: bool | None = False
-    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as /embed's truncate
-    prompt_name: str | None = None  # one of the model's sentence-transformers prompts, put before each input
-    model: str | None = None
-
-    @field_validator("inputs", mode="before")
-    @classmethod
-    def _inputs(cls, v: Any) -> Any:
-        return check_texts(v, allow_str=True)
+    included), a list per input."""
 
 
 class SimilarityInputs(BaseModel):
@@ -723,18 +717,6 @@ def http_api(gw: "Gateway") -> FastAPI:
     async def tei_embed(req: TeiEmbedRequest) -> Response:
         return await gw.tei_embed(req)
 
-    @api.post("/rerank")
-    async def tei_rerank(req: TeiRerankRequest) -> Response:
-        return await gw.task("/v1/rerank", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
-
-    @api.post("/predict")
-    async def tei_predict(req: PredictRequest) -> Response:
-        return await gw.task("/predict", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
-
-    @api.post("/decode")
-    async def tei_decode(req: DecodeRequest) -> Response:
-        return await gw.task("/decode", req.model_copy(update={"model": tei_model(req.model, list(gw.models))}))
-
     @api.post("/similarity")
     async def tei_similarity(req: SimilarityRequest) -> Response:
         return await gw.tei_similarity(req)
@@ -762,16 +744,18 @@ def http_api(gw: "Gateway") -> FastAPI:
     async def token_embeddings(req: TokenEmbeddingsRequest) -> Response:
         return await gw.token_embeddings(req)
 
-    def task_route(route: str, request_cls: type[TaskRequest]) -> None:
+    def task_route(path: str, route: str, request_cls: type[TaskRequest]) -> None:
         async def endpoint(req: request_cls) -> Response:  # FastAPI reads the body's class from here
-            if req.model is None:  # TEI's /tokenize body names none: the only model served
-                req = req.model_copy(update={"model": tei_model(None, list(gw.models))})
             return await gw.task(route, req)
 
-        api.post(route, name=route)(endpoint)
+        api.post(path, name=path)(endpoint)
 
     for route, request_cls in REQUESTS.items():  # /v1/classify, /v1/tag, ... /tokenize (jobs/serving/serve_tasks.py)
-        task_route(route, request_cls)
+        task_route(route, route, request_cls)
+    # TEI's task routes ("model" optional): /rerank answers as /v1/rerank
+    for path, route, request_cls in (("/rerank", "/v1/rerank", TeiRerankRequest), ("/predict", "/predict", PredictRequest),
+                                     ("/decode", "/decode", DecodeRequest)):
+        task_route(path, route, request_cls)
 
     return api
 
@@ -921,7 +905,7 @@ class GatewayBase:
         self._handle(model)
         texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
         check_limits(texts, self.config.limits)
-        out = await self._call(model, "embed", texts, None, req.normalize, req.dimensions, req.truncate, "last", None, req.prompt_name)
+        out = await self._call(model, "embed", texts, None, req.normalize, req.dimensions, bool(req.truncate), "last", None, req.prompt_name)
         self.metrics.observe_batches(model, out["batches"])
         return VectorJSON(list(out["embeddings"]), headers=_stamp_headers(out))
 
@@ -1035,6 +1019,8 @@ class GatewayBase:
     async def task(self, route: str, req: TaskRequest) -> Response:
         """A task route: the model exists, the character limits and the route's own limits hold, and the
         model can do it (else a 400 listing what it serves), all before its replica does any work."""
+        if req.model is None:  # TEI's bodies name none: the only model served
+            req = req.model_copy(update={"model": tei_model(None, list(self.models))})
         self._handle(req.model)
         check_limits(req.texts(), self.config.limits)
         problem = req.limit_problem(self.config.limits)
