@@ -390,7 +390,7 @@ def tei_sequences(value: Any) -> Any:
 
 
 # The shapes of TEI's inputs, declared so the OpenAPI schema tells them (the validators above check them first).
-Sequence = Annotated[list[str], Field(min_length=1, max_length=2)]  # [text] or [text, text_pair]
+TeiSequence = Annotated[list[str], Field(min_length=1, max_length=2)]  # [text] or [text, text_pair]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -413,7 +413,7 @@ class PredictRequest(TaskRequest):
     serves several."""
 
     model: str | None = None
-    inputs: str | Sequence | Annotated[list[Sequence], Field(min_length=1)]
+    inputs: str | TeiSequence | Annotated[list[TeiSequence], Field(min_length=1)]
     raw_scores: bool = False
     truncate: bool | None = False  # false: an input longer than the model's max_len is a 400
     truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate

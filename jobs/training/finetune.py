@@ -331,8 +331,9 @@ def retrieval_rows(recipe: FinetuneRecipe, files: dict[str, bytes], store: stora
 
 
 def _split_files(recipe: FinetuneRecipe) -> list[str]:
-    """The files of the train, validation and test splits (what the model was trained and chosen on)."""
-    uris = [u for split in (recipe.data.train, recipe.data.validation, recipe.data.test) if split
+    """The files of the train, validation and test splits and of the retrieval benchmark (what the model
+    was trained and chosen on)."""
+    uris = [u for split in (recipe.data.train, recipe.data.validation, recipe.data.validation_retrieval, recipe.data.test) if split
             for u in ([split] if isinstance(split, str) else split)]
     return storage.Store.of(recipe.data).list_files(uris, suffixes=("",))
 
@@ -533,7 +534,7 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
 class FinetuneJob(WorkerJob):
     """Fine-tuning as the worker loop runs it: a task model (a fresh head on the pretrained backbone,
     or the fine-tuned model as it was), the task's padded rows, validation every epoch (and every
-    ``train.eval_every``), the best checkpoint by ``best_metric`` (the recipe's) (``best.json``), early
+    ``train.eval_every``), the best checkpoint by the recipe's ``best_metric`` (``best.json``), early
     stopping after ``train.patience`` validations without a better one."""
 
     def __init__(self, config: dict[str, Any], tok_dir: Path) -> None:
