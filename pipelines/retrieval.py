@@ -30,6 +30,7 @@ from pipelines import storage
 from pipelines.sources import json_lines
 
 CUTOFFS = (1, 10, 100)
+TOP_K = 100  # the documents each query ranks: the deepest cutoff of the metrics (map_at_100, recall_at_100)
 # What ranking_metrics returns for rankings of 100 or more documents (MTEB's names).
 RETRIEVAL_METRICS = ("ndcg_at_10", "mrr_at_10", "map_at_100", *(f"{m}_at_{c}" for m in ("recall", "precision") for c in CUTOFFS))
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-TOP_K = 100  # the deepest cutoff of the metrics (map_at_100, recall_at_100)
 
 
 def evaluate_retrieval(model_uri: str, data_uri: str, split: str = "test", store=None, batch_size: int = 32,
@@ -26,7 +25,7 @@ def evaluate_retrieval(model_uri: str, data_uri: str, split: str = "test", store
     folder's prompts ("query: " and "passage: " for E5 models; "" for none)."""
     from jobs.serving.local import LocalModel
     from pipelines.negatives import top_candidates
-    from pipelines.retrieval import ranking_metrics, read_beir
+    from pipelines.retrieval import TOP_K, ranking_metrics, read_beir
     from pipelines.storage import as_store
 
     bench = read_beir(data_uri, split, as_store(store))

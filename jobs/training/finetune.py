@@ -455,9 +455,8 @@ def validate(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[
 def _retrieval_metrics(model, bench: dict[str, Any], recipe: FinetuneRecipe, plan, device, rank: int, world: int) -> dict[str, float]:
     """``retrieval_rows``' benchmark scored as ``ctx eval retrieval`` scores it: every query's vector ranks
     the corpus's by cosine similarity, its top 100 against the judgements."""
-    from jobs.evaluation.retrieval import TOP_K
     from pipelines.negatives import top_candidates
-    from pipelines.retrieval import ranking_metrics
+    from pipelines.retrieval import TOP_K, ranking_metrics
 
     got: list[tuple[np.ndarray, np.ndarray]] = []
 
