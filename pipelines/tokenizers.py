@@ -326,8 +326,9 @@ class Tokenizer:
         return self._ids.get(token)
 
     def decode(self, ids: list[int] | np.ndarray, skip_special: bool = True) -> str:
-        """The text of token ids, special tokens dropped (``skip_special``; else written as their
-        token strings), through the tokenizer's own decoder (WordPiece joins "##" pieces; byte-level
+        """The text of token ids, special tokens dropped (``skip_special``; else left to the decoder,
+        which writes them as their token strings, but SentencePiece's control symbols as nothing),
+        through the tokenizer's own decoder (WordPiece joins "##" pieces; byte-level
         BPE and SentencePiece restore spaces and bytes). Byte-level BPE keeps the space its
         pre-tokenizer puts before a word, also before the first one (" bank"), as GPT-2's tokenizer
         does: what a generated continuation needs."""

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 
-
 def evaluate_retrieval(model_uri: str, data_uri: str, split: str = "test", store=None, batch_size: int = 32,
                        query_prompt: str | None = None, document_prompt: str | None = None) -> dict[str, Any]:
     """The scores of ``model_uri`` on the benchmark folder ``data_uri``'s ``split`` (module docstring).

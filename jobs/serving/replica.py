@@ -561,21 +561,26 @@ class EmbeddingReplica(TaskServing):
         folder's pooling and Normalize module, else mean pooling, not normalised). A prompt is put
         before every text, as sentence-transformers does: ``prompt`` itself, or the one ``prompt_name``
         names, or else the folder's default prompt."""
-        settings = self.sentence
         if prompt is not None:
             if prompt_name is not None:
                 raise InputError("prompt and prompt_name: give one of them")
             prefix = prompt
         elif prompt_name is not None:
-            if settings is None or prompt_name not in settings.prompts:
-                known = ", ".join(map(repr, settings.prompts)) if settings is not None and settings.prompts else "none"
-                raise InputError(f"prompt_name {prompt_name!r}: model {self.name!r} has no such prompt (its prompts: {known})")
-            prefix = settings.prompts[prompt_name]
+            prefix = self._named_prompt(prompt_name)
         else:
-            prefix = settings.default_prompt if settings is not None else ""
+            prefix = self.sentence.default_prompt if self.sentence is not None else ""
         if prefix:
             texts = [prefix + text for text in texts]
         return texts, pooling or self.pooling, self.normalize if normalize is None else normalize
+
+    def _named_prompt(self, prompt_name: str) -> str:
+        """The text of the sentence-transformers folder's prompt ``prompt_name``; an InputError naming the
+        model's prompts when it has no such one."""
+        settings = self.sentence
+        if settings is None or prompt_name not in settings.prompts:
+            known = ", ".join(map(repr, settings.prompts)) if settings is not None and settings.prompts else "none"
+            raise InputError(f"prompt_name {prompt_name!r}: model {self.name!r} has no such prompt (its prompts: {known})")
+        return settings.prompts[prompt_name]
 
     def _embed_inputs(self, texts: list[str], pooling: str, dimensions: int | None, truncate: bool, features: str,
                       language: int | str | None = None) -> tuple[list[np.ndarray], list[Item]]:
@@ -626,6 +631,7 @@ class EmbeddingReplica(TaskServing):
         features: str | None = None,
         granularity: Literal["token", "word"] = "token",
         language: int | str | None = None,
+        prompt_name: str | None = None,
     ) -> dict:
         """{"rows": per text its tokens (or words), character offsets, n_tokens and float32 vectors (one
         a token or word: the layers asked, concatenated in that order, or ``features`` combined), "batches"
@@ -635,8 +641,12 @@ class EmbeddingReplica(TaskServing):
         A word is a whitespace-separated run of the text (``pipelines.alignment.encode_texts``, as
         fine-tuning aligns plain text) and its vector the mean of its sub-tokens' vectors; a word left
         without tokens (cut by truncation, or only characters the tokenizer drops) is left out.
-        ``language``: as ``_embed``'s."""
+        ``language``: as ``_embed``'s. ``prompt_name``: that prompt of the folder's put before each text
+        (TEI's /embed_all; its tokens are among the text's)."""
         lang_row = self._language_row(language)
+        if prompt_name is not None:
+            prefix = self._named_prompt(prompt_name)
+            texts = [prefix + text for text in texts]
         if features is not None:
             layer_ids, width, what = None, self._strategy(features), f"features {features!r}"
         else:

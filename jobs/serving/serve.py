@@ -493,12 +493,16 @@ def _encode_vector(v: np.ndarray, encoding_format: str) -> list[float] | str:
     return np.asarray(v, dtype=np.float32).tolist()
 
 
+# The routes outside /v1/ that call a model: Infinity's and TEI's paths, and /tokenize.
+UNVERSIONED_CALLS = ("/embeddings", "/embed", "/rerank", "/tokenize", "/predict", "/similarity", "/embed_all", "/decode", "/", "/invocations")
+
+
 class Metrics:
     """Prometheus metrics of one Gateway replica (Ray Serve's own ``ray_serve_*`` metrics go to Ray's
     metrics agent; these are the API's view: routes, statuses, per-model queues and batches)."""
 
-    ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v1/token-embeddings", *REQUESTS, "/predict", "/similarity", "/decode", "/embed_all", "/",
-              "/invocations", "/v1/models", "/models", "/info", "/healthz", "/readyz", "/health", "/ping", "/metrics")
+    ROUTES = ("/v1/embeddings", "/v1/token-embeddings", *REQUESTS, *UNVERSIONED_CALLS, "/v1/models", "/models", "/info", "/healthz",
+              "/readyz", "/health", "/ping", "/metrics")
 
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -640,7 +644,7 @@ class Guard:
 
 def _api_call(path: str) -> bool:
     """A request a graceful stop waits for and refuses while draining."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/embed", "/embeddings", "/rerank", "/predict", "/similarity", "/decode", "/embed_all", "/", "/invocations")
+    return path.startswith("/v1/") or path in UNVERSIONED_CALLS
 
 
 def _body_too_large(limit: int) -> Response:
@@ -926,14 +930,8 @@ class GatewayBase:
         model = tei_model(req.model, list(self.models))
         self._handle(model)
         texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-        if req.prompt_name is not None:  # put before each input, as /embed puts it
-            prompts = ((await self._model_info(model)).get("sentence_transformers") or {}).get("prompts") or {}
-            if req.prompt_name not in prompts:
-                raise ApiError(400, f"prompt_name {req.prompt_name!r}: model {model!r} has no such prompt (its prompts: "
-                                    f"{', '.join(map(repr, prompts)) or 'none'})")
-            texts = [prompts[req.prompt_name] + t for t in texts]
         check_limits(texts, self.config.limits)
-        out = await self._call(model, "token_embeddings", texts, "last", bool(req.truncate), None, "token", None)
+        out = await self._call(model, "token_embeddings", texts, "last", bool(req.truncate), None, "token", None, req.prompt_name)
         self.metrics.observe_batches(model, out["batches"])
         return VectorJSON([np.asarray(r["embeddings"], dtype=np.float32) for r in out["rows"]], headers=_stamp_headers(out))
 

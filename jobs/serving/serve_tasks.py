@@ -859,7 +859,7 @@ class TaskServing:
     """Task routes of one model replica; a base class of ``jobs.serving.replica.EmbeddingReplica``, whose
     ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
     ``max_batch_tokens``, ``recent_passes``, ``_task_graphed`` (a GPU replica's task passes as CUDA
-    graphs, or None), ``_encode``, ``_pad``, ``_on_device`` and ``_language_row`` it uses."""
+    graphs, or None), ``_encode``, ``_pad``, ``_on_device``, ``_language_row`` and ``_named_prompt`` it uses."""
 
     def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.task_config = loaded.task
@@ -1138,7 +1138,8 @@ class TaskServing:
 
     async def _tokenize(self, texts: list[str], add_special_tokens: bool, tei: bool = False, prompt_name: str | None = None) -> tuple[dict | list, list]:
         if prompt_name is not None:  # before each text, as /embed puts it
-            texts = self._sentence_defaults(texts, None, None, prompt_name)[0]
+            prefix = self._named_prompt(prompt_name)
+            texts = [prefix + text for text in texts]
         ids, offsets, tokens = await asyncio.to_thread(self.tokenizer.encode_for_model, texts, 2**31)
         n_tokens = sum(len(row) for row in ids)
         if n_tokens > self.limits.max_tokens_per_request:
