@@ -67,6 +67,9 @@ def resolve_checkpoint(uri: str, store: Store | str | None = None) -> str:
     store = as_store(store)
     if not store.exists(uri):
         raise storage.StorageError(f"model folder {uri!r} does not exist")
+    if store.is_file(uri):
+        raise storage.StorageError(f"{uri!r} is a file: give the model's folder (a checkpoint, a Hugging Face folder or a "
+                                   "run folder)")
     if store.exists(storage.join(uri, "MANIFEST.json")) or store.exists(storage.join(uri, "config.json")):
         return uri
     chosen = best_checkpoint(uri, store) or store.latest_complete_checkpoint(uri)

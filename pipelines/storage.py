@@ -472,6 +472,11 @@ class Store:
         fs, path = self.filesystem(uri)
         return self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.NotFound
 
+    def is_file(self, uri: str) -> bool:
+        """A file (an object on S3), not a folder (a prefix) nor nothing."""
+        fs, path = self.filesystem(uri)
+        return self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type == pafs.FileType.File
+
     def read_bytes(self, uri: str, missing_ok: bool = False) -> bytes | None:
         """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code
         base. A missing file raises ``FileNotFoundError``, or gives None with ``missing_ok``."""

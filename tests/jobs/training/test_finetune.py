@@ -99,6 +99,21 @@ def test_pkg_init_resolves_to_the_installed_minilm_folder(minilm_dir):
         resolve_checkpoint("pkg:no_such_pkg/model")
 
 
+def test_a_file_given_for_a_model_folder_is_named_not_a_traceback(minilm_dir, tmp_path, capsys):
+    """`--model` naming a file (a checkpoint's config.json, a run's snapshot JSON): a StorageError that
+    says so, and the CLI's exit status 2, where the run-folder listing used to raise NotADirectoryError."""
+    from jobs.cli import main
+    from jobs.runs import resolve_checkpoint
+    from pipelines.storage import StorageError
+
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
+    for given in (minilm_dir / "config.json", tmp_path / "checkpoint_manager_snapshot.json"):
+        with pytest.raises(StorageError, match="is a file: give the model's folder"):
+            resolve_checkpoint(str(given))
+    assert main(["export", "--model", str(minilm_dir / "config.json"), "--format", "hf", "--output", str(tmp_path / "out")]) == 2
+    assert "is a file" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("override,key", [
     ("model.initt=x", "model.initt: unknown key"),
     ("model.init=", "model.init:"),
