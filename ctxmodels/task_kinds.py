@@ -110,6 +110,21 @@ def label_names(task: Any) -> list[str]:
     return list(kind.outputs)
 
 
+# The embedding kind's losses (ctxmodels.tasks.EMBEDDING_LOSSES), by sentence-transformers' names: the in-batch
+# loss on (anchor, positive[, negatives]) records, the default, or a loss on pairs scored for similarity
+# (sentence1, sentence2, score; STS-B's layout): CoSENTLoss, AnglELoss, CosineSimilarityLoss.
+PAIR_LOSSES = ("cosent", "angle", "cosine_similarity")
+EMBEDDING_LOSSES = ("multiple_negatives_ranking", *PAIR_LOSSES)
+# What a pair loss's run is validated by: the Pearson and Spearman correlations of the pairs' cosine
+# similarities with their scores (sentence-transformers' EmbeddingSimilarityEvaluator names; the first the default).
+SIMILARITY_METRICS = ("spearman_cosine", "pearson_cosine")
+
+
+def check_embedding_loss(loss: str) -> None:
+    if loss not in EMBEDDING_LOSSES:
+        raise ValueError(f"loss={loss!r}: expected one of {list(EMBEDDING_LOSSES)}")
+
+
 # The in-batch loss of the embedding kind (ctxmodels.tasks.in_batch_negatives): which similarities its softmax holds.
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

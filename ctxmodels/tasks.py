@@ -76,7 +76,9 @@ from ctxmodels.compiling import has_static_step
 from ctxmodels.elmo import ScalarMix
 from ctxmodels.features import FeatureStrategy, combine_layers, mean_pool, n_combined
 from ctxmodels.ops import Dropout
-from ctxmodels.task_kinds import TASK_KINDS, TaskKind, check_directions, task_of  # noqa: F401 (TASK_KINDS re-exported)
+from ctxmodels.task_kinds import (  # noqa: F401 (TASK_KINDS re-exported)
+    PAIR_LOSSES, TASK_KINDS, TaskKind, check_directions, check_embedding_loss, task_of,
+)
 
 IGNORE_INDEX = -100
 # (B, ...) rows of this worker -> (every worker's rows, in worker order, with their gradients; where
@@ -130,6 +132,9 @@ class TaskConfig:
     normalize: bool = True
     max_seq_length: int | None = None
     scale: float = 20.0
+    # The embedding kind's loss (ctxmodels.task_kinds.EMBEDDING_LOSSES): the in-batch negatives of
+    # (anchor, positive[, negatives]) records, or a loss on pairs scored for similarity (``pair_loss``).
+    loss: str = "multiple_negatives_ranking"
     # Matryoshka representation learning (Kusupati et al. 2022; sentence-transformers' MatryoshkaLoss):
     # the loss is also taken on each vector's first d dimensions, re-normalised, weighted (default 1
     # each), so a client asking /v1/embeddings for ``dimensions: d`` gets a vector trained to be one.
@@ -158,6 +163,10 @@ class TaskConfig:
         self.labels = [str(x) for x in self.labels]
         self.directions = list(self.directions)
         check_directions(self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength)
+        check_embedding_loss(self.loss)
+        if self.loss in PAIR_LOSSES and (self.directions != ["query_to_doc"] or self.partition_mode != "joint" or self.hardness_mode):
+            raise ValueError(f"loss={self.loss!r} scores pairs: directions, partition_mode and hardness_mode belong to "
+                             "the in-batch loss (multiple_negatives_ranking)")
 
 
 @dataclass
@@ -345,6 +354,58 @@ def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | No
     return loss, {"acc": (scores.detach().argmax(-1) == right).float().mean()}
 
 
+def pair_similarities(vectors: Tensor, similarity: Literal["cosine", "angle"] = "cosine") -> Tensor:
+    """(B,) float32: the similarity of each pair's two texts from their vectors (B, 2, D). ``cosine``;
+    or ``angle``, AnglE's (Li & Li 2024): the unit vectors read as complex numbers, dimension i the
+    real part of the number whose imaginary part is dimension i + D/2, and the similarity is
+    |cos + sin| of their angle difference (sentence-transformers' ``pairwise_angle_sim``; an odd width
+    gains a zero dimension first)."""
+    v = F.normalize(vectors.float(), dim=-1)
+    a, b = v[:, 0], v[:, 1]  # (B, D)
+    cosine = (a * b).sum(-1)
+    if similarity == "cosine":
+        return cosine
+    if a.shape[-1] % 2:
+        a, b = F.pad(a, (0, 1)), F.pad(b, (0, 1))
+    a_re, a_im = a.chunk(2, dim=-1)
+    b_re, b_im = b.chunk(2, dim=-1)
+    sine = (a_im * b_re - a_re * b_im).sum(-1)
+    return (cosine + sine).abs()
+
+
+def ranked_pairs(scores: Tensor, labels: Tensor) -> Tensor:
+    """CoSENT's loss (Su 2022; sentence-transformers' CoSENTLoss): log(1 + sum of exp(s_j - s_i) over
+    every two pairs i, j of the batch where pair i is scored more similar than pair j), so each
+    such pair's ``scores`` (B,) are pushed into the labels' order; 0 when no two labels differ."""
+    diff = scores[None, :] - scores[:, None]  # [i, j] = s_j - s_i
+    wrong_way = diff.masked_fill(~(labels[:, None] > labels[None, :]), -torch.inf).reshape(-1)
+    return torch.logsumexp(torch.cat([wrong_way.new_zeros(1), wrong_way]), dim=0)
+
+
+def pair_loss(vectors: Tensor, labels: Tensor, loss: str = "cosent", scale: float = 20.0, dims: Sequence[int] = (),
+              weights: Sequence[float] = ()) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss of pairs scored for similarity: their texts' vectors (B, 2, D), their scores ``labels``
+    (B,) (any scale where more is more similar: STS-B's 0-5, or 0-1). ``cosent``: ``ranked_pairs`` of
+    ``scale`` times the cosine similarities; ``angle``: the same of AnglE's similarity (Li & Li 2024;
+    sentence-transformers' AnglELoss); ``cosine_similarity``: the mean squared difference between
+    the cosine and the score (sentence-transformers' CosineSimilarityLoss: scores in [-1, 1]).
+    ``dims``: the sum, times ``weights``, of the loss on each vector's first d dimensions (MatryoshkaLoss
+    around it), as ``in_batch_negatives``. Each worker's pairs alone, as sentence-transformers takes them."""
+    labels = labels.float().reshape(-1)
+    if vectors.shape[1] != 2 or labels.shape[0] != vectors.shape[0]:
+        raise ValueError(f"{loss}: pairs (B, 2, D) and one score each, got vectors {tuple(vectors.shape)} and {labels.shape[0]} scores")
+
+    def at(width: int) -> Tensor:
+        similarity = pair_similarities(vectors[..., :width], "angle" if loss == "angle" else "cosine")
+        return F.mse_loss(similarity, labels) if loss == "cosine_similarity" else ranked_pairs(scale * similarity, labels)
+
+    D = vectors.shape[-1]
+    value = at(D)
+    if dims:
+        value = sum(w * (value if d == D else at(d)) for d, w in zip(dims, weights or [1.0] * len(dims)))
+    return value, {}
+
+
 LOSSES = {
     "cross-entropy": cross_entropy,
     "mse": mse,
@@ -520,11 +581,19 @@ class TaskModel(nn.Module):
             return h[:, 0]
         return last_real(h, attention_mask)
 
-    def texts_loss(self, vectors: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def texts_loss(self, vectors: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """An embedding task's loss on its examples' text vectors (B, K, D) (``in_batch_negatives``
         with the task's scale and Matryoshka widths; every worker's texts as candidates while training,
         when ``gather`` is set). The forward's loss; a gradient-cached step calls it on the vectors of
-        all its micro-batches at once (``jobs.training.loop.Stepper``)."""
+        all its micro-batches at once (``jobs.training.loop.Stepper``). A pair loss (``task.loss``)
+        reads the pairs' scores, ``labels`` (B,): ``pair_loss``."""
+        if self.task.loss in PAIR_LOSSES:
+            if labels is None:
+                raise ValueError(f"loss {self.task.loss!r} needs each pair's score (labels)")
+            loss, metrics = pair_loss(vectors, labels, self.task.loss, self.task.scale, self.task.matryoshka_dims,
+                                      self.task.matryoshka_weights)
+            metrics["task_loss"] = loss.detach()
+            return loss, metrics
         loss, metrics = LOSSES[self.spec.loss](vectors, scale=self.task.scale, gather=self.gather if self.training else None,
                                                dims=self.task.matryoshka_dims, weights=self.task.matryoshka_weights,
                                                directions=self.task.directions, partition_mode=self.task.partition_mode,
@@ -600,7 +669,7 @@ class TaskModel(nn.Module):
         given = {"labels": labels, "start_positions": start_positions, "end_positions": end_positions}
         targets = [given[name] for name in kind.targets]
         if with_loss and kind.reads == "texts" and grouped:  # (B, K, T) to train; single texts are only encoded
-            loss, metrics = self.texts_loss(logits)
+            loss, metrics = self.texts_loss(logits, labels)
         elif with_loss and kind.reads != "texts" and all(t is not None for t in targets):
             loss, metrics = LOSSES[kind.loss](logits, *targets)
             metrics["task_loss"] = loss.detach()

@@ -64,12 +64,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 
-from ctxmodels.task_kinds import TASK_KINDS, TASKS, TaskKind
+from ctxmodels.task_kinds import EMBEDDING_LOSSES, PAIR_LOSSES, TASK_KINDS, TASKS, TaskKind
 from pipelines.alignment import encode_texts, encode_words, first_subtokens
 from pipelines.rng import stable_hash64
 
@@ -87,6 +87,9 @@ ID_FIELDS = ("id", "idx")
 ANCHOR_FIELDS = ("anchor", "query", "sentence1", "text", "sentence")
 POSITIVE_FIELDS = ("positive", "document", "sentence2", "text_pair")
 NEGATIVE_FIELDS = ("negative", "negatives")
+# embedding with a pair loss: each pair's similarity score (label_field; by default "label", else
+# "score", the column sentence-transformers' STS datasets name it).
+SCORE_FIELDS = ("label", "score")
 
 
 class RecordError(ValueError):
@@ -215,6 +218,13 @@ class TaskDataConfig:
     # embedding: negatives every record must have; None: the batch's most common count.
     # finetune_stream.check_split sets the split's, so every batch of a split has one width.
     n_negatives: int | None = None
+    # embedding: the loss the rows are for (ctxmodels.task_kinds.EMBEDDING_LOSSES; None: the in-batch
+    # one); a pair loss reads (sentence1, sentence2, score) records: no negatives, a score each.
+    loss: str | None = None
+
+    @property
+    def scored_pairs(self) -> bool:
+        return self.loss in PAIR_LOSSES
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -232,6 +242,8 @@ class TaskDataConfig:
             raise bad("n_negatives", "expected a non-negative integer or None")
         if self.max_len < 3:
             raise bad("max_len", "need at least 3 positions for the special tokens of a pair")
+        if self.loss is not None and (self.loss not in EMBEDDING_LOSSES or self.kind != "embedding"):
+            raise bad("loss", f"an embedding task's loss, one of {EMBEDDING_LOSSES}")
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:
             raise bad(
                 "doc_stride",
@@ -504,6 +516,30 @@ def pick_embedding_texts(records: dict, cfg: TaskDataConfig, errors: _Errors | N
     return [[a, p, *(neg if neg is not None and len(neg) == k else [""] * k)] for a, p, neg in zip(anchors, positives, negatives)]
 
 
+def pick_scored_pairs(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None) -> tuple[list[list[str]], np.ndarray | None]:
+    """(N x 2 texts, float32 (N,) scores or None without labels): pairs scored for similarity, read
+    as the embedding task reads anchor and positive (sentence1/sentence2 by default), the score from
+    ``label_field`` ("label", else "score" when the records have that and no "label")."""
+    errors = errors or _Errors(collect=False)
+    texts = []
+    for anchors_or_positives in ((cfg.text_field, ANCHOR_FIELDS), (cfg.pair_field, POSITIVE_FIELDS)):
+        given, defaults = anchors_or_positives
+        field = given or _first_present(records, defaults) or defaults[0]
+        column = _column(records, field, "" if given else f" (nor {list(defaults[1:])})")
+        texts.append([_text(v, i, field, errors) for i, v in enumerate(column)])
+    pairs = [list(pair) for pair in zip(*texts)]
+    if not cfg.with_labels:
+        return pairs, None
+    field = cfg.label_field
+    if field == SCORE_FIELDS[0] and field not in records and SCORE_FIELDS[1] in records:
+        field = SCORE_FIELDS[1]
+    return pairs, pick_regression_targets(records, replace(cfg, label_field=field), errors)
+
+
+def _check_embedding(records: dict, cfg: TaskDataConfig, errors: _Errors) -> None:
+    (pick_scored_pairs if cfg.scored_pairs else pick_embedding_texts)(records, cfg, errors)
+
+
 def example_ids(records: dict, cfg: TaskDataConfig, errors: _Errors | None = None) -> np.ndarray:
     """int64 (N,): the records' ids (``cfg.id_field``, else id/idx): integers as they are, strings
     hashed (63-bit, stable across processes); without an id field, the row index in the batch."""
@@ -542,7 +578,7 @@ RECORD_CHECKS: dict[str, Callable[[dict, TaskDataConfig, _Errors], Any]] = {
     "multiple-choice": pick_multiple_choice,
     "token-classification": pick_tagged_words,
     "question-answering": pick_squad,
-    "embedding": pick_embedding_texts,
+    "embedding": _check_embedding,
 }
 
 
@@ -951,7 +987,22 @@ def encode_embedding(records: dict, tok, cfg: TaskDataConfig) -> dict[str, np.nd
     """Anchor, positive and negatives -> rows (N, K, max_len), one text per row (``encode_text_rows``);
     ``token_type_ids`` all 0 (one segment). ``doc_ids`` (N, K-1): ``stable_hash64`` of each candidate
     text, so the retrieval metrics see a text shared by records as one document. No labels: the
-    anchor's positive is column 0 of the candidates."""
+    anchor's positive is column 0 of the candidates. With a pair loss (``cfg.scored_pairs``): the
+    two texts of each pair (N, 2, max_len) and their scores, ``labels`` float32 (N,); no ``doc_ids``."""
+    if cfg.scored_pairs:
+        pairs, scores = pick_scored_pairs(records, cfg)
+        input_ids, attention_mask, cut = encode_text_rows([t for pair in pairs for t in pair], tok, cfg.max_len)  # (N*2, L)
+        n = len(pairs)
+        out = {
+            "input_ids": input_ids.reshape(n, 2, cfg.max_len),
+            "attention_mask": attention_mask.reshape(n, 2, cfg.max_len),
+            "token_type_ids": np.zeros((n, 2, cfg.max_len), dtype=np.int64),
+            "truncated": cut.reshape(n, 2).any(axis=1),
+            "example_id": example_ids(records, cfg),
+        }
+        if scores is not None:
+            out["labels"] = scores
+        return out
     texts = pick_embedding_texts(records, cfg)
     n, k, max_len = len(texts), len(texts[0]) if texts else 2 + (cfg.n_negatives or 0), cfg.max_len
     input_ids, attention_mask, cut = encode_text_rows([t for row in texts for t in row], tok, max_len)  # (N*K, L)

@@ -311,7 +311,7 @@ def with_split_widths(table: pa.Table, cfg: TaskDataConfig) -> TaskDataConfig:
     Records are checked a batch at a time; unpinned, each batch would agree only with itself, and
     batches of different widths cannot be stacked into one dataset. Every usable record then has
     the split's count, so encoding them later without the pin gives the same width."""
-    if TASKS[cfg.kind].reads != "texts" or cfg.n_negatives is not None:
+    if TASKS[cfg.kind].reads != "texts" or cfg.n_negatives is not None or cfg.scored_pairs:
         return cfg
     records, _ = parse_records(table.column("_json").to_pylist())
     field = cfg.negative_field or next((f for f in NEGATIVE_FIELDS if any(r and f in r for r in records)), None)

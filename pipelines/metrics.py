@@ -548,6 +548,25 @@ def retrieval_metrics(predictions: Any, references: Any) -> dict[str, float]:
     }
 
 
+def pair_cosines(vectors: Any) -> np.ndarray:
+    """float64 (N,): the cosine similarity of each pair's two vectors, (N, 2, D)."""
+    v = np.asarray(vectors, dtype=np.float64)
+    if v.ndim != 3 or v.shape[1] != 2:
+        raise ValueError(f"pair_cosines: pairs of vectors (N, 2, D), got {v.shape}")
+    norms = np.maximum(np.linalg.norm(v, axis=-1), 1e-12)  # (N, 2)
+    return np.einsum("nd,nd->n", v[:, 0], v[:, 1]) / (norms[:, 0] * norms[:, 1])
+
+
+def similarity_metrics(predictions: Any, references: Any) -> dict[str, float]:
+    """An embedding model on pairs scored for similarity, as sentence-transformers'
+    EmbeddingSimilarityEvaluator scores it with the cosine: ``spearman_cosine`` and ``pearson_cosine``
+    between each pair's cosine similarity (``predictions``: its two vectors (N, 2, D), or the
+    similarities (N,)) and its score (``references``)."""
+    p = np.asarray(predictions)
+    cosines = pair_cosines(p) if p.ndim == 3 else p.astype(np.float64).reshape(-1)
+    return {"spearman_cosine": spearman(cosines, references), "pearson_cosine": pearson(cosines, references)}
+
+
 # The metrics of each task kind (ctxmodels.task_kinds.TASKS[kind].metrics names what each returns).
 METRICS: dict[str, Callable[..., dict[str, float]]] = {
     "classification": classification_metrics,

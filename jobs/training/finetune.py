@@ -77,6 +77,7 @@ def task_config_fields(recipe: FinetuneRecipe, family: str, labels: tuple[str, .
     return {
         **(sentence or {}),
         "scale": recipe.task.scale,
+        "loss": recipe.task.loss or "multiple_negatives_ranking",
         "matryoshka_dims": list(recipe.task.matryoshka_dims or []),
         "matryoshka_weights": list(recipe.task.matryoshka_weights or []),
         "directions": list(recipe.task.directions or ["query_to_doc"]),
@@ -195,8 +196,11 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         log(f"language: the texts are read as {names[language] if names else f'row {language}'} of model.init's language table")
     if sentence is not None:
         log(f"embedding: {sentence['pooling']} pooling, " + ("unit vectors" if sentence["normalize"] else "not normalised")
-            + (f", {sentence['max_seq_length']} tokens served" if sentence["max_seq_length"] else ""))
-        if recipe.task.gradient_cache is not False and recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
+            + (f", {sentence['max_seq_length']} tokens served" if sentence["max_seq_length"] else "")
+            + (f", {recipe.task.loss} loss on scored pairs" if recipe.task.scored_pairs else ""))
+        if recipe.task.scored_pairs:
+            pass  # each micro-batch's pairs alone: no gradient cache, no gathering (FinetuneJob.cached_loss)
+        elif recipe.task.gradient_cache is not False and recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
             log(f"embedding: gradient cache, each anchor ranks against the step's {recipe.train.batch_size} rows, forwarded "
                 f"{recipe.micro_batch_size} at a time (task.gradient_cache)")
         elif recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
@@ -476,7 +480,7 @@ def _retrieval_metrics(model, bench: dict[str, Any], recipe: FinetuneRecipe, pla
 
 def _split_metrics(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: tuple[str, ...], plan, device, rank: int, world: int,
                    details: dict[str, Any] | None = None) -> dict[str, float]:
-    from pipelines.metrics import task_metrics
+    from pipelines.metrics import similarity_metrics, task_metrics
     from pipelines.qa import decode_qa
 
     rows = data["rows"]
@@ -508,6 +512,11 @@ def _split_metrics(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: 
                           data["contexts"], recipe.task.max_answer_len, recipe.task.null_threshold if recipe.task.version_2 else None)
         records = np.unique(rows["example_index"])
         metrics = task_metrics(kind, [preds[i] for i in records], data["answers"], version_2=recipe.task.version_2)
+    elif kind == "embedding" and recipe.task.scored_pairs:  # each pair's cosine against its score
+        metrics = similarity_metrics(logits, rows["labels"])
+        for d in recipe.task.matryoshka_dims or []:  # and with each Matryoshka width's first dimensions
+            if d < logits.shape[-1]:
+                metrics[f"spearman_cosine_dim{d}"] = similarity_metrics(logits[..., :d], rows["labels"])["spearman_cosine"]
     elif kind == "embedding":  # the anchors retrieve among every positive and negative of the split
         metrics = task_metrics(kind, logits, rows["doc_ids"])
         for d in recipe.task.matryoshka_dims or []:  # and with each Matryoshka width's first dimensions
@@ -578,15 +587,18 @@ class FinetuneJob(WorkerJob):
         else:
             load_backbone(model, pretrained.model)
         del pretrained
-        if self.task.kind == "embedding" and self.recipe.task.gather_across_workers and parallel.world_size() > 1:
+        if (self.task.kind == "embedding" and not self.recipe.task.scored_pairs and self.recipe.task.gather_across_workers
+                and parallel.world_size() > 1):
             model.gather = parallel.gather_rows  # every worker's texts as candidates (the process group is up)
         if self.family == "elmo":  # ELMo reads characters: the tokenizer's char table travels with the model
             model.set_char_table(elmo_char_table(self.tok_dir, self.model_cfg.max_chars))
         return model
 
     def cached_loss(self, model, accumulation: int):
-        """An embedding step's in-batch negatives over all its micro-batches (``task.gradient_cache``)."""
-        if self.task.kind != "embedding" or self.recipe.task.gradient_cache is False or accumulation == 1:
+        """An embedding step's in-batch negatives over all its micro-batches (``task.gradient_cache``). A
+        pair loss takes each micro-batch's pairs alone, as sentence-transformers takes each device's."""
+        if (self.task.kind != "embedding" or self.recipe.task.scored_pairs or self.recipe.task.gradient_cache is False
+                or accumulation == 1):
             return None
         return model.texts_loss
 

@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from jobs.training.config import RecipeBase, RecipeError, StepChecks, _Section, load_recipe
-from ctxmodels.task_kinds import TASKS, TaskKind, check_directions
+from ctxmodels.task_kinds import PAIR_LOSSES, SIMILARITY_METRICS, TASKS, TaskKind, check_directions
 from pipelines.retrieval import RETRIEVAL_METRICS
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
@@ -119,10 +119,25 @@ class TaskSection(_Section):
     # first d dimensions, so /v1/embeddings' ``dimensions: d`` is trained), with weights (None: 1 each).
     matryoshka_dims: list[int] | None = None
     matryoshka_weights: list[float] | None = None
+    # Embedding: the loss, by sentence-transformers' names (None: multiple_negatives_ranking, the
+    # in-batch loss above). cosent, angle or cosine_similarity (CoSENTLoss, AnglELoss,
+    # CosineSimilarityLoss) train on pairs scored for similarity: text_field, pair_field (default
+    # sentence1, sentence2) and label_field (default label, else score), STS-B's layout; such a run
+    # is validated by spearman_cosine and pearson_cosine (EmbeddingSimilarityEvaluator's names).
+    loss: Literal["multiple_negatives_ranking", "cosent", "angle", "cosine_similarity"] | None = None
+
+    @property
+    def scored_pairs(self) -> bool:
+        return self.kind == "embedding" and self.loss in PAIR_LOSSES
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The validation metrics of its kind (a pair loss's: SIMILARITY_METRICS); the first is the default best."""
+        return SIMILARITY_METRICS if self.scored_pairs else TASKS[self.kind].metrics
 
     @model_validator(mode="after")
     def _check(self) -> "TaskSection":
-        allowed = TASKS[self.kind].metrics + LOWER_IS_BETTER + (RETRIEVAL_METRIC_NAMES if self.kind == "embedding" else ())
+        allowed = self.metrics + LOWER_IS_BETTER + (RETRIEVAL_METRIC_NAMES if self.kind == "embedding" else ())
         if self.metric is not None and self.metric not in allowed:
             raise ValueError(f"metric: {self.metric!r} is not a metric of {self.kind}; use one of {list(allowed)}")
         if self.symmetric and not TASKS[self.kind].both_orders:
@@ -135,9 +150,15 @@ class TaskSection(_Section):
                                                  or len(set(self.matryoshka_dims)) != len(self.matryoshka_dims)):
             raise ValueError(f"matryoshka_dims: {self.matryoshka_dims}: distinct positive widths, e.g. [384, 256, 128, 64]")
         for key in ("pooling", "normalize", "negative_field", "matryoshka_dims", "gradient_cache", "directions", "partition_mode",
-                    "hardness_mode", "hardness_strength"):
+                    "hardness_mode", "hardness_strength", "loss"):
             if getattr(self, key) is not None and self.kind != "embedding":
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
+        if self.scored_pairs:
+            inbatch = [k for k in ("negative_field", "directions", "partition_mode", "hardness_mode", "hardness_strength")
+                       if getattr(self, k) is not None]
+            if inbatch:
+                raise ValueError(f"{', '.join(inbatch)}: the in-batch loss's (multiple_negatives_ranking); loss {self.loss} "
+                                 "reads pairs and their scores")
         if any(getattr(self, k) is not None for k in ("directions", "partition_mode", "hardness_mode", "hardness_strength")):
             check_directions(self.directions or ["query_to_doc"], self.partition_mode or "joint", self.hardness_mode,
                              self.hardness_strength or 0.0)
@@ -198,7 +219,7 @@ class FinetuneRecipe(RecipeBase):
         benchmark's ndcg_at_10 when the run has one, else the task's first metric."""
         if self.task.metric is not None:
             return self.task.metric
-        return "retrieval_ndcg_at_10" if self.data.validation_retrieval else TASKS[self.task.kind].metrics[0]
+        return "retrieval_ndcg_at_10" if self.data.validation_retrieval else self.task.metrics[0]
 
     @property
     def validated(self) -> bool:

@@ -151,6 +151,57 @@ def test_matryoshka_dims_give_sentence_transformers_matryoshka_loss(minilm, dims
         TaskConfig(kind="embedding", matryoshka_dims=[64, 32], matryoshka_weights=[1.0])
 
 
+# Pairs scored for similarity (sentence1, sentence2, score), with ties and every order of scores
+# against the model's: STS-B's 0-5 scale, and 0-1 for CosineSimilarityLoss (which reads the score as a cosine).
+SCORED = [(a, p, s) for (a, p, _), s in zip(RECORDS, (4.0, 1.5, 4.0, 0.0))] + [
+    (a, RECORDS[(i + 1) % 4][1], s) for i, ((a, _, _), s) in enumerate(zip(RECORDS, (3.0, 5.0, 0.5, 2.5)))]
+
+
+@pytest.mark.parametrize("loss,matryoshka", [("cosent", None), ("angle", None), ("cosine_similarity", None),
+                                             ("cosent", ([384, 96, 33], [1.0, 0.5, 0.25])), ("angle", ([384, 33], [1.0, 1.0]))])
+def test_pair_losses_are_sentence_transformers_losses(minilm, loss, matryoshka):
+    from sentence_transformers.sentence_transformer import losses
+
+    model, tok, reference = minilm
+    pairs = [r[:2] for r in SCORED]
+    scores = torch.tensor([r[2] for r in SCORED]) / (5.0 if loss == "cosine_similarity" else 1.0)
+    ids, mask = batch(tok, pairs)
+    dims, weights = matryoshka or ([], [])
+    model.task.loss, model.task.matryoshka_dims, model.task.matryoshka_weights = loss, dims, weights
+    try:
+        with torch.no_grad():
+            got = model(ids, attention_mask=mask, labels=scores)
+            inner = {"cosent": losses.CoSENTLoss, "angle": losses.AnglELoss, "cosine_similarity": losses.CosineSimilarityLoss}[loss](reference)
+            st_loss = losses.MatryoshkaLoss(reference, inner, dims, weights) if matryoshka else inner
+            want = st_loss([reference.tokenize([p[k] for p in pairs]) for k in range(2)], scores)
+            without = model(ids, attention_mask=mask, labels=scores.flip(0)).loss  # other scores, another loss
+    finally:
+        model.task.loss, model.task.matryoshka_dims, model.task.matryoshka_weights = "multiple_negatives_ranking", [], []
+    torch.testing.assert_close(got.loss, want, rtol=1e-4, atol=1e-6)
+    assert float(got.loss) > 0.05 and abs(float(without) - float(got.loss)) > 1e-3
+    assert got.logits.shape == (len(pairs), 2, 384)
+
+
+def test_cosent_counts_each_wrongly_ordered_two_pairs_once_and_is_zero_free_with_equal_scores():
+    from ctxmodels.tasks import pair_loss, pair_similarities, ranked_pairs
+
+    s, labels = torch.tensor([0.2, 0.9, 0.5]), torch.tensor([3.0, 1.0, 1.0])
+    # pair 0 ranks above 1 and 2: exp(s1 - s0) + exp(s2 - s0); 1 and 2 are tied, never compared
+    want = torch.log(1 + torch.exp(s[1] - s[0]) + torch.exp(s[2] - s[0]))
+    torch.testing.assert_close(ranked_pairs(s, labels), want)
+    assert float(ranked_pairs(s, torch.ones(3))) == 0.0  # no two scores differ: nothing to order
+    v = torch.randn(5, 2, 7, generator=torch.Generator().manual_seed(0))  # odd width: AnglE pads a zero dimension
+    angle = pair_similarities(v, "angle")
+    assert angle.shape == (5,) and (angle >= 0).all()
+    torch.testing.assert_close(pair_similarities(v), torch.nn.functional.cosine_similarity(v[:, 0], v[:, 1]))
+    with pytest.raises(ValueError, match="one score each"):
+        pair_loss(v, torch.ones(4))
+    with pytest.raises(ValueError, match="belong to the in-batch loss"):
+        TaskConfig(kind="embedding", loss="cosent", directions=["query_to_doc", "doc_to_query"])
+    with pytest.raises(ValueError, match="expected one of"):
+        TaskConfig(kind="embedding", loss="triplet")
+
+
 def test_its_vectors_are_sentence_transformers_and_its_gradient_reaches_every_text(minilm):
     model, tok, reference = minilm
     ids, mask = batch(tok, RECORDS)

@@ -105,13 +105,30 @@ def test_definitions_are_qas_definition_questions_with_a_same_topic_negative(tmp
         assert (tmp_path / f"{split}.jsonl").read_bytes() == (TASKS / "definitions" / f"{split}.jsonl").read_bytes(), split
 
 
+def test_similarity_pairs_score_a_questions_own_definition_above_its_topics_above_another_documents(tmp_path):
+    for split in SPLITS:
+        definitions = load("definitions", split)
+        records = load("similarity", split)
+        assert len(records) == 3 * len(definitions)
+        for r, d in zip(records[::3], definitions):
+            own, topic, other = records[records.index(r): records.index(r) + 3]
+            assert [x["id"] for x in (own, topic, other)] == [f"{d['id']}.{k}" for k in ("own", "topic", "other")]
+            assert own["sentence1"] == topic["sentence1"] == other["sentence1"] == d["anchor"]
+            assert (own["sentence2"], topic["sentence2"]) == (d["positive"], d["negative"])
+            assert other["sentence2"] not in (d["positive"], d["negative"])
+            assert (own["score"], topic["score"], other["score"]) == (1.0, 0.5, 0.0)
+    subprocess.run([sys.executable, str(REPO / "data" / "build_similarity.py"), "--out", str(tmp_path)], check=True, capture_output=True)
+    for split in SPLITS:
+        assert (tmp_path / f"{split}.jsonl").read_bytes() == (TASKS / "similarity" / f"{split}.jsonl").read_bytes(), split
+
+
 def test_total_size_small_enough_to_commit():
-    assert sum(p.stat().st_size for p in TASKS.rglob("*") if p.is_file()) < 3_300_000
+    assert sum(p.stat().st_size for p in TASKS.rglob("*") if p.is_file()) < 3_700_000  # similarity (scored pairs) added 0.37 MB
 
 
 @pytest.mark.skipif(not (WORDNET / "data.noun").exists(), reason="WordNet 3.0 not installed (apt-get install wordnet-base)")
 def test_rebuild_is_byte_identical(tmp_path):
     subprocess.run([sys.executable, str(REPO / "data" / "build_tasks.py"), "--wordnet", str(WORDNET), "--out", str(tmp_path)], check=True, capture_output=True)
     for p in TASKS.rglob("*"):
-        if p.is_file() and p.parent.name != "definitions":  # built from qa by build_definitions.py
+        if p.is_file() and p.parent.name not in ("definitions", "similarity"):  # built from qa and definitions by their scripts
             assert (tmp_path / p.relative_to(TASKS)).read_bytes() == p.read_bytes(), p

@@ -127,3 +127,13 @@ def test_the_schedulers_own_storage_waits_end_at_its_retry_deadline(tmp_path, mo
     with pytest.raises(StorageError, match=r"in 2 s \(retry_deadline_s=2\)"):
         new_shards(cfg, ScheduleState(str(tmp_path / "state"), cfg.store))
     assert time.monotonic() - start < 10
+
+
+def test_a_fine_tuning_rounds_gates_are_its_recipes_validation_metrics():
+    from jobs.operations.schedule_config import round_metrics
+
+    retrieval = round_metrics("finetune", {"task": {"kind": "embedding"}})
+    scored = round_metrics("finetune", {"task": {"kind": "embedding", "loss": "cosent"}})  # pairs scored for similarity
+    assert "ndcg_at_10" in retrieval and "spearman_cosine" not in retrieval
+    assert {"spearman_cosine", "pearson_cosine", "loss"} <= set(scored) and "ndcg_at_10" not in scored
+    assert "accuracy" in round_metrics("finetune", {"task": {"kind": "classification", "loss": "cosent"}})  # (refused by the recipe itself)
