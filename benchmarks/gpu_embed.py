@@ -187,7 +187,7 @@ def rerank(folder: Path, device: torch.device, items: list[str], n_pairs: int, r
         save_checkpoint(Path(tmp) / "ours", model, family, cfg, tokenizer_dir=folder, task=task)
         export_hf_folder(model, family, Path(tmp) / "hf", tokenizer_dir=folder)
         theirs = CrossEncoder(str(Path(tmp) / "hf"), device=str(device), max_length=RERANK_MAX_LEN,
-                              activation_fn=torch.nn.Identity(), model_kwargs={"dtype": torch.float16})
+                              model_kwargs={"dtype": torch.float16})  # its default: the sigmoid of a one-output head, as our /v1/rerank
         replicas = {graphs: EmbeddingReplica("rerank", str(Path(tmp) / "ours"), None,
                                              ModelConfig(uri=str(Path(tmp) / "ours"), max_batch_size=128, dtype="float16",
                                                          cuda_graphs=graphs), Limits())

@@ -10,7 +10,7 @@
                          no-answer for SQuAD 2.0 models (pipelines.qa.decode_qa, windows merged)
     POST /v1/rerank      TEI's shape: {query, texts, raw_scores, return_text} -> [{index, score, text}],
                          best first, scored by a pair classifier (probability of its last label, of 2)
-                         or a regression model (its value)
+                         or a one-output regression model (the sigmoid of its value, as TEI; raw_scores: the value)
     POST /v1/fill-mask   pretrained BERT / RoBERTa / SpanBERT / ALBERT: the top-k tokens for every mask
                          token in the input, with probabilities and the filled-in text
     POST /v1/generate    pretrained GPT / GPT-2 / Transformer-XL / XLNet: greedy (temperature 0) or
@@ -625,12 +625,12 @@ def tei_predictions(logits: np.ndarray, labels: list[str], function: str | None,
 
 
 def rerank_scores(logits: np.ndarray, kind: str, raw: bool) -> np.ndarray:
-    """(N,) relevance of each pair: the regression value, or for 2 labels the probability of the last
-    label (``raw``: its logit minus the first's, whose sigmoid that probability is)."""
+    """(N,) relevance of each pair: for 2 labels the probability of the last label (``raw``: its logit
+    minus the first's, whose sigmoid that probability is); for a one-output (regression) head the
+    sigmoid of its value, as TEI's rerank and sentence-transformers' ``CrossEncoder.predict`` read a
+    one-output head (``raw``: the value). The order is the value's either way."""
     logits = np.asarray(logits, dtype=np.float64)
-    if kind == "regression":
-        return logits.reshape(-1)
-    margin = logits[:, -1] - logits[:, 0]  # (N,)
+    margin = logits.reshape(-1) if kind == "regression" else logits[:, -1] - logits[:, 0]  # (N,)
     return margin if raw else 1.0 / (1.0 + np.exp(-margin))
 
 

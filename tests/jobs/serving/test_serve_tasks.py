@@ -233,10 +233,15 @@ def test_rerank_sorts_by_the_pair_classifier_in_tei_shape(client, built, tok):
     raw = _ok(client.post("/v1/rerank", json={"model": "pair", "query": query, "texts": texts, "raw_scores": True}))
     assert all("text" not in d for d in raw)
     np.testing.assert_allclose(sorted(d["score"] for d in raw), np.sort(logits[:, 1] - logits[:, 0]), atol=1e-4)
-    body = _ok(client.post("/v1/rerank", json={"model": "sts", "query": query, "texts": texts}))  # regression: the value
+    # a one-output (regression) head: the sigmoid of its value, as TEI and sentence-transformers' CrossEncoder; raw_scores: the value
+    body = _ok(client.post("/v1/rerank", json={"model": "sts", "query": query, "texts": texts}))
+    raw = _ok(client.post("/v1/rerank", json={"model": "sts", "query": query, "texts": texts, "raw_scores": True}))
     cols = _encode(tok, {"text": [query] * 4, "text_pair": texts}, kind="regression", max_len=128, input_style="gpt",
                    text_field="text", pair_field="text_pair")
-    np.testing.assert_allclose([d["score"] for d in body], np.sort(_logits(built["sts"][1], cols))[::-1], atol=TOL)
+    value = np.sort(_logits(built["sts"][1], cols))[::-1]
+    np.testing.assert_allclose([d["score"] for d in body], 1 / (1 + np.exp(-value)), atol=TOL)
+    np.testing.assert_allclose([d["score"] for d in raw], value, atol=TOL)
+    assert [d["index"] for d in body] == [d["index"] for d in raw]
 
 
 def test_rerank_answers_cohere_and_jinas_shape_too(client):

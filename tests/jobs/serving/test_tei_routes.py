@@ -304,6 +304,8 @@ def test_the_bare_url_answers_as_tei_by_the_models_type(urls, minilm_dir, hf_log
     ranked = post(urls["sts"], "/invocations", {"query": TEXTS[0], "texts": TEXTS[1:], "raw_scores": True}).json()
     assert [r["index"] for r in ranked] == list(np.argsort(-s, kind="stable"))
     np.testing.assert_allclose([r["score"] for r in ranked], np.sort(s)[::-1], atol=TOL)
+    ranked = post(urls["sts"], "/", {"query": TEXTS[0], "texts": TEXTS[1:]}).json()  # TEI's score: the sigmoid of the one output
+    np.testing.assert_allclose([r["score"] for r in ranked], 1 / (1 + np.exp(-np.sort(s)[::-1])), atol=TOL)
 
     for body, words in (([1, 2], "must be a JSON object"), ({"inputs": 3}, "inputs: must be"), ({"query": "q"}, "texts")):
         r = post(urls["emotion"] if "inputs" in str(body) else urls["sts"], "/", body)
