@@ -751,7 +751,8 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
                    help="retrieval: text before each document instead of the folder's document prompt (E5: 'passage: ')")
     p.add_argument("--task", default=None, choices=["embedding"],
                    help="embedding: score any model (pretrained, HF or sentence-transformers folder) as ctx serve embeds "
-                        "with it, on retrieval records (anchor, positive, negatives): the baseline before fine-tuning")
+                        "with it, on retrieval records (anchor, positive, negatives) or on pairs scored for similarity "
+                        "(sentence1, sentence2, score: spearman_cosine): the baseline before fine-tuning")
     p.add_argument("--language", default=None,
                    help="a fine-tuned multilingual XLM: read the split's texts as this language, a name of the model's "
                         "languages or a row number (default: the language it was fine-tuned on; XLM's cross-lingual transfer)")

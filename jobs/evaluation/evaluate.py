@@ -36,14 +36,31 @@ def load_recipe_of(checkpoint: str, store=None):
     return FinetuneRecipe.model_validate(state["recipe"])
 
 
+def reads_as_scored_pairs(data_uri: str | list[str], store, sample: int = 100) -> bool:
+    """Whether a split's first ``sample`` records are pairs scored for similarity: a number under
+    ``label`` or ``score`` and no hard negatives (STS-B's layout; a 0/1 pair classification too)."""
+    from pipelines import finetune_stream as fs
+    from pipelines.finetune import NEGATIVE_FIELDS, SCORE_FIELDS
+
+    table = fs.read_split(data_uri, "auto", store)
+    records = [r for r in fs.parse_records(table.column("_json").to_pylist()[:sample])[0] if r is not None]
+
+    def scored(r: dict) -> bool:
+        value = next((r[f] for f in SCORE_FIELDS if f in r), None)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and not any(f in r for f in NEGATIVE_FIELDS)
+
+    return bool(records) and all(scored(r) for r in records)
+
+
 def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: str | int | None = None,
              task: str | None = None) -> dict[str, Any]:
     """The scores of ``model_uri`` on ``data_uri`` (module docstring). ``store``: the command's
     ``pipelines.storage.Store`` (endpoint and ``--retry-deadline``), or an endpoint URL. ``language``:
     a multilingual XLM reads the texts as this language (a name or a row; None: its task's).
     ``task="embedding"``: any model (pretrained, a Hugging Face or sentence-transformers folder) is
-    scored as the embedding model ``ctx serve`` makes of it, on retrieval records (anchor, positive,
-    negatives), texts as long as the server reads them: a baseline before fine-tuning."""
+    scored as the embedding model ``ctx serve`` makes of it, texts as long as the server reads them: a
+    baseline before fine-tuning. On retrieval records (anchor, positive, negatives), retrieval's
+    metrics; on pairs scored for similarity (``reads_as_scored_pairs``), spearman_cosine and pearson_cosine."""
     from jobs.training.finetune import score_split
     from jobs.runs import resolve_checkpoint
     from jobs.session import init_ray
@@ -58,8 +75,12 @@ def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: st
             raise
         from jobs.training.finetune_config import FinetuneRecipe
 
+        init_ray()
+        # pairs scored for similarity (a score or label each, no negatives) as a pair loss's run reads them: scored by
+        # spearman_cosine; else retrieval records
+        loss = "cosent" if reads_as_scored_pairs(data_uri, store) else None
         recipe = FinetuneRecipe.model_validate({"model": {"init": checkpoint}, "data": {"train": data_uri},
-                                                "task": {"kind": "embedding", "max_len": 512}})  # cut to what the model serves
+                                                "task": {"kind": "embedding", "max_len": 512, "loss": loss}})  # cut to what the model serves
     if task is not None and recipe.task.kind != task:
         raise ValueError(f"{checkpoint} is fine-tuned for {recipe.task.kind}, not {task}")
     init_ray()

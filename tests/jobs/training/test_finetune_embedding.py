@@ -128,6 +128,12 @@ def test_ctx_eval_scores_any_model_as_the_embedding_model_it_serves(ray_session,
     assert scored["task"] == "embedding" and scored["examples"] == 206
     for name, value in served_metrics(str(minilm_dir)).items():
         assert scored["metrics"][name] == pytest.approx(value, abs=2e-3), name
+    # pairs scored for similarity (a score each, no negatives): their correlations, not retrieval
+    assert main(["eval", "--task", "embedding", "--model", str(minilm_dir), "--data", str(SIMILARITY_VALIDATION), "--output", str(out)]) == 0
+    scored = json.loads(out.read_text())
+    assert scored["examples"] == 618 and "ndcg_at_10" not in scored["metrics"]
+    for name, value in served_similarity(str(minilm_dir), SIMILARITY_VALIDATION).items():
+        assert scored["metrics"][name] == pytest.approx(value, abs=2e-3), name
     from jobs.evaluation.evaluate import evaluate
 
     with pytest.raises(ValueError, match="--task embedding"):
