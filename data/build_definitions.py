@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,17 +44,19 @@ def definition_records(qa_records: list[dict]) -> list[dict]:
             for r in questions if r["id"] in negative]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE / "tasks" / "definitions")
+def build_from(source: str, records_of: Callable[[list[dict]], list[dict]], doc: str, default_out: str) -> None:
+    """The command line of a task built from another committed one: each split of ``tasks/<source>``
+    through ``records_of``, written as compact JSON lines to ``--out`` (default ``tasks/<default_out>``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE / "tasks" / default_out)
     out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "validation", "test"):
-        qa = [json.loads(line) for line in (HERE / "tasks" / "qa" / f"{split}.jsonl").read_text().splitlines()]
-        records = definition_records(qa)
+        given = [json.loads(line) for line in (HERE / "tasks" / source / f"{split}.jsonl").read_text().splitlines()]
+        records = records_of(given)
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
         print(f"{split}: {len(records)} records")
 
 
 if __name__ == "__main__":
-    main()
+    build_from("qa", definition_records, __doc__, "definitions")

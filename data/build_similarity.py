@@ -21,11 +21,8 @@ rewrites ``data/tasks/similarity/{train,validation,test}.jsonl`` byte for byte.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+from build_definitions import build_from  # this folder, as the script runs from it
 
-HERE = Path(__file__).resolve().parent
 SCORES = {"own": 1.0, "topic": 0.5, "other": 0.0}
 
 
@@ -42,17 +39,5 @@ def similarity_records(definitions: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE / "tasks" / "similarity")
-    out = parser.parse_args().out
-    out.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "validation", "test"):
-        definitions = [json.loads(line) for line in (HERE / "tasks" / "definitions" / f"{split}.jsonl").read_text().splitlines()]
-        records = similarity_records(definitions)
-        (out / f"{split}.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
-        print(f"{split}: {len(records)} records")
-
-
 if __name__ == "__main__":
-    main()
+    build_from("definitions", similarity_records, __doc__, "similarity")
