@@ -522,8 +522,7 @@ def pick_scored_pairs(records: dict, cfg: TaskDataConfig, errors: _Errors | None
     ``label_field`` ("label", else "score" when the records have that and no "label")."""
     errors = errors or _Errors(collect=False)
     texts = []
-    for anchors_or_positives in ((cfg.text_field, ANCHOR_FIELDS), (cfg.pair_field, POSITIVE_FIELDS)):
-        given, defaults = anchors_or_positives
+    for given, defaults in ((cfg.text_field, ANCHOR_FIELDS), (cfg.pair_field, POSITIVE_FIELDS)):
         field = given or _first_present(records, defaults) or defaults[0]
         column = _column(records, field, "" if given else f" (nor {list(defaults[1:])})")
         texts.append([_text(v, i, field, errors) for i, v in enumerate(column)])

@@ -198,12 +198,13 @@ def _finetune(recipe: FinetuneRecipe, verbose: bool, progress: bool, log) -> Fin
         log(f"embedding: {sentence['pooling']} pooling, " + ("unit vectors" if sentence["normalize"] else "not normalised")
             + (f", {sentence['max_seq_length']} tokens served" if sentence["max_seq_length"] else "")
             + (f", {recipe.task.loss} loss on scored pairs" if recipe.task.scored_pairs else ""))
-        if recipe.task.scored_pairs:
-            pass  # each micro-batch's pairs alone: no gradient cache, no gathering (FinetuneJob.cached_loss)
-        elif recipe.task.gradient_cache is not False and recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
+        accumulating = recipe.accumulation(recipe.scaling.worker_range[0]) > 1
+        if accumulating and recipe.task.scored_pairs:  # no gradient cache, no gathering (FinetuneJob.cached_loss)
+            log(f"embedding: each micro-batch of {recipe.micro_batch_size} pairs is a batch of the {recipe.task.loss} loss")
+        elif accumulating and recipe.task.gradient_cache is not False:
             log(f"embedding: gradient cache, each anchor ranks against the step's {recipe.train.batch_size} rows, forwarded "
                 f"{recipe.micro_batch_size} at a time (task.gradient_cache)")
-        elif recipe.accumulation(recipe.scaling.worker_range[0]) > 1:
+        elif accumulating:
             log(f"embedding: each anchor ranks against its micro-batch of {recipe.micro_batch_size} rows only (task.gradient_cache: false)")
     if continuing:
         from jobs.training.config import RecipeError

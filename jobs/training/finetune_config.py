@@ -155,7 +155,7 @@ class TaskSection(_Section):
                 raise ValueError(f"{key}: only for embedding, not {self.kind}")
         if self.scored_pairs:
             inbatch = [k for k in ("negative_field", "directions", "partition_mode", "hardness_mode", "hardness_strength")
-                       if getattr(self, k) is not None]
+                       if getattr(self, k) is not None] + (["gradient_cache"] if self.gradient_cache else [])
             if inbatch:
                 raise ValueError(f"{', '.join(inbatch)}: the in-batch loss's (multiple_negatives_ranking); loss {self.loss} "
                                  "reads pairs and their scores")

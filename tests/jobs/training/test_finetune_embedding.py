@@ -235,7 +235,8 @@ def test_the_recipe_keys_of_a_pair_loss_are_checked():
     assert load_finetune_recipe(SIMILARITY, ["task.metric=pearson_cosine", "task.loss=angle"]).best_metric == "pearson_cosine"
     for bad, match in [("task.loss=triplet", "loss"), ("task.metric=ndcg_at_10", "not a metric of embedding"),
                        ("task.negative_field=negative", "the in-batch loss's"), ("task.hardness_mode=hard_negatives", "the in-batch loss's"),
-                       ("task.directions=[query_to_doc,doc_to_query]", "the in-batch loss's")]:
+                       ("task.directions=[query_to_doc,doc_to_query]", "the in-batch loss's"),
+                       ("task.gradient_cache=true", "gradient_cache: the in-batch loss's")]:
         with pytest.raises(RecipeError, match=match):
             load_finetune_recipe(SIMILARITY, [bad])
     with pytest.raises(RecipeError, match="not a metric of embedding"):  # the in-batch loss is scored by retrieval
