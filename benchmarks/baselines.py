@@ -19,6 +19,9 @@ a fine-tuned encoder should beat, and a check that each task is learnable but no
   seqeval entity precision / recall / F1 (IOB2, strict). And, given the target span, logistic
   regression on TF-IDF of the target's character 2-4 grams and the sentence's words (label accuracy):
   most test forms are unseen in train, suffixes and context still say much.
+* ``similarity`` (scored pairs, 1 / 0.5 / 0): the cosine of the two texts' TF-IDF vectors (word 1-2
+  grams, fit on train's texts), and the word overlap (Jaccard); Spearman and Pearson correlations
+  with the scores, as ``spearman_cosine`` is measured (scipy).
 * ``qa``: the templates the contexts were written with ("A X is ...", "To X is to ...",
   "X means ...", "Another word for it is ..."), matched by regular expressions; SQuAD v1.1 exact
   match / F1 with the official answer normalisation. It shows how far the surface pattern goes.
@@ -238,12 +241,33 @@ def qa(root: Path) -> dict:
     return out
 
 
+def similarity(root: Path) -> dict:
+    from scipy.stats import pearsonr, spearmanr
+
+    data = {s: load(root, "similarity", s) for s in ("train", *EVAL_SPLITS)}
+    vec = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True).fit(
+        sorted({r[k] for r in data["train"] for k in ("sentence1", "sentence2")})  # each text once: it recurs across pairs
+    )
+    out: dict = {"tfidf_cosine": {}, "word_jaccard": {}}
+    for s in EVAL_SPLITS:
+        a = vec.transform([r["sentence1"] for r in data[s]])  # rows L2-normalised
+        b = vec.transform([r["sentence2"] for r in data[s]])
+        cosine = np.asarray(a.multiply(b).sum(axis=1)).ravel()
+        words = [(set(_normalize(r["sentence1"]).split()), set(_normalize(r["sentence2"]).split())) for r in data[s]]
+        jaccard = np.array([len(x & y) / max(len(x | y), 1) for x, y in words])
+        y = np.array([r["score"] for r in data[s]])
+        for name, pred in (("tfidf_cosine", cosine), ("word_jaccard", jaccard)):
+            out[name][s] = {"spearman": _r(spearmanr(pred, y).statistic), "pearson": _r(pearsonr(pred, y).statistic)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", type=Path, default=REPO / "data" / "tasks")
     ap.add_argument("--minilm", action="store_true", help="also the wic contextual reference (all-MiniLM-L6-v2, ~1.5 min)")
     args = ap.parse_args()
-    result = {"lexname": lexname(args.tasks), "wic": wic(args.tasks), "supersense": supersense(args.tasks), "qa": qa(args.tasks)}
+    result = {"lexname": lexname(args.tasks), "wic": wic(args.tasks), "supersense": supersense(args.tasks), "qa": qa(args.tasks),
+              "similarity": similarity(args.tasks)}
     if args.minilm:
         result["wic"]["minilm_target_cosine"] = wic_minilm(args.tasks)
     print(json.dumps(result, indent=2))
