@@ -532,7 +532,12 @@ def pick_scored_pairs(records: dict, cfg: TaskDataConfig, errors: _Errors | None
     field = cfg.label_field
     if field == SCORE_FIELDS[0] and field not in records and SCORE_FIELDS[1] in records:
         field = SCORE_FIELDS[1]
-    return pairs, pick_regression_targets(records, replace(cfg, label_field=field), errors)
+    scores = pick_regression_targets(records, replace(cfg, label_field=field), errors)
+    if cfg.loss == "cosine_similarity":  # its target is the cosine itself: a score no cosine reaches cannot be learnt
+        for i in np.flatnonzero(np.abs(scores) > 1).tolist():
+            errors.add(i, field, f"{scores[i]:g} is outside [-1, 1], the cosine's range that loss cosine_similarity fits: "
+                                 "scale the scores (STS-B's 0-5: divide by 5) or use loss cosent or angle, which read only their order")
+    return pairs, scores
 
 
 def _check_embedding(records: dict, cfg: TaskDataConfig, errors: _Errors) -> None:

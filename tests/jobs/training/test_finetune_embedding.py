@@ -257,6 +257,11 @@ def test_a_scored_pair_without_a_number_is_a_record_error_naming_its_field():
     assert check_records(labelled, cfg) == []
     with pytest.raises(ValueError, match="an embedding task's loss"):
         TaskDataConfig(kind="regression", loss="cosent")
+    # CosineSimilarityLoss fits the cosine to the score: STS-B's 0-5 scale is a record error there, not under CoSENT
+    sts = {"sentence1": ["a", "b", "c"], "sentence2": ["x", "y", "z"], "score": [4.2, 0.8, -1.0]}
+    errors = check_records(sts, TaskDataConfig(kind="embedding", loss="cosine_similarity"))
+    assert [(e.index, e.field) for e in errors] == [(0, "score")] and "divide by 5" in str(errors[0])
+    assert check_records(sts, cfg) == []
 
 
 def served_similarity(model: str, split: Path) -> dict[str, float]:
