@@ -221,6 +221,10 @@ def test_scored_pairs_validate_as_sentence_transformers_embedding_similarity_eva
     want = EmbeddingSimilarityEvaluator(first, second, scores)(reference)
     assert got["val_spearman_cosine"] == pytest.approx(want["spearman_cosine"], abs=1e-4)
     assert got["val_pearson_cosine"] == pytest.approx(want["pearson_cosine"], abs=1e-4)
+    # Matryoshka widths: each width's first dimensions, as the evaluator's truncate_dim reads them
+    widths = recipe.model_copy(update={"task": recipe.task.model_copy(update={"matryoshka_dims": [384, 64]})})
+    got64 = validate(model, {"rows": rows}, widths, (), ParallelPlan(), torch.device("cpu"), 0, 1)["val_spearman_cosine_dim64"]
+    assert got64 == pytest.approx(EmbeddingSimilarityEvaluator(first, second, scores, truncate_dim=64)(reference)["spearman_cosine"], abs=1e-4)
     with torch.no_grad():  # the split's loss: each micro-batch of 64 pairs' CoSENTLoss, weighted by its pairs
         parts = [(CoSENTLoss(reference)([reference.tokenize(t[i:i + 64]) for t in (first, second)], torch.tensor(scores[i:i + 64])), len(first[i:i + 64]))
                  for i in range(0, 150, 64)]
