@@ -125,6 +125,17 @@ def check_embedding_loss(loss: str) -> None:
         raise ValueError(f"loss={loss!r}: expected one of {list(EMBEDDING_LOSSES)}")
 
 
+def scores_pairs(kind: str, loss: str | None) -> bool:
+    """Whether a task of ``kind`` trained with ``loss`` (None: the kind's own) reads pairs scored for similarity."""
+    return kind == "embedding" and loss in PAIR_LOSSES
+
+
+def validation_metrics(kind: str, loss: str | None = None) -> tuple[str, ...]:
+    """What validation reports for ``kind`` trained with ``loss``: the kind's metrics, or a pair loss's
+    SIMILARITY_METRICS; the first is the default best."""
+    return SIMILARITY_METRICS if scores_pairs(kind, loss) else task_of(kind).metrics
+
+
 # The in-batch loss of the embedding kind (ctxmodels.tasks.in_batch_negatives): which similarities its softmax holds.
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

@@ -349,9 +349,17 @@ def in_batch_negatives(vectors: Tensor, scale: float = 20.0, gather: Gather | No
         return (log_z - positive).mean(), plain
 
     loss, scores = at(D)
-    if dims:
-        loss = sum(w * (loss if d == D else at(d)[0]) for d, w in zip(dims, weights or [1.0] * len(dims)))
+    loss = over_widths(lambda d: at(d)[0], loss, D, dims, weights)
     return loss, {"acc": (scores.detach().argmax(-1) == right).float().mean()}
+
+
+def over_widths(loss_at: Callable[[int], Tensor], full: Tensor, width: int, dims: Sequence[int], weights: Sequence[float]) -> Tensor:
+    """``full`` (the loss on the whole ``width``), or with ``dims`` the sum, times ``weights`` (1 each),
+    of the loss on each vector's first d dimensions, ``loss_at(d)`` (``full`` at the whole width):
+    sentence-transformers' MatryoshkaLoss around a loss."""
+    if not dims:
+        return full
+    return sum(w * (full if d == width else loss_at(d)) for d, w in zip(dims, weights or [1.0] * len(dims)))
 
 
 def pair_similarities(vectors: Tensor, similarity: Literal["cosine", "angle"] = "cosine") -> Tensor:
@@ -400,10 +408,7 @@ def pair_loss(vectors: Tensor, labels: Tensor, loss: str = "cosent", scale: floa
         return F.mse_loss(similarity, labels) if loss == "cosine_similarity" else ranked_pairs(scale * similarity, labels)
 
     D = vectors.shape[-1]
-    value = at(D)
-    if dims:
-        value = sum(w * (value if d == D else at(d)) for d, w in zip(dims, weights or [1.0] * len(dims)))
-    return value, {}
+    return over_widths(at, at(D), D, dims, weights), {}
 
 
 LOSSES = {

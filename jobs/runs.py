@@ -64,10 +64,13 @@ def resolve_checkpoint(uri: str, store: Store | str | None = None) -> str:
     """The folder to load for ``uri`` (module docstring); StorageError when there is none."""
     if uri.startswith("pkg:"):
         return package_path(uri)
+    from pyarrow.fs import FileType
+
     store = as_store(store)
-    if not store.exists(uri):
+    found = store.file_type(uri)
+    if found == FileType.NotFound:
         raise storage.StorageError(f"model folder {uri!r} does not exist")
-    if store.is_file(uri):
+    if found == FileType.File:
         raise storage.StorageError(f"{uri!r} is a file: give the model's folder (a checkpoint, a Hugging Face folder or a "
                                    "run folder)")
     if store.exists(storage.join(uri, "MANIFEST.json")) or store.exists(storage.join(uri, "config.json")):

@@ -69,7 +69,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 
-from ctxmodels.task_kinds import EMBEDDING_LOSSES, PAIR_LOSSES, TASK_KINDS, TASKS, TaskKind
+from ctxmodels.task_kinds import EMBEDDING_LOSSES, TASK_KINDS, TASKS, TaskKind, check_embedding_loss, scores_pairs
 from pipelines.alignment import encode_texts, encode_words, first_subtokens
 from pipelines.rng import stable_hash64
 
@@ -224,7 +224,7 @@ class TaskDataConfig:
 
     @property
     def scored_pairs(self) -> bool:
-        return self.loss in PAIR_LOSSES
+        return scores_pairs(self.kind, self.loss)
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -242,8 +242,10 @@ class TaskDataConfig:
             raise bad("n_negatives", "expected a non-negative integer or None")
         if self.max_len < 3:
             raise bad("max_len", "need at least 3 positions for the special tokens of a pair")
-        if self.loss is not None and (self.loss not in EMBEDDING_LOSSES or self.kind != "embedding"):
+        if self.loss is not None and self.kind != "embedding":
             raise bad("loss", f"an embedding task's loss, one of {EMBEDDING_LOSSES}")
+        if self.loss is not None:
+            check_embedding_loss(self.loss)
         if self.kind == "question-answering" and self.max_len - self.max_query_len - 3 <= self.doc_stride:
             raise bad(
                 "doc_stride",

@@ -560,10 +560,9 @@ def pair_cosines(vectors: Any) -> np.ndarray:
 def similarity_metrics(predictions: Any, references: Any) -> dict[str, float]:
     """An embedding model on pairs scored for similarity, as sentence-transformers'
     EmbeddingSimilarityEvaluator scores it with the cosine: ``spearman_cosine`` and ``pearson_cosine``
-    between each pair's cosine similarity (``predictions``: its two vectors (N, 2, D), or the
-    similarities (N,)) and its score (``references``)."""
-    p = np.asarray(predictions)
-    cosines = pair_cosines(p) if p.ndim == 3 else p.astype(np.float64).reshape(-1)
+    between each pair's cosine similarity (``predictions``: its two vectors, (N, 2, D)) and its score
+    (``references``)."""
+    cosines = pair_cosines(predictions)
     return {"spearman_cosine": spearman(cosines, references), "pearson_cosine": pearson(cosines, references)}
 
 

@@ -469,13 +469,12 @@ class Store:
         return [i.path for i in infos if i.type == pafs.FileType.File]
 
     def exists(self, uri: str) -> bool:
-        fs, path = self.filesystem(uri)
-        return self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type != pafs.FileType.NotFound
+        return self.file_type(uri) != pafs.FileType.NotFound
 
-    def is_file(self, uri: str) -> bool:
-        """A file (an object on S3), not a folder (a prefix) nor nothing."""
+    def file_type(self, uri: str) -> pafs.FileType:
+        """What ``uri`` is: File (an object on S3), Directory (a prefix) or NotFound; one stat, with retries."""
         fs, path = self.filesystem(uri)
-        return self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type == pafs.FileType.File
+        return self.retry(lambda: fs.get_file_info(path), f"stat {uri}").type
 
     def read_bytes(self, uri: str, missing_ok: bool = False) -> bytes | None:
         """The whole file or object at ``uri``, read with retries: the one "read a URI" of the code

@@ -36,13 +36,13 @@ def load_recipe_of(checkpoint: str, store=None):
     return FinetuneRecipe.model_validate(state["recipe"])
 
 
-def reads_as_scored_pairs(data_uri: str | list[str], store, sample: int = 100) -> bool:
-    """Whether a split's first ``sample`` records are pairs scored for similarity: a number under
-    ``label`` or ``score`` and no hard negatives (STS-B's layout; a 0/1 pair classification too)."""
+def reads_as_scored_pairs(table, sample: int = 100) -> bool:
+    """Whether a split's first ``sample`` records (``table``: as ``pipelines.finetune_stream.read_split``
+    reads it) are pairs scored for similarity: a number under ``label`` or ``score`` and no hard
+    negatives (STS-B's layout; a 0/1 pair classification too)."""
     from pipelines import finetune_stream as fs
     from pipelines.finetune import NEGATIVE_FIELDS, SCORE_FIELDS
 
-    table = fs.read_split(data_uri, "auto", store)
     records = [r for r in fs.parse_records(table.column("_json").to_pylist()[:sample])[0] if r is not None]
 
     def scored(r: dict) -> bool:
@@ -68,24 +68,27 @@ def evaluate(model_uri: str, data_uri: str | list[str], store=None, language: st
 
     store = as_store(store)
     checkpoint = resolve_checkpoint(model_uri, store)
+    table = None  # the split, when read here already
     try:
         recipe = load_recipe_of(checkpoint, store)
     except ValueError:
         if task != "embedding":
             raise
         from jobs.training.finetune_config import FinetuneRecipe
+        from pipelines.finetune_stream import read_split
 
         init_ray()
+        table = read_split(data_uri, "auto", store)
         # pairs scored for similarity (a score or label each, no negatives) as a pair loss's run reads them: scored by
         # spearman_cosine; else retrieval records
-        loss = "cosent" if reads_as_scored_pairs(data_uri, store) else None
+        loss = "cosent" if reads_as_scored_pairs(table) else None
         recipe = FinetuneRecipe.model_validate({"model": {"init": checkpoint}, "data": {"train": data_uri},
                                                 "task": {"kind": "embedding", "max_len": 512, "loss": loss}})  # cut to what the model serves
     if task is not None and recipe.task.kind != task:
         raise ValueError(f"{checkpoint} is fine-tuned for {recipe.task.kind}, not {task}")
     init_ray()
     details: dict[str, Any] = {}
-    scored = score_split(checkpoint, recipe, data_uri, store, details, language)
+    scored = score_split(checkpoint, recipe, data_uri, store, details, language, table)
     kind = recipe.task.kind
     result: dict[str, Any] = {
         "model": checkpoint, "data": data_uri, "task": kind, **({"language": details["language"]} if "language" in details else {}),

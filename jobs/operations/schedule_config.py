@@ -57,11 +57,11 @@ def round_metrics(kind: str, recipe: dict[str, Any]) -> tuple[str, ...]:
     ``val_`` prefix (classification: loss, accuracy, f1, mcc), plus the drift of the backbones."""
     if kind == "pretrain":
         return (*PRETRAIN_METRICS, *RETRIEVAL_GATES)
-    from ctxmodels.task_kinds import PAIR_LOSSES, SIMILARITY_METRICS, TASKS
+    from ctxmodels.task_kinds import validation_metrics
 
-    task = (recipe.get("task") or {}).get("kind", "classification")
-    scored = task == "embedding" and (recipe.get("task") or {}).get("loss") in PAIR_LOSSES  # scored pairs: their correlations
-    return ("loss", *(SIMILARITY_METRICS if scored else TASKS[task].metrics), *DRIFT_METRICS, "wic_accuracy", *RETRIEVAL_GATES)
+    task = recipe.get("task") or {}
+    return ("loss", *validation_metrics(task.get("kind", "classification"), task.get("loss")), *DRIFT_METRICS, "wic_accuracy",
+            *RETRIEVAL_GATES)
 
 
 class ScheduleError(ValueError):

@@ -355,12 +355,13 @@ def _checked(fn, key: str, *args):
 
 
 def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str], store: storage.Store | str | None = None,
-                details: dict[str, Any] | None = None, language: str | int | None = None) -> dict[str, float]:
+                details: dict[str, Any] | None = None, language: str | int | None = None, table=None) -> dict[str, float]:
     """A fine-tuned checkpoint's task metrics on a split, in this process (no Ray Train).
     ``details``, when given, receives ``logits``, ``rows`` (the encoded split) and ``labels`` (and
     ``language``, the name or row read). ``language``: a multilingual XLM reads the split as this
     language instead of its task's (cross-lingual transfer); ValueError for one it lacks.
-    ``store``: the command's (``ctx eval --retry-deadline``, the recipe's), or an endpoint URL."""
+    ``store``: the command's (``ctx eval --retry-deadline``, the recipe's), or an endpoint URL.
+    ``table``: the split as ``pipelines.finetune_stream.read_split`` gave it, when the caller read it already."""
     import torch
 
     from ctxmodels.checkpoint import load_checkpoint
@@ -391,7 +392,8 @@ def score_split(checkpoint: str, recipe: FinetuneRecipe, split: str | list[str],
     if details is not None and loaded.family == "xlm" and (task.languages or task.language):
         details["language"] = task.languages[task.language] if task.languages else task.language
     cfg = task_data_config(recipe, loaded.family, tuple(task.labels))
-    table = fs.read_split(split, recipe.data.format, store)
+    if table is None:
+        table = fs.read_split(split, recipe.data.format, store)
     check = fs.check_split(table, files, cfg)
     data = {"rows": fs.encode_split(table, check.usable, files, cfg), **fs.references(table, check.usable, cfg)}
     if details is not None:
@@ -513,16 +515,16 @@ def _split_metrics(model, data: dict[str, Any], recipe: FinetuneRecipe, labels: 
                           data["contexts"], recipe.task.max_answer_len, recipe.task.null_threshold if recipe.task.version_2 else None)
         records = np.unique(rows["example_index"])
         metrics = task_metrics(kind, [preds[i] for i in records], data["answers"], version_2=recipe.task.version_2)
-    elif kind == "embedding" and recipe.task.scored_pairs:  # each pair's cosine against its score
-        metrics = similarity_metrics(logits, rows["labels"])
-        for d in recipe.task.matryoshka_dims or []:  # and with each Matryoshka width's first dimensions
+    elif kind == "embedding":
+        def measure(vectors: np.ndarray) -> dict[str, float]:  # scored pairs: each pair's cosine against its score;
+            if recipe.task.scored_pairs:  # else the anchors retrieve among every positive and negative of the split
+                return similarity_metrics(vectors, rows["labels"])
+            return task_metrics(kind, vectors, rows["doc_ids"])
+
+        metrics, main = measure(logits), recipe.task.metrics[0]
+        for d in recipe.task.matryoshka_dims or []:  # and the main metric with each Matryoshka width's first dimensions
             if d < logits.shape[-1]:
-                metrics[f"spearman_cosine_dim{d}"] = similarity_metrics(logits[..., :d], rows["labels"])["spearman_cosine"]
-    elif kind == "embedding":  # the anchors retrieve among every positive and negative of the split
-        metrics = task_metrics(kind, logits, rows["doc_ids"])
-        for d in recipe.task.matryoshka_dims or []:  # and with each Matryoshka width's first dimensions
-            if d < logits.shape[-1]:
-                metrics[f"ndcg_at_10_dim{d}"] = task_metrics(kind, logits[..., :d], rows["doc_ids"])["ndcg_at_10"]
+                metrics[f"{main}_dim{d}"] = measure(logits[..., :d])[main]
     elif kind == "token-classification":
         word_ids = rows["word_ids"] if recipe.task.label_all_subtokens else None
         metrics = task_metrics(kind, logits, rows["labels"], label_names=list(labels), word_ids=word_ids)

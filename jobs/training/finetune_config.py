@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from jobs.training.config import RecipeBase, RecipeError, StepChecks, _Section, load_recipe
-from ctxmodels.task_kinds import PAIR_LOSSES, SIMILARITY_METRICS, TASKS, TaskKind, check_directions
+from ctxmodels.task_kinds import TASKS, TaskKind, check_directions, scores_pairs, validation_metrics
 from pipelines.retrieval import RETRIEVAL_METRICS
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
@@ -128,12 +128,12 @@ class TaskSection(_Section):
 
     @property
     def scored_pairs(self) -> bool:
-        return self.kind == "embedding" and self.loss in PAIR_LOSSES
+        return scores_pairs(self.kind, self.loss)
 
     @property
     def metrics(self) -> tuple[str, ...]:
         """The validation metrics of its kind (a pair loss's: SIMILARITY_METRICS); the first is the default best."""
-        return SIMILARITY_METRICS if self.scored_pairs else TASKS[self.kind].metrics
+        return validation_metrics(self.kind, self.loss)
 
     @model_validator(mode="after")
     def _check(self) -> "TaskSection":

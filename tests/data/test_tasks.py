@@ -110,8 +110,8 @@ def test_similarity_pairs_score_a_questions_own_definition_above_its_topics_abov
         definitions = load("definitions", split)
         records = load("similarity", split)
         assert len(records) == 3 * len(definitions)
-        for r, d in zip(records[::3], definitions):
-            own, topic, other = records[records.index(r): records.index(r) + 3]
+        for i, d in enumerate(definitions):
+            own, topic, other = records[3 * i: 3 * i + 3]
             assert [x["id"] for x in (own, topic, other)] == [f"{d['id']}.{k}" for k in ("own", "topic", "other")]
             assert own["sentence1"] == topic["sentence1"] == other["sentence1"] == d["anchor"]
             assert (own["sentence2"], topic["sentence2"]) == (d["positive"], d["negative"])
