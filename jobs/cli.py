@@ -325,7 +325,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, actor_batch_size=args.actor_batch_size,
                           actors=args.actors, cpus_per_actor=args.cpus_per_actor, num_gpus=args.num_gpus,
                           verbose=args.verbose, started=started, engine=args.engine, dtype=args.dtype,
-                          cuda_graphs=args.cuda_graphs, language=_language(args.language))
+                          cuda_graphs=args.cuda_graphs, language=_language(args.language), dimensions=args.dimensions,
+                          prompt_name=args.prompt_name, prompt=args.prompt)
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise CommandError(str(e)) from None
@@ -813,6 +814,14 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="unit-length vectors, as /v1/embeddings' normalize (default: the model's, as its "
                         "sentence-transformers Normalize module says, else not normalised)")
+    p.add_argument("--dimensions", type=int, default=None,
+                   help="keep the first N components (Matryoshka), re-normalised when the vectors are, as /v1/embeddings' dimensions")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-name", default=None,
+                         help="put the model folder's prompt of this name before every text, as sentence-transformers' "
+                              "encode(prompt_name=...) and /v1/embeddings' prompt_name (an E5-style folder's 'document' or "
+                              "'passage'; default: the folder's default prompt, if it names one)")
+    prompts.add_argument("--prompt", default=None, help="put this text before every text instead (e.g. 'passage: ')")
     p.add_argument("--batch-size", type=int, default=32, help="rows per forward pass (default %(default)s, as ctx serve's max_batch_size)")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
                    help="padded tokens (rows x longest row) per forward pass (default %(default)s, as ctx serve's)")

@@ -213,8 +213,12 @@ class ReembedStep(_Section):
     output: str  # versions are written beside each other: <output>/v<version>/
     id_column: str = "id"
     text_column: str = "text"
-    pooling: Literal["mean", "cls", "last"] = "mean"
-    normalize: bool = False
+    # as ctx embed's: None is the model's own (a sentence-transformers folder's pooling and Normalize module,
+    # the pooling an embedding task was fine-tuned with), what the served model answers by default
+    pooling: Literal["mean", "cls", "last"] | None = None
+    normalize: bool | None = None
+    dimensions: int | None = Field(None, ge=1)  # the first N components (Matryoshka)
+    prompt_name: str | None = None  # the folder's prompt put before every text ("document")
 
 
 class ScheduleConfig(_Section):

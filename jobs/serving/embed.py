@@ -75,12 +75,16 @@ class Embedder:
     handed by length into such passes); ``threads``: torch's intra-op threads, the CPUs Ray gave the actor;
     ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU);
     ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
-    ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``)."""
+    ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``).
+    ``dimensions``, ``prompt_name``, ``prompt``: as /v1/embeddings' (``SENTENCE_OPTIONS``): the first
+    ``dimensions`` components, re-normalised when the vectors are; a text put before every text, the
+    folder's prompt ``prompt_name`` names or ``prompt`` itself (None and None: the folder's default prompt)."""
 
     def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str | None,
                  normalize: bool | None,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
-                 dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None):
+                 dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None, *,
+                 dimensions: int | None = None, prompt_name: str | None = None, prompt: str | None = None):
         import torch
 
         from jobs.serving.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
@@ -91,9 +95,16 @@ class Embedder:
         settings = ModelConfig(uri=checkpoint, max_batch_size=batch_size, max_batch_tokens=max_batch_tokens, dtype=dtype,
                                cuda_graphs=cuda_graphs, language=language)
         # The Serve deployment's own class: same loading, version check, tokenizer and pooling as a replica.
-        self.model = EmbeddingReplica("embed", checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
+        # Named by its checkpoint: a refusal (a prompt_name the folder lacks) names the model the user gave.
+        self.model = EmbeddingReplica(checkpoint, checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
         self.pooling, self.normalize = pooling, normalize
+        self.options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
+
+    def check(self) -> None:
+        """ValueError (the replica's InputError) for options this model cannot take: a ``prompt_name`` its
+        folder does not have, ``dimensions`` above its width, a prompt given both ways. Nothing is embedded."""
+        self.model.embed_now([], pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         vectors, out = self._vectors(batch)
@@ -112,9 +123,9 @@ class Embedder:
         if missing:
             where = f"with {self.id_column}={batch.column(self.id_column)[missing[0]].as_py()!r}" if self.id_column else f"{missing[0]} of a batch"
             raise ValueError(f"row {where} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
-        out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True)
+        out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
         vectors = out["embeddings"]
-        dim = len(vectors[0]) if vectors else self.model.dim
+        dim = len(vectors[0]) if vectors else self.options["dimensions"] or self.model.dim
         flat = pa.array(np.concatenate(vectors).astype(np.float32) if vectors else np.zeros(0, np.float32))
         return pa.FixedSizeListArray.from_arrays(flat, dim), out
 
@@ -148,6 +159,9 @@ def embed_dataset(
     dtype: str = "auto",
     cuda_graphs: bool = True,
     language: int | str | None = None,
+    dimensions: int | None = None,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ):
     """A Ray Dataset's rows with their text embedded: ``ds`` (any ``ray.data.Dataset``, read from
     anywhere Ray Data reads) with ``output_column`` added, (dim,) float32 per row, the vector
@@ -162,13 +176,15 @@ def embed_dataset(
     actor loads the same version (checked on load); a fixed pool of ``actors`` (default: as many as
     the cluster's CPUs hold at ``cpus_per_actor`` each, one CPU left to Ray Data's own tasks), each
     handed ``actor_batch_size`` rows at a time and sorting them by length into passes of at most
-    ``batch_size`` rows and ``max_batch_tokens`` padded tokens. Ray must be running (``ray.init``)."""
+    ``batch_size`` rows and ``max_batch_tokens`` padded tokens. ``dimensions``, ``prompt_name``, ``prompt``:
+    as /v1/embeddings' (``Embedder``), checked against the model here, in a Ray task, when given. Ray must
+    be running (``ray.init``)."""
     import ray
 
     from jobs.identity import checkpoint_version
     from jobs.runs import model_checkpoint
 
-    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor)
+    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt)
     columns = ds.columns()  # the schema: read from the plan, or from the first block
     if text_column not in columns:
         raise ValueError(f"no column {text_column!r} in the dataset (columns: {', '.join(columns)}); name it with text_column")
@@ -177,10 +193,15 @@ def embed_dataset(
     checkpoint, _ = model_checkpoint(model)
     pool = actors or pool_size(cpus_per_actor, num_gpus)
     _check_pool(pool, cpus_per_actor)
+    version = checkpoint_version(checkpoint)
+    options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
+    if any(v is not None for v in options.values()):
+        _check_on_ray((checkpoint, version, None, text_column, pooling, normalize, batch_size, max_batch_tokens), language, options)
     return ds.map_batches(  # --- Ray seam: an actor pool over the user's dataset ---
         ColumnEmbedder,
-        fn_constructor_args=(checkpoint, checkpoint_version(checkpoint), text_column, output_column, pooling, normalize,
+        fn_constructor_args=(checkpoint, version, text_column, output_column, pooling, normalize,
                              batch_size, max_batch_tokens, max(1, int(cpus_per_actor)), dtype, cuda_graphs, language),
+        fn_constructor_kwargs=options,
         batch_size=actor_batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=pool),
@@ -190,8 +211,10 @@ def embed_dataset(
 
 
 def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_tokens: int, actor_batch_size: int,
-                    actors: int | None, cpus_per_actor: float) -> None:
-    """ValueError naming the first setting of ``reembed`` / ``embed_dataset`` out of its range."""
+                    actors: int | None, cpus_per_actor: float, dimensions: int | None = None, prompt_name: str | None = None,
+                    prompt: str | None = None) -> None:
+    """ValueError naming the first setting of ``reembed`` / ``embed_dataset`` out of its range (the model's
+    own limits, its width and its prompts, are ``Embedder.check``'s)."""
     if pooling is not None and pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
     if dtype not in DTYPES:
@@ -201,6 +224,28 @@ def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_
             raise ValueError(f"{name} ({value}) must be at least 1")
     if (actors is not None and actors < 1) or cpus_per_actor <= 0:
         raise ValueError(f"actors ({actors}) must be at least 1 and cpus_per_actor ({cpus_per_actor}) above 0")
+    if dimensions is not None and dimensions < 1:
+        raise ValueError(f"dimensions ({dimensions}) must be at least 1")
+    if prompt is not None and prompt_name is not None:
+        raise ValueError("prompt and prompt_name: give one of them")
+
+
+def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[str, Any]) -> None:
+    """``Embedder.check`` in a Ray task, on a CPU, before the pool starts: an actor that cannot take the
+    options would fail each of its batches, and Ray Data's error on the driver keeps only the traceback's
+    text. A ValueError of the model's comes back as itself (one line from ``ctx embed``)."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def check() -> None:
+        Embedder(*model_args, threads=1, language=language, **options).check()
+
+    try:
+        ray.get(check.remote())
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ValueError):
+            raise ValueError(str(e.cause)) from None
+        raise
 
 
 def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> bool:
@@ -244,6 +289,9 @@ def reembed(
     dtype: str = "auto",
     cuda_graphs: bool = True,
     language: int | str | None = None,
+    dimensions: int | None = None,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ) -> dict[str, Any]:
     """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
 
@@ -269,6 +317,9 @@ def reembed(
     asked for, else "ray". ``dtype``: the forward passes' ("auto": float16 on a GPU, float32 on the CPU).
     ``cuda_graphs``: on a GPU, each pass of a BERT-family model replayed from a CUDA graph (False: eager).
     ``language``: the language a multilingual XLM reads the texts as (``ctx serve``'s model setting).
+    ``dimensions``, ``prompt_name``, ``prompt``: /v1/embeddings' options (``Embedder``); the model is asked
+    whether it takes them before a vector is written (in a Ray task, for the Ray engine), so a prompt its
+    folder lacks is a ValueError naming its prompts, not a failed pool.
 
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
     "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
@@ -282,7 +333,7 @@ def reembed(
     from jobs.runs import model_checkpoint
     from jobs.session import init_ray
 
-    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor)
+    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt)
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
     existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
@@ -301,8 +352,10 @@ def reembed(
                             f"read {input}")
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
+    options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
     if engine == "local":
-        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language)
+        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
+        embedder.check()  # before a file is written
         _write_local(out_fs, out_path, map(embedder, chunks), output, store)
         pool = 0
     else:
@@ -310,6 +363,8 @@ def reembed(
         init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
         pool = actors or pool_size(cpus_per_actor, num_gpus)
         _check_pool(pool, cpus_per_actor)
+        if any(v is not None for v in options.values()):
+            _check_on_ray(model_args, language, options)
         if chunks is not None:  # small: read here, no Ray Data read tasks
             ds = ray.data.from_arrow(chunks)
         else:
@@ -321,6 +376,7 @@ def reembed(
         vectors = ds.map_batches(
             Embedder,
             fn_constructor_args=(*model_args, threads, dtype, cuda_graphs, language),
+            fn_constructor_kwargs=options,
             batch_size=actor_batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=pool),

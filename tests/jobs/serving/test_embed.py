@@ -130,6 +130,37 @@ def test_embed_dataset_adds_the_serving_vectors_to_any_dataset_keeping_its_colum
     np.testing.assert_allclose(np.stack([by_id[i] for i in IDS]), _serving_vectors(minilm_dir, normalize=True), atol=1e-5)
 
 
+@pytest.mark.slow
+def test_the_ray_engine_takes_prompts_and_dimensions_and_refuses_a_prompt_the_model_lacks_in_one_line(ray_session, minilm_dir, tmp_path):
+    """The options reach every actor of the pool (``reembed`` and ``embed_dataset``), and a model that
+    cannot take them is refused before the pool starts with the model's own message, not Ray's
+    traceback text of an actor's failed batch."""
+    from sentence_transformers import SentenceTransformer
+
+    from jobs.serving.embed import embed_dataset
+
+    folder = _prompted_folder(minilm_dir, tmp_path)
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, prompt_name="passage", truncate_dim=32, normalize_embeddings=True)
+    summary = reembed(str(folder), str(src), str(tmp_path / "v"), prompt_name="passage", dimensions=32, actor_batch_size=3)
+    assert summary["engine"] == "ray" and summary["dim"] == 32
+    table = _read(str(tmp_path / "v"))
+    by_id = dict(zip(table.column("id").to_pylist(), np.asarray(table.column("embedding").to_pylist(), np.float32)))
+    np.testing.assert_allclose(np.stack([by_id[i] for i in IDS]), expected, atol=2e-5)
+
+    ds = ray_session.data.from_items([{"body": t} for t in TEXTS])
+    out = pa.concat_tables(ray_session.get(embed_dataset(ds, str(folder), text_column="body", prompt_name="passage", dimensions=32).to_arrow_refs()))
+    by_text = dict(zip(out.column("body").to_pylist(), np.asarray(out.column("embedding").to_pylist(), np.float32)))
+    np.testing.assert_allclose(np.stack([by_text[t] for t in TEXTS]), expected, atol=2e-5)
+
+    with pytest.raises(ValueError, match=r"^prompt_name 'document': model '.*prompted' has no such prompt \(its prompts: 'query', 'passage'\)$"):
+        reembed(str(folder), str(src), str(tmp_path / "refused"), prompt_name="document")
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(ValueError, match=r"^dimensions 500: model"):
+        embed_dataset(ds, str(folder), text_column="body", dimensions=500)
+
+
 def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(minilm_dir, tmp_path, monkeypatch):
     """engine="local" (what "auto" picks for a small input with no cluster): this process embeds, no Ray."""
     import jobs.serving.embed
@@ -148,6 +179,70 @@ def test_the_local_engine_gives_the_serving_vectors_in_files_of_local_file_rows(
         reembed(str(minilm_dir), str(src), str(out), engine="local")
     with pytest.raises(ValueError, match="engine 'spark'"):
         reembed(str(minilm_dir), str(src), str(tmp_path / "other"), engine="spark")
+
+
+def _prompted_folder(minilm_dir: Path, tmp_path: Path) -> Path:
+    """all-MiniLM-L6-v2 with E5-style prompts ("query: ", "passage: "), the default one "query", as an
+    asymmetric retrieval model's folder says them (the weights linked, not copied)."""
+    folder = tmp_path / "prompted"
+    folder.mkdir()
+    for item in minilm_dir.iterdir():
+        (folder / item.name).symlink_to(item)
+    (folder / "config_sentence_transformers.json").unlink()
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "query", "similarity_fn_name": "cosine"}))
+    return folder
+
+
+def test_prompts_and_dimensions_give_sentence_transformers_vectors_and_a_model_that_lacks_them_is_refused(minilm_dir, tmp_path, capsys):
+    """``ctx embed --prompt-name/--prompt/--dimensions`` (the local engine): a document index of an
+    E5-style model is embedded with its "passage" prompt, as sentence-transformers'
+    ``encode(prompt_name="passage")``, not with the folder's default (query) prompt; ``--dimensions``
+    keeps the first components re-normalised, as ``encode(truncate_dim=..., normalize_embeddings=True)``.
+    What the model cannot take is one line and status 2, before a file is written."""
+    from sentence_transformers import SentenceTransformer
+
+    from jobs.cli import main
+
+    folder = _prompted_folder(minilm_dir, tmp_path)
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    reference = SentenceTransformer(str(folder), device="cpu")
+    version = checkpoint_version(str(folder))
+    cases = {
+        "default": ([], {}),
+        "passage": (["--prompt-name", "passage"], {"prompt_name": "passage"}),
+        "title": (["--prompt", "title: "], {"prompt": "title: "}),
+        "passage64": (["--prompt-name", "passage", "--dimensions", "64"],
+                      {"prompt_name": "passage", "truncate_dim": 64, "normalize_embeddings": True}),
+    }
+    for name, (flags, keywords) in cases.items():
+        code = main(["embed", "--model", str(folder), "--input", str(src), "--output", str(tmp_path / name), "--engine", "local", *flags])
+        assert code == 0, capsys.readouterr().err
+        summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert summary["dim"] == keywords.get("truncate_dim", 384)
+        table = _read(str(tmp_path / name))
+        assert table.schema.field("embedding").type == pa.list_(pa.float32(), summary["dim"])
+        by_id = dict(zip(table.column("id").to_pylist(), np.asarray(table.column("embedding").to_pylist(), np.float32)))
+        np.testing.assert_allclose(np.stack([by_id[i] for i in IDS]), reference.encode(TEXTS, **keywords), atol=2e-5)
+        assert set(table.column("model_version").to_pylist()) == {version}
+    default, passage = (np.asarray(_read(str(tmp_path / n)).sort_by("id").column("embedding").to_pylist()) for n in ("default", "passage"))
+    assert not np.allclose(default, passage, atol=1e-3)  # the prompt did change the vectors
+
+    for flags, said in (
+        (["--prompt-name", "document"], r"prompt_name 'document': model '.*prompted' has no such prompt \(its prompts: 'query', 'passage'\)"),
+        (["--dimensions", "512"], r"dimensions 512: model '.*prompted' gives 384-dimensional vectors"),
+        (["--dimensions", "0"], r"dimensions \(0\) must be at least 1"),
+    ):
+        out = tmp_path / "refused"
+        code = main(["embed", "--model", str(folder), "--input", str(src), "--output", str(out), "--engine", "local", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(r"^ctx: error: " + said, err), err
+        assert not out.exists() or not any(out.iterdir())  # nothing written
+    with pytest.raises(SystemExit):  # argparse: one or the other
+        main(["embed", "--model", str(folder), "--input", str(src), "--output", str(tmp_path / "x"), "--prompt", "a", "--prompt-name", "passage"])
+    with pytest.raises(ValueError, match="prompt and prompt_name: give one of them"):
+        reembed(str(folder), str(src), str(tmp_path / "x"), prompt="a", prompt_name="passage")
 
 
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir, capsys):
