@@ -468,7 +468,25 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
     rows = store.retry(dataset.count_rows, f"count rows of {input}")
     if rows == 0:
         raise ValueError(f"--input {input}: no rows to embed")
+    _check_texts(input, dataset, id_column, text_column, store)
     return files, rows, size or 0
+
+
+def _check_texts(input: str, dataset, id_column: str, text_column: str, store: storage.Store) -> None:
+    """ValueError for a text column that is not text, or that has nulls, before a vector is written:
+    found mid-run, such a row failed the run with part of the output written (a folder the next run is
+    refused). Counting the nulls reads the footers' statistics only, where they say a row group has none."""
+    import pyarrow.compute as pc
+
+    kind = dataset.schema.field(text_column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise ValueError(f"--input {input}: column {text_column!r} holds {kind}, not text; name the text column with --text-column")
+    missing = pc.field(text_column).is_null()
+    empty = store.retry(lambda: dataset.count_rows(filter=missing), f"count the rows of {input} without text")
+    if empty:
+        first = store.retry(lambda: dataset.head(1, columns=[id_column], filter=missing), f"read {input}").column(0)[0].as_py()
+        raise ValueError(f"--input {input}: {empty} row(s) have no text (null) in column {text_column!r}, the first with "
+                         f"{id_column}={first!r}; drop or fill them, nothing was embedded")
 
 
 def _summary(fs: pafs.FileSystem, path: str, rows_in: int, **where: str) -> dict[str, Any]:

@@ -260,6 +260,30 @@ def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm
     assert (out / "part-0.parquet").read_bytes() == b"old"
 
 
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_rows_without_text_are_refused_up_front_naming_the_first_id_and_nothing_is_written(minilm_dir, tmp_path, capsys, engine):
+    """A null text, or a text column that holds no text, is found from the Parquet footers before the
+    model loads or Ray starts (either engine): found mid-run it failed the run with part of the output
+    written, a folder the next run is then refused."""
+    from jobs.cli import main
+
+    texts = list(TEXTS)
+    texts[2] = texts[5] = None
+    inputs = {
+        "nulls": (pa.table({"id": pa.array(IDS, pa.int64()), "text": pa.array(texts, pa.string())}),
+                  rf"2 row\(s\) have no text \(null\) in column 'text', the first with id={IDS[2]}; drop or fill them"),
+        "numbers": (pa.table({"id": pa.array(IDS, pa.int64()), "text": pa.array(IDS, pa.int64())}),
+                    r"column 'text' holds int64, not text; name the text column with --text-column"),
+    }
+    for name, (table, said) in inputs.items():
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+        out = tmp_path / f"vectors-{name}"
+        code = main(["embed", "--model", str(minilm_dir), "--input", str(tmp_path / f"{name}.parquet"), "--output", str(out), "--engine", engine])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(r"^ctx: error: --input .*" + said, err), err
+        assert not out.exists()
+
+
 def test_an_actor_sorts_the_rows_it_is_handed_into_small_length_sorted_passes(minilm_dir):
     """What Ray Data hands an actor (--actor-batch-size rows, in stored order) runs as several forward passes
     of at most --batch-size rows and --max-batch-tokens padded tokens, shortest texts first, and every id
