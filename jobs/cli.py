@@ -805,7 +805,8 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
     from jobs.serving.embed import DTYPES  # the names ModelSettings.dtype takes
 
     p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
-    p.add_argument("--input", required=True, help="Parquet file or folder with an id and a text column (local, file://, s3://)")
+    p.add_argument("--input", required=True, help="Parquet, JSON lines (.jsonl, .json) or CSV (.csv) file, or a folder of one kind, with an id and a text "
+                        "column (local, file://, s3://)")
     p.add_argument("--output", required=True, help="a new folder for the vectors' Parquet; one that holds files is refused")
     p.add_argument("--id-column", default="id")
     p.add_argument("--text-column", default="text")
@@ -873,7 +874,7 @@ COMMANDS = {
     ("schedule",): ("start the scheduled retraining of a schedule.yaml (detached actor), or --once: one round now", _add_schedule_run, cmd_schedule),
     ("schedule", "status"): ("past rounds of a schedule: metrics, gate decisions and why", _add_schedule_status, cmd_schedule_status),
     ("schedule", "stop"): ("stop a schedule's scheduler (after the round it runs)", _add_schedule, cmd_schedule_stop),
-    ("embed",): ("re-embed stored texts (Parquet with ids) with a model into a new Parquet folder, with Ray Data", _add_embed, cmd_embed),
+    ("embed",): ("re-embed stored texts (Parquet, JSON lines or CSV, with ids) with a model into a new Parquet folder", _add_embed, cmd_embed),
     ("mine-negatives",): ("add hard negatives, mined with a model, to (anchor, positive) records for embedding fine-tuning",
                           _add_mine_negatives, cmd_mine_negatives),
     ("models", "list"): ("list the registered models, their versions and aliases (MLflow registry)", _add_tracking, cmd_models_list),

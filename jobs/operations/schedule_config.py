@@ -209,7 +209,7 @@ class ServeStep(_Section):
 
 
 class ReembedStep(_Section):
-    input: str  # Parquet with ids and texts
+    input: str  # ids and texts: Parquet, JSON lines or CSV, as ctx embed --input
     output: str  # versions are written beside each other: <output>/v<version>/
     id_column: str = "id"
     text_column: str = "text"

@@ -2,7 +2,8 @@
 
     ctx embed --model runs/minilm-pairs --input s3://index/texts/ --output s3://index/vectors/minilm-v7/
 
-    Parquet (id, text) --read (the driver, up to DRIVER_READ_BYTES; else read_parquet)--> blocks of
+    Parquet, JSON lines or CSV (id, text) --read (the driver, up to DRIVER_READ_BYTES; else Ray Data's
+    read_parquet / read_json / read_csv)--> blocks of
     --actor-batch-size rows --map_batches(Embedder, a fixed pool of --actors)--> (id, embedding,
     model_version, tokenizer_hash) --write_parquet--> a NEW folder
 
@@ -66,6 +67,10 @@ IO_CPUS = 1
 # pipeline over 1,024 rows from 13.4-13.7 s to 9.7-10.3 s (Ray's start and shutdown included). A larger
 # input streams from storage through Ray Data's read tasks, as before.
 DRIVER_READ_BYTES = 64 << 20
+# What an input file is read as, by its name's ending: pyarrow.dataset's format for the driver, and the Ray Data
+# reader that streams a larger input. JSON is JSON lines, one object a line (what Ray Data and pyarrow read).
+INPUT_FORMATS: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "csv": "read_csv"}
 
 
 class Embedder:
@@ -293,7 +298,8 @@ def reembed(
     prompt_name: str | None = None,
     prompt: str | None = None,
 ) -> dict[str, Any]:
-    """Embed every (id, text) row of the Parquet at ``input`` with ``model`` into new Parquet at ``output``.
+    """Embed every (id, text) row at ``input`` (Parquet, JSON lines or CSV: ``INPUT_FORMATS``) with ``model``
+    into new Parquet at ``output``.
 
     ``model``: a checkpoint, a training run folder (its best or newest complete checkpoint), a Hugging
     Face folder or ``pkg:PACKAGE/PATH``, local or ``s3://``, or a registry version ``models:/NAME@alias``
@@ -339,7 +345,7 @@ def reembed(
     existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)
-    files, rows_in, size = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # Parquet footers only: no Ray yet
+    files, fmt, rows_in, size = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # no Ray yet
     checkpoint, registered = model_checkpoint(model)  # models:/NAME@alias -> the version's checkpoint, once
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
 
@@ -348,7 +354,7 @@ def reembed(
         engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
     chunks = None  # the input in actor_batch_size rows, where this process reads it (DRIVER_READ_BYTES)
     if engine == "local" or size <= driver_read_bytes:
-        table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format="parquet").to_table(columns=[id_column, text_column]),
+        table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format=fmt).to_table(columns=[id_column, text_column]),
                             f"read {input}")
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
@@ -368,8 +374,9 @@ def reembed(
         if chunks is not None:  # small: read here, no Ray Data read tasks
             ds = ray.data.from_arrow(chunks)
         else:
-            ds = ray.data.read_parquet(files, filesystem=in_fs).select_columns([id_column, text_column])  # read only these two
-            # One Parquet file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
+            read = getattr(ray.data, RAY_READERS[fmt])
+            ds = read(files, filesystem=in_fs).select_columns([id_column, text_column])  # keep only these two
+            # One file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
             # every actor of the pool gets work (streaming: no barrier before the model starts).
             ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
         threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
@@ -441,35 +448,48 @@ def _check_pool(actors: int, cpus_per_actor: float) -> None:
         )
 
 
+def _input_format(input: str, name: str) -> str | None:
+    """``INPUT_FORMATS``' format of a file name; None for a name that ends otherwise."""
+    return next((fmt for suffix, fmt in INPUT_FORMATS.items() if name.lower().endswith(suffix)), None)
+
+
 def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text_column: str,
-                store: storage.Store) -> tuple[list[str], int, int]:
-    """The Parquet files at ``path``, their row count (from the files' footers) and their bytes. The files are those
-    Ray Data's read_parquet would read there: ``path`` itself, or every ``*.parquet`` under the folder
-    whose path below it starts with neither "." nor "_"."""
+                store: storage.Store) -> tuple[list[str], str, int, int]:
+    """The input files at ``path``, their format (``INPUT_FORMATS``), their row count (a Parquet file's from
+    its footer; JSON lines and CSV are read for it) and their bytes. The files are ``path`` itself (read as
+    Parquet unless its name says JSON lines or CSV), or every file of one format under the folder whose
+    path below it starts with neither "." nor "_", as Ray Data's readers skip those."""
     import pyarrow.dataset as pads
 
     info = store.retry(lambda: fs.get_file_info(path), f"stat {input}")
     if info.type == pafs.FileType.File:
-        files, size = [path], info.size
+        files, size, fmt = [path], info.size, _input_format(input, path) or "parquet"
     else:
         listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {input}")
         base = path.rstrip("/") + "/"
         chosen = [
             i for i in listed
-            if i.type == pafs.FileType.File and i.path.endswith(".parquet") and not i.path[len(base):].startswith((".", "_"))
+            if i.type == pafs.FileType.File and _input_format(input, i.path) and not i.path[len(base):].startswith((".", "_"))
         ]
-        files, size = sorted(i.path for i in chosen), sum(i.size or 0 for i in chosen)
-        if not files:
-            raise ValueError(f"--input {input}: no Parquet file (*.parquet) there")
-    dataset = pads.dataset(files, filesystem=fs, format="parquet")
-    for col in (id_column, text_column):
-        if col not in dataset.schema.names:
-            raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(dataset.schema.names)}); name it with --id-column / --text-column")
-    rows = store.retry(dataset.count_rows, f"count rows of {input}")
-    if rows == 0:
-        raise ValueError(f"--input {input}: no rows to embed")
-    _check_texts(input, dataset, id_column, text_column, store)
-    return files, rows, size or 0
+        formats = sorted({_input_format(input, i.path) for i in chosen})
+        if not formats:
+            raise ValueError(f"--input {input}: no Parquet, JSON lines or CSV file ({', '.join('*' + s for s in INPUT_FORMATS)}) there")
+        if len(formats) > 1:
+            raise ValueError(f"--input {input}: the folder mixes {' and '.join(formats)} files; give a folder of one kind")
+        files, size, fmt = sorted(i.path for i in chosen), sum(i.size or 0 for i in chosen), formats[0]
+    try:
+        dataset = pads.dataset(files, filesystem=fs, format=fmt)
+        for col in (id_column, text_column):
+            if col not in dataset.schema.names:
+                raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(dataset.schema.names)}); name it with --id-column / --text-column")
+        rows = store.retry(dataset.count_rows, f"count rows of {input}")
+        if rows == 0:
+            raise ValueError(f"--input {input}: no rows to embed")
+        _check_texts(input, dataset, id_column, text_column, store)
+    except pa.ArrowInvalid as e:  # a file that is not what its name says (a JSON array, not JSON lines): the reader's words
+        kind = "JSON lines (one object a line)" if fmt == "json" else fmt
+        raise ValueError(f"--input {input}: not readable as {kind} ({e})") from None
+    return files, fmt, rows, size or 0
 
 
 def _check_texts(input: str, dataset, id_column: str, text_column: str, store: storage.Store) -> None:

@@ -102,6 +102,12 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
     assert summary["output"] == out and summary["rows"] == len(IDS)
     expected = _serving_vectors(minilm_dir, normalize=True)
     _check_rows(_read(out), expected, checkpoint_version(str(minilm_dir)))
+    # JSON lines streamed the same way, by Ray Data's read_json
+    with fs.open_output_stream(f"{s3_bucket}/index/docs/part-0.jsonl") as f:
+        f.write("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)).encode())
+    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/docs/", out + "-jsonl", actor_batch_size=4, driver_read_bytes=0)
+    assert summary["engine"] == "ray" and summary["rows"] == len(IDS)
+    _check_rows(_read(out + "-jsonl"), expected, checkpoint_version(str(minilm_dir)))
     reference = st.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS, batch_size=4, convert_to_numpy=True)
     np.testing.assert_allclose(expected, reference, atol=2e-5)
 
@@ -258,6 +264,35 @@ def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm
     err = capsys.readouterr().err
     assert code == 2 and re.search(r"^ctx: error: .*never over them", err), err  # the command says why, no traceback
     assert (out / "part-0.parquet").read_bytes() == b"old"
+
+
+def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, tmp_path, capsys):
+    """``--input`` of JSON lines (.jsonl, .json) or CSV, a file or a folder of one kind, is read as Parquet
+    is (the local engine here; the Ray engine streams it with read_json / read_csv, on S3 below); a
+    folder that mixes kinds, or a .json that is one JSON array, is refused naming the input."""
+    from jobs.cli import main
+
+    rows = [{"id": i, "text": t, "extra": {"lang": "en"}} for i, t in zip(IDS, TEXTS)]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "part-0.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
+    (tmp_path / "docs" / "part-1.json").write_text("\n".join(json.dumps(r) for r in rows[4:]) + "\n")
+    (tmp_path / "docs" / "_SUCCESS").write_text("")
+    pa_csv = pytest.importorskip("pyarrow.csv")
+    pa_csv.write_csv(_input_table().drop_columns(["lang"]), tmp_path / "texts.csv")  # quotes, commas and newlines as CSV says
+    expected = _serving_vectors(minilm_dir, normalize=True)
+    for name, source in (("jsonl", tmp_path / "docs"), ("csv", tmp_path / "texts.csv")):
+        code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / name), "--engine", "local"])
+        assert code == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["rows"] == len(IDS)
+        _check_rows(_read(str(tmp_path / name)), expected, checkpoint_version(str(minilm_dir)))
+
+    pq.write_table(_input_table(), tmp_path / "docs" / "more.parquet")
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    for source, said in ((tmp_path / "docs", r"the folder mixes json and parquet files; give a folder of one kind"),
+                         (tmp_path / "array.json", r"not readable as JSON lines \(one object a line\)")):
+        code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / "refused"), "--engine", "local"])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(r"^ctx: error: --input .*" + said, err), err
 
 
 @pytest.mark.parametrize("engine", ["local", "ray"])
