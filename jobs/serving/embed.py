@@ -71,6 +71,10 @@ DRIVER_READ_BYTES = 64 << 20
 # reader that streams a larger input. JSON is JSON lines, one object a line (what Ray Data and pyarrow read).
 INPUT_FORMATS: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "csv": "read_csv"}
+# Written into the output folder before its first vector: the model version and every setting the vectors depend
+# on, so a resumed run (--resume) adds to a folder only vectors made the same way. Its "_" keeps it out of what
+# Parquet readers (pyarrow, Ray Data, pandas) read as the folder's data.
+RUN_FILE = "_embed.json"
 
 
 class Embedder:
@@ -267,7 +271,8 @@ def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> 
             return info.type == pafs.FileType.Directory
     raise FileExistsError(
         f"--output {output} already holds embeddings or other files: re-embedding writes a new folder "
-        f"beside the old ones and never over them; give a new folder (e.g. one named after the model version)"
+        f"beside the old ones and never over them; give a new folder (e.g. one named after the model version), "
+        f"or resume (--resume) a run of the same model and settings that stopped there"
     )
 
 
@@ -297,6 +302,7 @@ def reembed(
     dimensions: int | None = None,
     prompt_name: str | None = None,
     prompt: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Embed every (id, text) row at ``input`` (Parquet, JSON lines or CSV: ``INPUT_FORMATS``) with ``model``
     into new Parquet at ``output``.
@@ -327,9 +333,14 @@ def reembed(
     whether it takes them before a vector is written (in a Ray task, for the Ray engine), so a prompt its
     folder lacks is a ValueError naming its prompts, not a failed pool.
 
+    ``resume``: an ``output`` that holds the vectors of an earlier run that stopped (its ``RUN_FILE`` says the
+    same model version and settings) gets the rows whose ids it lacks, in new files beside its own; an
+    ``output`` that is absent or empty is a first run. Without it, a folder that holds files is refused.
+
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
-    "registry_version", "engine", "actors", "seconds", "rows_per_s"}, read back from what was written; ``seconds``
-    is wall time from ``started`` (a ``time.perf_counter()`` value, default this call's start).
+    "registry_version", "engine", "actors", "resumed", "seconds", "rows_per_s"}, read back from what was written
+    (``rows``: all of the output's, ``resumed``: those an earlier run wrote); ``seconds`` is wall time from
+    ``started`` (a ``time.perf_counter()`` value, default this call's start), ``rows_per_s`` this run's rows over it.
     """
     started = time.perf_counter() if started is None else started
     import pyarrow.dataset as pads
@@ -342,12 +353,16 @@ def reembed(
     _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt)
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
-    existed_empty = refuse_existing(output, store)  # before any work: old vectors stay as they are
+    if not resume:
+        refuse_existing(output, store)  # before any work: old vectors stay as they are
     in_fs, in_path = store.filesystem(input)
     out_fs, out_path = store.filesystem(output)
     files, fmt, rows_in, size = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # no Ray yet
     checkpoint, registered = model_checkpoint(model)  # models:/NAME@alias -> the version's checkpoint, once
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
+    run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
+           "dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt, "language": language, "dtype": dtype}
+    done = _embedded_ids(output, out_fs, out_path, run, store) if resume else None  # None: nothing there yet
 
     if engine == "auto":
         no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
@@ -356,14 +371,20 @@ def reembed(
     if engine == "local" or size <= driver_read_bytes:
         table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format=fmt).to_table(columns=[id_column, text_column]),
                             f"read {input}")
+        table = _without(table, done, id_column)
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
     options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
+    resumed = 0 if done is None else len(done)
     if engine == "local":
         embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
         embedder.check()  # before a file is written
+        if done is None:
+            _write_run_file(out_fs, out_path, run, output, store)
         _write_local(out_fs, out_path, map(embedder, chunks), output, store)
         pool = 0
+    elif resumed == rows_in:
+        pool = 0  # an earlier run wrote every row: nothing to start
     else:
         # --- Ray seam: Ray Data read -> actor pool -> write ---
         init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
@@ -376,6 +397,8 @@ def reembed(
         else:
             read = getattr(ray.data, RAY_READERS[fmt])
             ds = read(files, filesystem=in_fs).select_columns([id_column, text_column])  # keep only these two
+            if done is not None:  # the ids an earlier run wrote go to the read tasks through the object store
+                ds = ds.map_batches(_without, fn_kwargs={"done": done, "id_column": id_column}, batch_format="pyarrow")
             # One file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
             # every actor of the pool gets work (streaming: no barrier before the model starts).
             ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
@@ -390,31 +413,97 @@ def reembed(
             num_cpus=cpus_per_actor,
             num_gpus=num_gpus,
         )
-        # SaveMode.ERROR: Ray Data refuses too if another writer created the folder since the check above.
-        mode = ray.data.SaveMode.APPEND if existed_empty else ray.data.SaveMode.ERROR
-        vectors.write_parquet(out_path, filesystem=out_fs, mode=mode)
+        if done is None:
+            _write_run_file(out_fs, out_path, run, output, store)
+        vectors.write_parquet(out_path, filesystem=out_fs, mode=ray.data.SaveMode.APPEND)  # beside RUN_FILE
 
     summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
     seconds = time.perf_counter() - started
     return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
-            "seconds": round(seconds, 2), "rows_per_s": round(rows_in / seconds, 1)}
+            "resumed": resumed, "seconds": round(seconds, 2), "rows_per_s": round((rows_in - resumed) / seconds, 1)}
+
+
+def _write_run_file(fs: pafs.FileSystem, path: str, run: dict[str, Any], output: str, store: storage.Store) -> None:
+    """``RUN_FILE`` in a new or empty output folder, before its first vector."""
+    import json
+
+    body = json.dumps(run, indent=2).encode()
+    store.retry(lambda: fs.create_dir(path, recursive=True), f"create {output}")
+
+    def write() -> None:
+        with fs.open_output_stream(f"{path.rstrip('/')}/{RUN_FILE}") as f:
+            f.write(body)
+
+    store.retry(write, f"write {storage.join(output, RUN_FILE)}")
+
+
+def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, Any], store: storage.Store) -> pa.Array | None:
+    """The ids an earlier run of the same model version and settings (``run``) wrote to ``output``, for
+    ``reembed(resume=True)``; None when ``output`` is absent or empty. FileExistsError for a folder whose
+    files another kind of run wrote (no ``RUN_FILE``, or one that differs), or whose vectors cannot be read
+    (a file cut short: its name is given)."""
+    import json
+
+    import pyarrow.dataset as pads
+
+    listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {output}")
+    if not [i for i in listed if i.type == pafs.FileType.File]:
+        return None
+    try:
+        with store.retry(lambda: fs.open_input_stream(f"{path.rstrip('/')}/{RUN_FILE}"), f"read {storage.join(output, RUN_FILE)}") as f:
+            earlier = json.loads(f.read())
+    except FileNotFoundError:
+        raise FileExistsError(f"--output {output} holds files but no {RUN_FILE}: not the output of a ctx embed run this version "
+                              "can resume; give a new folder") from None
+    changed = {k: (earlier.get(k), v) for k, v in run.items() if earlier.get(k) != v}
+    if changed:
+        said = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items())
+        raise FileExistsError(f"--output {output} holds vectors made otherwise ({said}); resuming would mix them: "
+                              "run with the same model and settings, or give a new folder")
+    vectors = [i.path for i in listed if i.type == pafs.FileType.File and i.path.endswith(".parquet")
+               and not i.path[len(path.rstrip("/")) + 1:].startswith((".", "_"))]
+    try:
+        ids = store.retry(lambda: pads.dataset(vectors, filesystem=fs, format="parquet").to_table(columns=["id"]), f"read {output}")
+    except pa.ArrowInvalid as e:
+        raise FileExistsError(f"--output {output}: a file of the earlier run cannot be read ({e}); delete it and resume") from None
+    return ids.column("id").combine_chunks()
+
+
+def _without(table: pa.Table, done: pa.Array | None, id_column: str) -> pa.Table:
+    """``table``'s rows whose id is not in ``done`` (all of them for None)."""
+    import pyarrow.compute as pc
+
+    if done is None or len(done) == 0:
+        return table
+    return table.filter(pc.invert(pc.is_in(table.column(id_column), value_set=done.cast(table.schema.field(id_column).type))))
 
 
 def _write_local(fs: pafs.FileSystem, path: str, parts, output: str, store: storage.Store) -> None:
     """The local engine's output: Parquet files of at least LOCAL_FILE_ROWS rows each (the last one
-    fewer), in the folder ``refuse_existing`` found empty or absent."""
+    fewer), numbered after those an earlier run of a resumed output wrote. On a local disk each file is
+    written under a hidden name and then renamed, so a run stopped mid-file leaves no file cut short for
+    a resumed run to read (an object store's upload appears whole or not at all)."""
+    import re
+
     import pyarrow.parquet as pq
 
     store.retry(lambda: fs.create_dir(path, recursive=True), f"create {output}")
+    listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
+    numbers = [int(m.group(1)) for i in listed if (m := re.fullmatch(r"embeddings-(\d+)\.parquet", i.base_name))]
     pending: list[pa.Table] = []
+    folder = path.rstrip("/")
+    staged = isinstance(fs, pafs.LocalFileSystem)
 
     def flush(k: int) -> None:
         table = pa.concat_tables(pending)
         name = f"embeddings-{k:05d}.parquet"
-        store.retry(lambda: pq.write_table(table, f"{path.rstrip('/')}/{name}", filesystem=fs), f"write {storage.join(output, name)}")
+        target = f"{folder}/.{name}.partial" if staged else f"{folder}/{name}"
+        store.retry(lambda: pq.write_table(table, target, filesystem=fs), f"write {storage.join(output, name)}")
+        if staged:
+            fs.move(target, f"{folder}/{name}")
         pending.clear()
 
-    k = rows = 0
+    k, rows = max(numbers, default=-1) + 1, 0
     for part in parts:
         pending.append(part)
         rows += part.num_rows

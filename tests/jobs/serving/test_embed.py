@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -86,6 +87,14 @@ def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrite
         reembed(str(minilm_dir), str(src), str(out))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old vectors are untouched
 
+    # a run that lost a file's rows (as one stopped before writing them): --resume embeds those rows only, through the pool
+    lost = sorted(out.glob("*.parquet"))[0]
+    lost_rows = pq.read_metadata(lost).num_rows
+    lost.unlink()
+    resumed = reembed("models:/embed-minilm@production", str(src), str(out), actor_batch_size=3, batch_size=2, resume=True)
+    assert resumed["engine"] == "ray" and resumed["resumed"] == len(IDS) - lost_rows and resumed["rows"] == len(IDS)
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=True), version)
+
     with pytest.raises(ValueError, match="no column 'body'.*--text-column"):
         reembed(str(minilm_dir), str(src), str(tmp_path / "other"), text_column="body")
 
@@ -107,6 +116,13 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
         f.write("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)).encode())
     summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/docs/", out + "-jsonl", actor_batch_size=4, driver_read_bytes=0)
     assert summary["engine"] == "ray" and summary["rows"] == len(IDS)
+    _check_rows(_read(out + "-jsonl"), expected, checkpoint_version(str(minilm_dir)))
+    # an object of it lost, then --resume: the streamed input's read tasks leave out the ids already there
+    written = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(f"{s3_bucket}/index/vectors/minilm-v1-jsonl")) if i.path.endswith(".parquet"))
+    lost_rows = pq.read_metadata(written[0], filesystem=fs).num_rows
+    fs.delete_file(written[0])
+    summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/docs/", out + "-jsonl", actor_batch_size=4, driver_read_bytes=0, resume=True)
+    assert summary["resumed"] == len(IDS) - lost_rows and summary["rows"] == len(IDS)
     _check_rows(_read(out + "-jsonl"), expected, checkpoint_version(str(minilm_dir)))
     reference = st.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS, batch_size=4, convert_to_numpy=True)
     np.testing.assert_allclose(expected, reference, atol=2e-5)
@@ -249,6 +265,65 @@ def test_prompts_and_dimensions_give_sentence_transformers_vectors_and_a_model_t
         main(["embed", "--model", str(folder), "--input", str(src), "--output", str(tmp_path / "x"), "--prompt", "a", "--prompt-name", "passage"])
     with pytest.raises(ValueError, match="prompt and prompt_name: give one of them"):
         reembed(str(folder), str(src), str(tmp_path / "x"), prompt="a", prompt_name="passage")
+
+
+def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir, tmp_path, monkeypatch, capsys):
+    """``--resume`` (the local engine): a run that died after its first file goes on with the rows whose
+    ids the folder lacks, in new files numbered after its own, and ends with every id once and the
+    serving vectors; the model embeds none of the rows written before. A resume with other settings, or
+    into a folder no ctx embed run wrote, is refused before anything is embedded."""
+    import jobs.serving.embed
+    from jobs.cli import main
+
+    monkeypatch.setattr(jobs.serving.embed, "LOCAL_FILE_ROWS", 2)  # 7 rows in chunks of 2: a file per chunk
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    out = tmp_path / "vectors"
+    embedded: list[str] = []
+    call = Embedder.__call__
+
+    def dies_at_the_third_chunk(self, batch):
+        if len(embedded) == 4:
+            raise RuntimeError("the machine went away")
+        embedded.extend(batch.column("text").to_pylist())
+        return call(self, batch)
+
+    monkeypatch.setattr(Embedder, "__call__", dies_at_the_third_chunk)
+    common = ["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(out), "--engine", "local", "--actor-batch-size", "2"]
+    with pytest.raises(RuntimeError, match="went away"):
+        main(common)
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["embeddings-00000.parquet", "embeddings-00001.parquet"]
+    assert json.loads((out / "_embed.json").read_text())["model_version"] == checkpoint_version(str(minilm_dir))
+    code = main(common)  # without --resume: refused, as before
+    assert code == 2 and "--resume" in capsys.readouterr().err
+
+    for flags, said in ((["--no-normalize"], r"normalize: None then, False now"),
+                        (["--dimensions", "64"], r"dimensions: None then, 64 now")):
+        code = main([*common, "--resume", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(r"^ctx: error: --output .* holds vectors made otherwise \(" + said, err), err
+    assert len(embedded) == 4  # nothing embedded by the refused runs
+
+    embedded.clear()
+    assert main([*common, "--resume"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["resumed"] == 4 and summary["rows"] == len(IDS)
+    assert sorted(embedded) == sorted(TEXTS[4:])  # only the rows the folder lacked
+    assert sorted(p.name for p in out.glob("*.parquet")) == [f"embeddings-0000{i}.parquet" for i in range(4)]
+    _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=True), checkpoint_version(str(minilm_dir)))
+    embedded.clear()
+    assert main([*common, "--resume"]) == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["resumed"] == len(IDS)
+    assert embedded == []  # a finished folder: nothing left to embed
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    pq.write_table(_input_table(), foreign / "part-0.parquet")
+    code = main(["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(foreign), "--engine", "local", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds files but no _embed.json" in err, err
+    fresh = tmp_path / "fresh"  # --resume of a folder that is not there: a first run
+    assert main(["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(fresh), "--engine", "local", "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["resumed"] == 0
 
 
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir, capsys):
