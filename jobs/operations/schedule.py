@@ -462,7 +462,9 @@ def _finetune(recipe, log):
 
 def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
     """Recompute the stored embeddings with the new version, written beside the old ones under
-    ``<reembed.output>/v<version>/`` (never over them), with ``jobs.serving.embed.reembed`` (Ray Data)."""
+    ``<reembed.output>/v<version>/`` (never over them), with ``jobs.serving.embed.reembed`` (Ray Data).
+    The version's folder is resumed: a round retried after its re-embedding stopped midway embeds only
+    the rows that folder lacks, and one that finished is left as it is."""
     r = cfg.reembed
     output = storage.join(r.output, f"v{version.version}")
     try:
@@ -471,7 +473,7 @@ def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
         return {"status": "skipped", "reason": "jobs.serving.embed (ctx embed) is not installed in this checkout"}
     try:
         out = bulk(version.source, r.input, output, id_column=r.id_column, text_column=r.text_column,
-                   pooling=r.pooling, normalize=r.normalize, dimensions=r.dimensions, prompt_name=r.prompt_name, store=cfg.store)
+                   pooling=r.pooling, normalize=r.normalize, dimensions=r.dimensions, prompt_name=r.prompt_name, store=cfg.store, resume=True)
         return {"status": "done", "output": output, **{k: v for k, v in (out or {}).items() if isinstance(v, (int, float, str))}}
     except Exception as e:
         return {"status": "failed", "output": output, "reason": f"{type(e).__name__}: {e}"}

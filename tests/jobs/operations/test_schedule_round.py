@@ -146,7 +146,8 @@ def test_decisions_failed_gated_promoted(versions, tmp_path):
 @pytest.mark.slow
 def test_reembed_step_writes_the_new_version_beside_the_old(ray_session, versions, tmp_path):
     """Step 5: a promoted version's vectors go to <output>/v<N>/, next to earlier versions' folders,
-    which stay as they were; asking again for the same version is refused, not overwritten."""
+    which stay as they were; asking again for the same version (a retried round) resumes its folder:
+    nothing is embedded again or overwritten."""
     import pyarrow as pa
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
@@ -170,8 +171,10 @@ def test_reembed_step_writes_the_new_version_beside_the_old(ray_session, version
     assert sorted(table.column("id").to_pylist()) == [3, 7, 11]
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 16)
     assert (old / "part-0.parquet").read_bytes() == b"the old version's vectors"
+    written = {p.name: p.read_bytes() for p in (tmp_path / "vectors" / "v2").iterdir()}
     again = reembed(cfg, v2)
-    assert again["status"] == "failed" and sorted(pads.dataset(str(tmp_path / "vectors" / "v2"), format="parquet").to_table().column("id").to_pylist()) == [3, 7, 11]
+    assert again["status"] == "done" and again["resumed"] == 3 and again["rows"] == 3
+    assert {p.name: p.read_bytes() for p in (tmp_path / "vectors" / "v2").iterdir()} == written
 
 
 def test_a_failed_round_is_retried_only_after_retry_after_s():
