@@ -326,7 +326,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           actors=args.actors, cpus_per_actor=args.cpus_per_actor, num_gpus=args.num_gpus,
                           verbose=args.verbose, started=started, engine=args.engine, dtype=args.dtype,
                           cuda_graphs=args.cuda_graphs, language=_language(args.language), dimensions=args.dimensions,
-                          prompt_name=args.prompt_name, prompt=args.prompt, resume=args.resume)
+                          prompt_name=args.prompt_name, prompt=args.prompt, resume=args.resume,
+                          progress=not args.no_progress)
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise CommandError(str(e)) from None
@@ -823,6 +824,8 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
                               "encode(prompt_name=...) and /v1/embeddings' prompt_name (an E5-style folder's 'document' or "
                               "'passage'; default: the folder's default prompt, if it names one)")
     prompts.add_argument("--prompt", default=None, help="put this text before every text instead (e.g. 'passage: ')")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress line on stderr (the local engine's rows done, rows/s and time left; Ray Data shows its own)")
     p.add_argument("--resume", action="store_true",
                    help="an --output an earlier run of the same model and settings stopped in gets the rows whose ids it "
                         "lacks, in new files beside its own (an absent or empty --output: a first run)")

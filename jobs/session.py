@@ -140,3 +140,11 @@ def quiet_ray_data() -> None:
             handler.setLevel(logging.ERROR)
     if not sys.stdout.isatty():
         ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def clock(seconds: float) -> str:
+    """``seconds`` as ``h:mm:ss`` (``mm:ss`` under an hour): how a command's progress line shows time left."""
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"

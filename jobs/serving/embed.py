@@ -27,8 +27,9 @@ more rows one call sorts, the less padding its passes carry, while each pass sta
 from __future__ import annotations
 
 import os
+import sys
 import time
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -75,6 +76,7 @@ RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "
 # on, so a resumed run (--resume) adds to a folder only vectors made the same way. Its "_" keeps it out of what
 # Parquet readers (pyarrow, Ray Data, pandas) read as the folder's data.
 RUN_FILE = "_embed.json"
+PROGRESS_EVERY_S = 30.0  # the local engine's progress where stderr is no terminal (job logs): a line this often
 
 
 class Embedder:
@@ -303,6 +305,7 @@ def reembed(
     prompt_name: str | None = None,
     prompt: str | None = None,
     resume: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Embed every (id, text) row at ``input`` (Parquet, JSON lines or CSV: ``INPUT_FORMATS``) with ``model``
     into new Parquet at ``output``.
@@ -336,6 +339,8 @@ def reembed(
     ``resume``: an ``output`` that holds the vectors of an earlier run that stopped (its ``RUN_FILE`` says the
     same model version and settings) gets the rows whose ids it lacks, in new files beside its own; an
     ``output`` that is absent or empty is a first run. Without it, a folder that holds files is refused.
+    ``progress``: the local engine shows rows done, rows/s and time left on stderr (``ctx embed``; the Ray
+    engine's progress is Ray Data's own).
 
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
     "registry_version", "engine", "actors", "resumed", "seconds", "rows_per_s"}, read back from what was written
@@ -381,7 +386,8 @@ def reembed(
         embedder.check()  # before a file is written
         if done is None:
             _write_run_file(out_fs, out_path, run, output, store)
-        _write_local(out_fs, out_path, map(embedder, chunks), output, store)
+        parts = map(embedder, chunks)
+        _write_local(out_fs, out_path, _shown(parts, rows_in - resumed) if progress else parts, output, store)
         pool = 0
     elif resumed == rows_in:
         pool = 0  # an earlier run wrote every row: nothing to start
@@ -421,6 +427,23 @@ def reembed(
     seconds = time.perf_counter() - started
     return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
             "resumed": resumed, "seconds": round(seconds, 2), "rows_per_s": round((rows_in - resumed) / seconds, 1)}
+
+
+def _shown(parts: Iterator[pa.Table], total: int) -> Iterator[pa.Table]:
+    """``parts`` as they come, with the rows embedded so far, their rate and the time left on stderr: a bar
+    redrawn in place on a terminal, else a line every ``PROGRESS_EVERY_S`` and one at the end."""
+    from jobs.session import clock
+
+    terminal, start, done, shown = sys.stderr.isatty(), time.perf_counter(), 0, 0.0
+    for part in parts:
+        done += part.num_rows
+        now = time.perf_counter() - start
+        if terminal or now - shown >= PROGRESS_EVERY_S or done == total:
+            rate = done / max(now, 1e-9)
+            line = f"embed: {done:,}/{total:,} rows ({100 * done / max(total, 1):.0f}%) | {rate:,.0f} rows/s | ETA {clock((total - done) / max(rate, 1e-9))}"
+            print(f"\r{line}" if terminal else line, end="\n" if not terminal or done == total else "", file=sys.stderr, flush=True)
+            shown = now
+        yield part
 
 
 def _write_run_file(fs: pafs.FileSystem, path: str, run: dict[str, Any], output: str, store: storage.Store) -> None:

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import ray
 
+from jobs.session import clock
+
 
 @ray.remote(num_cpus=0)
 class ProgressBoard:
@@ -30,13 +32,6 @@ class ProgressBoard:
     def history(self) -> list[dict[str, Any]]:
         """Every metrics dict rank 0 logged, in order (a restarted run logs its steps again)."""
         return self.logged
-
-
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
 # Held-out metrics shown on the line when a step carries them: pretraining's eval set
@@ -67,7 +62,7 @@ def describe(m: dict[str, Any]) -> str:
     if m.get("bad_steps"):  # steps skipped for a non-finite loss or gradient norm: rare, so shown only then
         parts.append(f"skipped {m['bad_steps']} non-finite step{'s' if m['bad_steps'] != 1 else ''}")
     if m.get("eta_s") is not None:
-        parts.append(f"ETA {_fmt_eta(m['eta_s'])}")
+        parts.append(f"ETA {clock(m['eta_s'])}")
     return " | ".join(parts)
 
 

@@ -306,8 +306,11 @@ def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir
 
     embedded.clear()
     assert main([*common, "--resume"]) == 0
-    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    said = capsys.readouterr()
+    summary = json.loads(said.out.splitlines()[-1])
     assert summary["resumed"] == 4 and summary["rows"] == len(IDS)
+    # the progress line (stderr, no terminal: at the end, and every PROGRESS_EVERY_S) counts this run's rows
+    assert re.fullmatch(r"embed: 3/3 rows \(100%\) \| [\d,]+ rows/s \| ETA 00:00", said.err.strip()), said.err
     assert sorted(embedded) == sorted(TEXTS[4:])  # only the rows the folder lacked
     assert sorted(p.name for p in out.glob("*.parquet")) == [f"embeddings-0000{i}.parquet" for i in range(4)]
     _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=True), checkpoint_version(str(minilm_dir)))
@@ -322,8 +325,10 @@ def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir
     err = capsys.readouterr().err
     assert code == 2 and "holds files but no _embed.json" in err, err
     fresh = tmp_path / "fresh"  # --resume of a folder that is not there: a first run
-    assert main(["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(fresh), "--engine", "local", "--resume"]) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["resumed"] == 0
+    assert main(["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(fresh), "--engine", "local", "--resume",
+                 "--no-progress"]) == 0
+    said = capsys.readouterr()
+    assert json.loads(said.out.splitlines()[-1])["resumed"] == 0 and said.err == ""
 
 
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir, capsys):
