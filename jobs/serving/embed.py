@@ -87,7 +87,7 @@ class Embedder:
     ``dtype``: the forward passes' (``ctx serve``'s ``dtype``: "auto" is float16 on a GPU, float32 on the CPU);
     ``cuda_graphs``: on a GPU, passes replayed from CUDA graphs (``ctx serve``'s ``cuda_graphs``);
     ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``).
-    ``dimensions``, ``prompt_name``, ``prompt``: as /v1/embeddings' (``SENTENCE_OPTIONS``): the first
+    ``dimensions``, ``prompt_name``, ``prompt``: as /v1/embeddings' (``EmbeddingReplica.embed_now``): the first
     ``dimensions`` components, re-normalised when the vectors are; a text put before every text, the
     folder's prompt ``prompt_name`` names or ``prompt`` itself (None and None: the folder's default prompt)."""
 
@@ -469,6 +469,8 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
 
     import pyarrow.dataset as pads
 
+    if store.retry(lambda: fs.get_file_info(path), f"stat {output}").type == pafs.FileType.File:
+        raise FileExistsError(f"--output {output} is a file: the vectors go to a folder")
     listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {output}")
     if not [i for i in listed if i.type == pafs.FileType.File]:
         return None
