@@ -487,6 +487,8 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
                               "run with the same model and settings, or give a new folder")
     vectors = [i.path for i in listed if i.type == pafs.FileType.File and i.path.endswith(".parquet")
                and not i.path[len(path.rstrip("/")) + 1:].startswith((".", "_"))]
+    if not vectors:  # stopped before its first file: RUN_FILE alone
+        return pa.array([], pa.int64())
     try:
         ids = store.retry(lambda: pads.dataset(vectors, filesystem=fs, format="parquet").to_table(columns=["id"]), f"read {output}")
     except pa.ArrowInvalid as e:

@@ -281,9 +281,10 @@ def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir
     out = tmp_path / "vectors"
     embedded: list[str] = []
     call = Embedder.__call__
+    dies_after = [0]  # rows embedded before the machine goes away: a run stopped before its first file, then after two
 
     def dies_at_the_third_chunk(self, batch):
-        if len(embedded) == 4:
+        if len(embedded) == dies_after[0]:
             raise RuntimeError("the machine went away")
         embedded.extend(batch.column("text").to_pylist())
         return call(self, batch)
@@ -292,6 +293,10 @@ def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir
     common = ["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(out), "--engine", "local", "--actor-batch-size", "2"]
     with pytest.raises(RuntimeError, match="went away"):
         main(common)
+    assert [p.name for p in out.iterdir()] == ["_embed.json"]  # stopped before its first file
+    dies_after[0] = 4
+    with pytest.raises(RuntimeError, match="went away"):
+        main([*common, "--resume"])
     assert sorted(p.name for p in out.glob("*.parquet")) == ["embeddings-00000.parquet", "embeddings-00001.parquet"]
     assert json.loads((out / "_embed.json").read_text())["model_version"] == checkpoint_version(str(minilm_dir))
     code = main(common)  # without --resume: refused, as before
