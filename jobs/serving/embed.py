@@ -259,10 +259,10 @@ def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[s
         raise
 
 
-def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> bool:
-    """Raise FileExistsError when ``output`` is a file or a folder holding anything; True when it is
-    an empty folder already (the write then adds to it), False when it does not exist. ``store``:
-    the endpoint and retry deadline (or an endpoint URL, with the default deadline)."""
+def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> None:
+    """Raise FileExistsError when ``output`` is a file or a folder holding anything (an empty or absent
+    folder is written into). ``store``: the endpoint and retry deadline (or an endpoint URL, with the
+    default deadline)."""
     store = store if isinstance(store, storage.Store) else storage.Store(store)
     fs, path = store.filesystem(output)
     info = store.retry(lambda: fs.get_file_info(path), f"stat {output}")
@@ -270,7 +270,7 @@ def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> 
         # A prefix with objects under it can read as NotFound on some S3 stores (no folder markers): list it.
         listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
         if not listed:
-            return info.type == pafs.FileType.Directory
+            return
     raise FileExistsError(
         f"--output {output} already holds embeddings or other files: re-embedding writes a new folder "
         f"beside the old ones and never over them; give a new folder (e.g. one named after the model version), "
@@ -365,8 +365,9 @@ def reembed(
     files, fmt, rows_in, size = _input_rows(input, in_fs, in_path, id_column, text_column, store)  # no Ray yet
     checkpoint, registered = model_checkpoint(model)  # models:/NAME@alias -> the version's checkpoint, once
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
+    options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}  # Embedder's, /v1/embeddings' own
     run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
-           "dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt, "language": language, "dtype": dtype}
+           **options, "language": language, "dtype": dtype}
     done = _embedded_ids(output, out_fs, out_path, run, store) if resume else None  # None: nothing there yet
 
     if engine == "auto":
@@ -379,7 +380,6 @@ def reembed(
         table = _without(table, done, id_column)
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
-    options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
     resumed = 0 if done is None else len(done)
     if engine == "local":
         embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
