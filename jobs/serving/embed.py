@@ -71,6 +71,12 @@ DRIVER_READ_BYTES = 64 << 20
 # What an input file is read as, by its name's ending: pyarrow.dataset's format for the driver, and the Ray Data
 # reader that streams a larger input. JSON is JSON lines, one object a line (what Ray Data and pyarrow read).
 INPUT_FORMATS: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+# A JSON lines or CSV file may be compressed whole, as corpora often ship (``docs.jsonl.gz``): these endings are
+# the codecs both pyarrow.dataset (the driver) and Ray Data's readers (pyarrow.Codec.detect) take from the name
+# and undo as they read. Not ".zst": pyarrow.dataset knows zstd only as ".zstd", Ray Data only as ".zst", so such
+# a file is refused with a message (UNREAD_COMPRESSIONS). Parquet compresses inside, by column.
+COMPRESSIONS: tuple[str, ...] = (".gz", ".bz2", ".lz4")
+UNREAD_COMPRESSIONS: tuple[str, ...] = (".zst", ".zstd", ".br")
 RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "csv": "read_csv"}
 # Written into the output folder before its first vector: the model version and every setting the vectors depend
 # on, so a resumed run (--resume) adds to a folder only vectors made the same way. Its "_" keeps it out of what
@@ -402,7 +408,8 @@ def reembed(
             ds = ray.data.from_arrow(chunks)
         else:
             read = getattr(ray.data, RAY_READERS[fmt])
-            ds = read(files, filesystem=in_fs).select_columns([id_column, text_column])  # keep only these two
+            # the files chosen above, whatever their ending (the readers' default file_extensions leave out some of COMPRESSIONS)
+            ds = read(files, filesystem=in_fs, file_extensions=None).select_columns([id_column, text_column])  # keep only these two
             if done is not None:  # the ids an earlier run wrote go to the read tasks through the object store
                 ds = ds.map_batches(_without, fn_kwargs={"done": done, "id_column": id_column}, batch_format="pyarrow")
             # One file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
@@ -463,8 +470,8 @@ def _write_run_file(fs: pafs.FileSystem, path: str, run: dict[str, Any], output:
 def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, Any], store: storage.Store) -> pa.Array | None:
     """The ids an earlier run of the same model version and settings (``run``) wrote to ``output``, for
     ``reembed(resume=True)``; None when ``output`` is absent or empty. FileExistsError for a folder whose
-    files another kind of run wrote (no ``RUN_FILE``, or one that differs), or whose vectors cannot be read
-    (a file cut short: its name is given)."""
+    files another kind of run wrote (no ``RUN_FILE``, or one that differs). A vector file cut short by the stop
+    is deleted (``_without_cut_short``): its rows are embedded again."""
     import json
 
     import pyarrow.dataset as pads
@@ -489,11 +496,40 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
                and not i.path[len(path.rstrip("/")) + 1:].startswith((".", "_"))]
     if not vectors:  # stopped before its first file: RUN_FILE alone
         return pa.array([], pa.int64())
+
+    def read_ids(files: list[str]) -> pa.Array:
+        if not files:
+            return pa.array([], pa.int64())
+        table = store.retry(lambda: pads.dataset(files, filesystem=fs, format="parquet").to_table(columns=["id"]), f"read {output}")
+        return table.column("id").combine_chunks()
+
     try:
-        ids = store.retry(lambda: pads.dataset(vectors, filesystem=fs, format="parquet").to_table(columns=["id"]), f"read {output}")
-    except pa.ArrowInvalid as e:
-        raise FileExistsError(f"--output {output}: a file of the earlier run cannot be read ({e}); delete it and resume") from None
-    return ids.column("id").combine_chunks()
+        return read_ids(vectors)
+    except pa.ArrowInvalid:
+        try:
+            return read_ids(_without_cut_short(vectors, fs, output, store))
+        except pa.ArrowInvalid as e:
+            raise FileExistsError(f"--output {output}: a file of the earlier run cannot be read ({e}); give a new folder") from None
+
+
+def _without_cut_short(vectors: list[str], fs: pafs.FileSystem, output: str, store: storage.Store) -> list[str]:
+    """``vectors`` less the files a run stopped while writing (the Ray engine writes in place: on a local disk a
+    stop mid-file leaves one without its Parquet footer, so none of its rows can be read). Each is deleted, with a
+    line on stderr: its rows are not among the ids done, so the resumed run embeds them again."""
+    import pyarrow.parquet as pq
+
+    kept = []
+    for v in vectors:
+        name = v.rsplit("/", 1)[-1]
+        try:
+            store.retry(lambda: pq.read_metadata(v, filesystem=fs), f"read {storage.join(output, name)}")
+        except pa.ArrowInvalid as e:  # no footer, or a cut one
+            store.retry(lambda: fs.delete_file(v), f"delete {storage.join(output, name)}")
+            print(f"ctx embed: deleted {storage.join(output, name)}, cut short when the earlier run stopped ({e}); "
+                  "its rows are embedded again", file=sys.stderr, flush=True)
+            continue
+        kept.append(v)
+    return kept
 
 
 def _without(table: pa.Table, done: pa.Array | None, id_column: str) -> pa.Table:
@@ -565,7 +601,12 @@ def _check_pool(actors: int, cpus_per_actor: float) -> None:
 
 
 def _input_format(input: str, name: str) -> str | None:
-    """``INPUT_FORMATS``' format of a file name; None for a name that ends otherwise."""
+    """``INPUT_FORMATS``' format of a file name (any case), also with a ``COMPRESSIONS`` ending after a JSON
+    lines or CSV one (``docs.jsonl.gz``; lower case, as the readers match it); None for a name that ends otherwise."""
+    codec = next((c for c in COMPRESSIONS if name.endswith(c)), None)
+    if codec:
+        fmt = _input_format(input, name[: -len(codec)])
+        return fmt if fmt in ("json", "csv") else None
     return next((fmt for suffix, fmt in INPUT_FORMATS.items() if name.lower().endswith(suffix)), None)
 
 
@@ -579,17 +620,23 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
 
     info = store.retry(lambda: fs.get_file_info(path), f"stat {input}")
     if info.type == pafs.FileType.File:
-        files, size, fmt = [path], info.size, _input_format(input, path) or "parquet"
+        listed = [info]
     else:
         listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {input}")
         base = path.rstrip("/") + "/"
-        chosen = [
-            i for i in listed
-            if i.type == pafs.FileType.File and _input_format(input, i.path) and not i.path[len(base):].startswith((".", "_"))
-        ]
+        listed = [i for i in listed if i.type == pafs.FileType.File and not i.path[len(base):].startswith((".", "_"))]
+    unread = next((i.base_name for i in listed if i.path.endswith(UNREAD_COMPRESSIONS)), None)
+    if unread:
+        raise ValueError(f"--input {input}: {unread} is compressed with a codec read here only as "
+                         f"{'/'.join(COMPRESSIONS)}: decompress it, or recompress it with gzip")
+    if info.type == pafs.FileType.File:
+        files, size, fmt = [path], info.size, _input_format(input, path) or "parquet"
+    else:
+        chosen = [i for i in listed if _input_format(input, i.path)]
         formats = sorted({_input_format(input, i.path) for i in chosen})
         if not formats:
-            raise ValueError(f"--input {input}: no Parquet, JSON lines or CSV file ({', '.join('*' + s for s in INPUT_FORMATS)}) there")
+            raise ValueError(f"--input {input}: no Parquet, JSON lines or CSV file ({', '.join('*' + s for s in INPUT_FORMATS)}, "
+                             f"JSON lines and CSV also as {'/'.join(COMPRESSIONS)}) there")
         if len(formats) > 1:
             raise ValueError(f"--input {input}: the folder mixes {' and '.join(formats)} files; give a folder of one kind")
         files, size, fmt = sorted(i.path for i in chosen), sum(i.size or 0 for i in chosen), formats[0]

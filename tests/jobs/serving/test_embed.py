@@ -111,9 +111,12 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
     assert summary["output"] == out and summary["rows"] == len(IDS)
     expected = _serving_vectors(minilm_dir, normalize=True)
     _check_rows(_read(out), expected, checkpoint_version(str(minilm_dir)))
-    # JSON lines streamed the same way, by Ray Data's read_json
+    # JSON lines streamed the same way, by Ray Data's read_json: one file as it is, one gzipped
+    lines = [json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)]
     with fs.open_output_stream(f"{s3_bucket}/index/docs/part-0.jsonl") as f:
-        f.write("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)).encode())
+        f.write("".join(lines[:4]).encode())
+    with fs.open_output_stream(f"{s3_bucket}/index/docs/part-1.jsonl.gz", compression="gzip") as f:
+        f.write("".join(lines[4:]).encode())
     summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/docs/", out + "-jsonl", actor_batch_size=4, driver_read_bytes=0)
     assert summary["engine"] == "ray" and summary["rows"] == len(IDS)
     _check_rows(_read(out + "-jsonl"), expected, checkpoint_version(str(minilm_dir)))
@@ -270,8 +273,9 @@ def test_prompts_and_dimensions_give_sentence_transformers_vectors_and_a_model_t
 def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir, tmp_path, monkeypatch, capsys):
     """``--resume`` (the local engine): a run that died after its first file goes on with the rows whose
     ids the folder lacks, in new files numbered after its own, and ends with every id once and the
-    serving vectors; the model embeds none of the rows written before. A resume with other settings, or
-    into a folder no ctx embed run wrote, is refused before anything is embedded."""
+    serving vectors; the model embeds none of the rows written before. A file cut short by the stop is
+    deleted and its rows embedded again. A resume with other settings, or into a folder no ctx embed run
+    wrote, is refused before anything is embedded."""
     import jobs.serving.embed
     from jobs.cli import main
 
@@ -309,14 +313,22 @@ def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir
         assert code == 2 and re.search(r"^ctx: error: --output .* holds vectors made otherwise \(" + said, err), err
     assert len(embedded) == 4  # nothing embedded by the refused runs
 
+    # the second file cut short, as a writer that stops mid-file leaves it (the Ray engine writes in place):
+    # it is deleted, said, and its rows are embedded again with the rest
+    cut = out / "embeddings-00001.parquet"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
     embedded.clear()
+    dies_after[0] = -1  # the machine stays
     assert main([*common, "--resume"]) == 0
     said = capsys.readouterr()
     summary = json.loads(said.out.splitlines()[-1])
-    assert summary["resumed"] == 4 and summary["rows"] == len(IDS)
+    assert summary["resumed"] == 2 and summary["rows"] == len(IDS)
+    deleted, progress = said.err.strip().splitlines()
+    assert re.fullmatch(r"ctx embed: deleted .*/vectors/embeddings-00001\.parquet, cut short when the earlier run stopped "
+                        r"\(.*\); its rows are embedded again", deleted), deleted
     # the progress line (stderr, no terminal: at the end, and every PROGRESS_EVERY_S) counts this run's rows
-    assert re.fullmatch(r"embed: 3/3 rows \(100%\) \| [\d,]+ rows/s \| ETA 00:00", said.err.strip()), said.err
-    assert sorted(embedded) == sorted(TEXTS[4:])  # only the rows the folder lacked
+    assert re.fullmatch(r"embed: 5/5 rows \(100%\) \| [\d,]+ rows/s \| ETA 00:00", progress), progress
+    assert sorted(embedded) == sorted(TEXTS[2:])  # only the rows the folder lacked
     assert sorted(p.name for p in out.glob("*.parquet")) == [f"embeddings-0000{i}.parquet" for i in range(4)]
     _check_rows(_read(str(out)), _serving_vectors(minilm_dir, normalize=True), checkpoint_version(str(minilm_dir)))
     embedded.clear()
@@ -352,20 +364,31 @@ def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm
 
 
 def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, tmp_path, capsys):
-    """``--input`` of JSON lines (.jsonl, .json) or CSV, a file or a folder of one kind, is read as Parquet
-    is (the local engine here; the Ray engine streams it with read_json / read_csv, on S3 below); a
-    folder that mixes kinds, or a .json that is one JSON array, is refused naming the input."""
+    """``--input`` of JSON lines (.jsonl, .json) or CSV, a file or a folder of one kind, plain or compressed
+    whole (.gz, .bz2, .lz4), is read as Parquet is (the local engine here; the Ray engine streams it with
+    read_json / read_csv, on S3 above); a folder that mixes kinds, a .json that is one JSON array, a
+    compressed Parquet file or a zstd one (which pyarrow.dataset does not read by its .zst ending) is
+    refused naming the input."""
+    import gzip
+
     from jobs.cli import main
 
     rows = [{"id": i, "text": t, "extra": {"lang": "en"}} for i, t in zip(IDS, TEXTS)]
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "part-0.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
-    (tmp_path / "docs" / "part-1.json").write_text("\n".join(json.dumps(r) for r in rows[4:]) + "\n")
+    (tmp_path / "docs" / "part-0.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:3]) + "\n")
+    (tmp_path / "docs" / "part-1.json").write_text("\n".join(json.dumps(r) for r in rows[3:5]) + "\n")
+    with gzip.open(tmp_path / "docs" / "part-2.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows[5:]) + "\n")
     (tmp_path / "docs" / "_SUCCESS").write_text("")
     pa_csv = pytest.importorskip("pyarrow.csv")
-    pa_csv.write_csv(_input_table().drop_columns(["lang"]), tmp_path / "texts.csv")  # quotes, commas and newlines as CSV says
+    csv_table = _input_table().drop_columns(["lang"])
+    pa_csv.write_csv(csv_table, tmp_path / "texts.csv")  # quotes, commas and newlines as CSV says
+    for codec, ending in (("bz2", "bz2"), ("lz4", "lz4"), ("zstd", "zst")):
+        with pa.CompressedOutputStream(str(tmp_path / f"texts.csv.{ending}"), codec) as f:
+            pa_csv.write_csv(csv_table, f)
     expected = _serving_vectors(minilm_dir, normalize=True)
-    for name, source in (("jsonl", tmp_path / "docs"), ("csv", tmp_path / "texts.csv")):
+    for name, source in (("jsonl", tmp_path / "docs"), ("csv", tmp_path / "texts.csv"), ("csv-bz2", tmp_path / "texts.csv.bz2"),
+                         ("csv-lz4", tmp_path / "texts.csv.lz4")):
         code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / name), "--engine", "local"])
         assert code == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out.splitlines()[-1])["rows"] == len(IDS)
@@ -373,8 +396,14 @@ def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, t
 
     pq.write_table(_input_table(), tmp_path / "docs" / "more.parquet")
     (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "gz").mkdir()
+    with gzip.open(tmp_path / "gz" / "texts.parquet.gz", "wb") as f:
+        pq.write_table(_input_table(), f)
     for source, said in ((tmp_path / "docs", r"the folder mixes json and parquet files; give a folder of one kind"),
-                         (tmp_path / "array.json", r"not readable as JSON lines \(one object a line\)")):
+                         (tmp_path / "array.json", r"not readable as JSON lines \(one object a line\)"),
+                         (tmp_path / "gz", r"no Parquet, JSON lines or CSV file \(.*JSON lines and CSV also as \.gz/\.bz2/\.lz4\) there"),
+                         (tmp_path / "texts.csv.zst", r"texts\.csv\.zst is compressed with a codec read here only as \.gz/\.bz2/\.lz4: "
+                                                      r"decompress it, or recompress it with gzip$")):
         code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / "refused"), "--engine", "local"])
         err = capsys.readouterr().err
         assert code == 2 and re.search(r"^ctx: error: --input .*" + said, err), err
