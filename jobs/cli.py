@@ -327,7 +327,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
                           verbose=args.verbose, started=started, engine=args.engine, dtype=args.dtype,
                           cuda_graphs=args.cuda_graphs, language=_language(args.language), dimensions=args.dimensions,
                           prompt_name=args.prompt_name, prompt=args.prompt, resume=args.resume,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, precision=args.precision, calibration_rows=args.calibration_rows)
         print(json.dumps(summary), flush=True)
     except (FileExistsError, ValueError) as e:  # an output that holds vectors, a missing column: say why, no traceback
         raise CommandError(str(e)) from None
@@ -803,7 +803,8 @@ def _add_mine_negatives(p: argparse.ArgumentParser) -> None:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    from jobs.serving.embed import DTYPES  # the names ModelSettings.dtype takes
+    from jobs.serving.embed import CALIBRATION_ROWS, DTYPES  # DTYPES: the names ModelSettings.dtype takes
+    from jobs.serving.precision import PRECISIONS
 
     p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
     p.add_argument("--input", required=True, help="Parquet, JSON lines (.jsonl, .json) or CSV (.csv; these two also as .gz, .bz2, .lz4) file, or a folder "
@@ -824,6 +825,12 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
                               "encode(prompt_name=...) and /v1/embeddings' prompt_name (an E5-style folder's 'document' or "
                               "'passage'; default: the folder's default prompt, if it names one)")
     prompts.add_argument("--prompt", default=None, help="put this text before every text instead (e.g. 'passage: ')")
+    p.add_argument("--precision", default="float32", choices=PRECISIONS,
+                   help="the stored vectors', as sentence-transformers' encode(precision=...): int8/uint8, each dimension's "
+                        "range in 256 levels (the range from --calibration-rows rows, kept in the output's _embed.json); "
+                        "binary/ubinary, sign bits 8 a byte")
+    p.add_argument("--calibration-rows", type=int, default=CALIBRATION_ROWS,
+                   help="int8/uint8: input rows (a seeded sample) whose vectors give each dimension's range")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress line on stderr (the local engine's rows done, rows/s and time left; Ray Data shows its own)")
     p.add_argument("--resume", action="store_true",

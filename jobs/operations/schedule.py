@@ -473,7 +473,8 @@ def reembed(cfg: ScheduleConfig, version) -> dict[str, Any]:
         return {"status": "skipped", "reason": "jobs.serving.embed (ctx embed) is not installed in this checkout"}
     try:
         out = bulk(version.source, r.input, output, id_column=r.id_column, text_column=r.text_column,
-                   pooling=r.pooling, normalize=r.normalize, dimensions=r.dimensions, prompt_name=r.prompt_name, store=cfg.store, resume=True)
+                   pooling=r.pooling, normalize=r.normalize, dimensions=r.dimensions, prompt_name=r.prompt_name,
+                   precision=r.precision, calibration_rows=r.calibration_rows, store=cfg.store, resume=True)
         return {"status": "done", "output": output, **{k: v for k, v in (out or {}).items() if isinstance(v, (int, float, str))}}
     except Exception as e:
         return {"status": "failed", "output": output, "reason": f"{type(e).__name__}: {e}"}

@@ -219,6 +219,9 @@ class ReembedStep(_Section):
     normalize: bool | None = None
     dimensions: int | None = Field(None, ge=1)  # the first N components (Matryoshka)
     prompt_name: str | None = None  # the folder's prompt put before every text ("document")
+    # the stored vectors' (ctx embed --precision): int8/uint8 levels in ranges from calibration_rows rows, binary sign bits
+    precision: Literal["float32", "int8", "uint8", "binary", "ubinary"] = "float32"
+    calibration_rows: int = Field(4096, ge=2)
 
 
 class ScheduleConfig(_Section):

@@ -82,6 +82,13 @@ RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "
 # on, so a resumed run (--resume) adds to a folder only vectors made the same way. Its "_" keeps it out of what
 # Parquet readers (pyarrow, Ray Data, pandas) read as the folder's data.
 RUN_FILE = "_embed.json"
+# A run file of an earlier version lacks the settings added since: read as these (the vectors were made so).
+RUN_DEFAULTS: dict[str, Any] = {"precision": "float32"}
+# int8 / uint8 vectors (--precision) cut each dimension's range into 256 levels; the range comes from the vectors
+# of this many input rows (a seeded sample), embedded before the run and kept in RUN_FILE ("ranges"), so every
+# file, a resumed run's too, and the user's query vectors (sentence-transformers' quantize_embeddings(q, "int8",
+# ranges=...)) use the same levels.
+CALIBRATION_ROWS = 4096
 PROGRESS_EVERY_S = 30.0  # the local engine's progress where stderr is no terminal (job logs): a line this often
 
 
@@ -95,13 +102,16 @@ class Embedder:
     ``language``: what a multilingual XLM reads the texts as (``ctx serve``'s ``language``).
     ``dimensions``, ``prompt_name``, ``prompt``: as /v1/embeddings' (``EmbeddingReplica.embed_now``): the first
     ``dimensions`` components, re-normalised when the vectors are; a text put before every text, the
-    folder's prompt ``prompt_name`` names or ``prompt`` itself (None and None: the folder's default prompt)."""
+    folder's prompt ``prompt_name`` names or ``prompt`` itself (None and None: the folder's default prompt).
+    ``precision``: the stored vectors', sentence-transformers' names (``jobs.serving.precision``); int8 and
+    uint8 take their levels from ``ranges`` ((2, dim): minima, maxima; ``calibrate`` gives them)."""
 
     def __init__(self, checkpoint: str, version: str | None, id_column: str | None, text_column: str, pooling: str | None,
                  normalize: bool | None,
                  batch_size: int = PASS_ROWS, max_batch_tokens: int = PASS_TOKENS, threads: int | None = None,
                  dtype: str = "auto", cuda_graphs: bool = True, language: int | str | None = None, *,
-                 dimensions: int | None = None, prompt_name: str | None = None, prompt: str | None = None):
+                 dimensions: int | None = None, prompt_name: str | None = None, prompt: str | None = None,
+                 precision: str = "float32", ranges: list[list[float]] | None = None):
         import torch
 
         from jobs.serving.replica import EmbeddingReplica  # the serving replica's class, without Ray Serve
@@ -117,6 +127,20 @@ class Embedder:
         self.id_column, self.text_column = id_column, text_column
         self.pooling, self.normalize = pooling, normalize
         self.options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
+        self.store_as(precision, ranges)
+
+    def store_as(self, precision: str, ranges: list[list[float]] | None = None) -> None:
+        """Vectors from now on stored at ``precision``, int8/uint8's levels cut in ``ranges``."""
+        if precision.endswith("int8") and ranges is None:
+            raise ValueError(f"precision {precision!r} needs the ranges of its levels: Embedder.calibrate gives them")
+        self.precision, self.ranges = precision, None if ranges is None else np.asarray(ranges, np.float32)
+
+    def calibrate(self, texts: list[str]) -> list[list[float]]:
+        """int8/uint8's ranges: each dimension's minimum and maximum over ``texts``' float32 vectors."""
+        from jobs.serving.precision import ranges_of
+
+        out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
+        return ranges_of(np.stack(out["embeddings"]).astype(np.float32)).tolist()
 
     def check(self) -> None:
         """ValueError (the replica's InputError) for options this model cannot take: a ``prompt_name`` its
@@ -134,17 +158,20 @@ class Embedder:
         })
 
     def _vectors(self, batch: pa.Table) -> tuple[pa.FixedSizeListArray, dict]:
-        """The batch's text column embedded: (n, dim) float32 as a fixed-size list column, and embed_now's stamp."""
+        """The batch's text column embedded: (n, dim) float32 (or at ``precision``) as a fixed-size list column,
+        and embed_now's stamp."""
+        from jobs.serving.precision import quantize
+
         texts = batch.column(self.text_column).to_pylist()
         missing = [i for i, t in enumerate(texts) if not isinstance(t, str)]
         if missing:
             where = f"with {self.id_column}={batch.column(self.id_column)[missing[0]].as_py()!r}" if self.id_column else f"{missing[0]} of a batch"
             raise ValueError(f"row {where} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
-        vectors = out["embeddings"]
-        dim = len(vectors[0]) if vectors else self.options["dimensions"] or self.model.dim
-        flat = pa.array(np.concatenate(vectors).astype(np.float32) if vectors else np.zeros(0, np.float32))
-        return pa.FixedSizeListArray.from_arrays(flat, dim), out
+        dim = self.options["dimensions"] or self.model.dim
+        vectors = np.stack(out["embeddings"]).astype(np.float32) if texts else np.zeros((0, dim), np.float32)
+        stored = quantize(vectors, self.precision, self.ranges)  # (n, dim), or (n, dim / 8) bytes of sign bits
+        return pa.FixedSizeListArray.from_arrays(pa.array(stored.reshape(-1)), stored.shape[1]), out
 
 
 class ColumnEmbedder(Embedder):
@@ -229,7 +256,7 @@ def embed_dataset(
 
 def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_tokens: int, actor_batch_size: int,
                     actors: int | None, cpus_per_actor: float, dimensions: int | None = None, prompt_name: str | None = None,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, precision: str = "float32", calibration_rows: int = CALIBRATION_ROWS) -> None:
     """ValueError naming the first setting of ``reembed`` / ``embed_dataset`` out of its range (the model's
     own limits, its width and its prompts, are ``Embedder.check``'s)."""
     if pooling is not None and pooling not in POOLINGS:
@@ -245,20 +272,30 @@ def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_
         raise ValueError(f"dimensions ({dimensions}) must be at least 1")
     if prompt is not None and prompt_name is not None:
         raise ValueError("prompt and prompt_name: give one of them")
+    from jobs.serving.precision import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if calibration_rows < 2:
+        raise ValueError(f"calibration_rows ({calibration_rows}) must be at least 2: int8's ranges need two vectors or more")
 
 
-def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[str, Any]) -> None:
+def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[str, Any],
+                  calibration: list[str] | None = None) -> list[list[float]] | None:
     """``Embedder.check`` in a Ray task, on a CPU, before the pool starts: an actor that cannot take the
     options would fail each of its batches, and Ray Data's error on the driver keeps only the traceback's
-    text. A ValueError of the model's comes back as itself (one line from ``ctx embed``)."""
+    text. A ValueError of the model's comes back as itself (one line from ``ctx embed``). With ``calibration``
+    texts, also their ranges (``Embedder.calibrate``): the driver loads no model."""
     import ray
 
     @ray.remote(num_cpus=1)
-    def check() -> None:
-        Embedder(*model_args, threads=1, language=language, **options).check()
+    def check() -> list[list[float]] | None:
+        embedder = Embedder(*model_args, threads=1, language=language, **options)
+        embedder.check()
+        return None if calibration is None else embedder.calibrate(calibration)
 
     try:
-        ray.get(check.remote())
+        return ray.get(check.remote())
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, ValueError):
             raise ValueError(str(e.cause)) from None
@@ -312,6 +349,8 @@ def reembed(
     prompt: str | None = None,
     resume: bool = False,
     progress: bool = False,
+    precision: str = "float32",
+    calibration_rows: int = CALIBRATION_ROWS,
 ) -> dict[str, Any]:
     """Embed every (id, text) row at ``input`` (Parquet, JSON lines or CSV: ``INPUT_FORMATS``) with ``model``
     into new Parquet at ``output``.
@@ -348,9 +387,16 @@ def reembed(
     ``progress``: the local engine shows rows done, rows/s and time left on stderr (``ctx embed``; the Ray
     engine's progress is Ray Data's own).
 
+    ``precision``: the stored vectors', as sentence-transformers' ``encode(precision=...)`` and
+    ``quantize_embeddings`` give them (``jobs.serving.precision``): float32; int8 / uint8, each dimension's
+    range cut into 256 levels, the range that of ``calibration_rows`` input rows' vectors (a seeded sample,
+    embedded first; kept in ``RUN_FILE`` as "ranges", for a resumed run and for quantizing queries alike);
+    binary / ubinary, the sign bits packed 8 a byte.
+
     Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
-    "registry_version", "engine", "actors", "resumed", "seconds", "rows_per_s"}, read back from what was written
-    (``rows``: all of the output's, ``resumed``: those an earlier run wrote); ``seconds`` is wall time from
+    "registry_version", "engine", "actors", "resumed", "precision", "seconds", "rows_per_s"}, read back from what
+    was written (``rows``: all of the output's, ``dim``: a stored vector's components, bytes for binary;
+    ``resumed``: those an earlier run wrote); ``seconds`` is wall time from
     ``started`` (a ``time.perf_counter()`` value, default this call's start), ``rows_per_s`` this run's rows over it.
     """
     started = time.perf_counter() if started is None else started
@@ -361,7 +407,8 @@ def reembed(
     from jobs.runs import model_checkpoint
     from jobs.session import init_ray
 
-    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt)
+    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt,
+                    precision, calibration_rows)
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
     if not resume:
@@ -373,8 +420,16 @@ def reembed(
     version = checkpoint_version(checkpoint)  # replicas of the same version check it on load
     options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}  # Embedder's, /v1/embeddings' own
     run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
-           **options, "language": language, "dtype": dtype}
-    done = _embedded_ids(output, out_fs, out_path, run, store) if resume else None  # None: nothing there yet
+           **options, "language": language, "dtype": dtype, "precision": precision}
+    if precision.endswith("int8"):
+        run["calibration_rows"] = calibration_rows
+    done, earlier = _embedded_ids(output, out_fs, out_path, run, store) if resume else (None, None)  # None: nothing there yet
+    calibration = None  # the texts whose vectors' ranges int8/uint8's levels cut, unless an earlier run's are there
+    if precision.endswith("int8"):
+        if earlier is not None and earlier.get("ranges"):
+            run["ranges"] = earlier["ranges"]
+        else:
+            calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store)
 
     if engine == "auto":
         no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
@@ -390,6 +445,9 @@ def reembed(
     if engine == "local":
         embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
         embedder.check()  # before a file is written
+        if calibration is not None:
+            run["ranges"] = embedder.calibrate(calibration)
+        embedder.store_as(precision, run.get("ranges"))
         if done is None:
             _write_run_file(out_fs, out_path, run, output, store)
         parts = map(embedder, chunks)
@@ -402,8 +460,10 @@ def reembed(
         init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
         pool = actors or pool_size(cpus_per_actor, num_gpus)
         _check_pool(pool, cpus_per_actor)
-        if any(v is not None for v in options.values()):
-            _check_on_ray(model_args, language, options)
+        if any(v is not None for v in options.values()) or calibration is not None:
+            ranges = _check_on_ray(model_args, language, options, calibration)
+            if calibration is not None:
+                run["ranges"] = ranges
         if chunks is not None:  # small: read here, no Ray Data read tasks
             ds = ray.data.from_arrow(chunks)
         else:
@@ -419,7 +479,7 @@ def reembed(
         vectors = ds.map_batches(
             Embedder,
             fn_constructor_args=(*model_args, threads, dtype, cuda_graphs, language),
-            fn_constructor_kwargs=options,
+            fn_constructor_kwargs={**options, "precision": precision, "ranges": run.get("ranges")},
             batch_size=actor_batch_size,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=pool),
@@ -433,7 +493,7 @@ def reembed(
     summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
     seconds = time.perf_counter() - started
     return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
-            "resumed": resumed, "seconds": round(seconds, 2), "rows_per_s": round((rows_in - resumed) / seconds, 1)}
+            "resumed": resumed, "precision": precision, "seconds": round(seconds, 2), "rows_per_s": round((rows_in - resumed) / seconds, 1)}
 
 
 def _shown(parts: Iterator[pa.Table], total: int) -> Iterator[pa.Table]:
@@ -467,9 +527,11 @@ def _write_run_file(fs: pafs.FileSystem, path: str, run: dict[str, Any], output:
     store.retry(write, f"write {storage.join(output, RUN_FILE)}")
 
 
-def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, Any], store: storage.Store) -> pa.Array | None:
+def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, Any],
+                  store: storage.Store) -> tuple[pa.Array | None, dict[str, Any] | None]:
     """The ids an earlier run of the same model version and settings (``run``) wrote to ``output``, for
-    ``reembed(resume=True)``; None when ``output`` is absent or empty. FileExistsError for a folder whose
+    ``reembed(resume=True)``, and that run's ``RUN_FILE``; (None, None) when ``output`` is absent or empty.
+    FileExistsError for a folder whose
     files another kind of run wrote (no ``RUN_FILE``, or one that differs). A vector file cut short by the stop
     is deleted (``_without_cut_short``): its rows are embedded again."""
     import json
@@ -480,13 +542,14 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
         raise FileExistsError(f"--output {output} is a file: the vectors go to a folder")
     listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {output}")
     if not [i for i in listed if i.type == pafs.FileType.File]:
-        return None
+        return None, None
     try:
         with store.retry(lambda: fs.open_input_stream(f"{path.rstrip('/')}/{RUN_FILE}"), f"read {storage.join(output, RUN_FILE)}") as f:
             earlier = json.loads(f.read())
     except FileNotFoundError:
         raise FileExistsError(f"--output {output} holds files but no {RUN_FILE}: not the output of a ctx embed run this version "
                               "can resume; give a new folder") from None
+    earlier = {**RUN_DEFAULTS, **earlier}
     changed = {k: (earlier.get(k), v) for k, v in run.items() if earlier.get(k) != v}
     if changed:
         said = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in changed.items())
@@ -495,7 +558,7 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
     vectors = [i.path for i in listed if i.type == pafs.FileType.File and i.path.endswith(".parquet")
                and not i.path[len(path.rstrip("/")) + 1:].startswith((".", "_"))]
     if not vectors:  # stopped before its first file: RUN_FILE alone
-        return pa.array([], pa.int64())
+        return pa.array([], pa.int64()), earlier
 
     def read_ids(files: list[str]) -> pa.Array:
         if not files:
@@ -504,10 +567,10 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
         return table.column("id").combine_chunks()
 
     try:
-        return read_ids(vectors)
+        return read_ids(vectors), earlier
     except pa.ArrowInvalid:
         try:
-            return read_ids(_without_cut_short(vectors, fs, output, store))
+            return read_ids(_without_cut_short(vectors, fs, output, store)), earlier
         except pa.ArrowInvalid as e:
             raise FileExistsError(f"--output {output}: a file of the earlier run cannot be read ({e}); give a new folder") from None
 
@@ -530,6 +593,18 @@ def _without_cut_short(vectors: list[str], fs: pafs.FileSystem, output: str, sto
             continue
         kept.append(v)
     return kept
+
+
+def _calibration_texts(input: str, files: list[str], fmt: str, fs: pafs.FileSystem, rows: int, n: int, text_column: str,
+                       store: storage.Store) -> list[str]:
+    """``n`` texts of the input (all of them when it has fewer), a sample seeded by nothing but ``rows``, in
+    input order: the same input gives the same calibration, whichever engine runs."""
+    import pyarrow.dataset as pads
+
+    picked = np.sort(np.random.default_rng(rows).choice(rows, size=min(n, rows), replace=False))
+    table = store.retry(lambda: pads.dataset(files, filesystem=fs, format=fmt).take(picked, columns=[text_column]),
+                        f"read {input}")
+    return table.column(text_column).to_pylist()
 
 
 def _without(table: pa.Table, done: pa.Array | None, id_column: str) -> pa.Table:

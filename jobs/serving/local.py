@@ -32,6 +32,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from jobs.runs import model_checkpoint
+from jobs.serving.precision import PRECISIONS, quantize
 from jobs.serving.replica import EmbeddingReplica
 from jobs.serving.serve_config import Limits, ModelConfig
 from jobs.serving.serve_tasks import REQUESTS, check_texts
@@ -315,28 +316,6 @@ def _texts(texts: Any) -> list[str]:
     except ValueError as e:
         raise ValueError(f"texts {e}") from None
     return [texts] if isinstance(texts, str) else list(texts)
-
-
-PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
-
-
-def quantize(vectors: np.ndarray, precision: str) -> np.ndarray:
-    """float32 (N, D) vectors at sentence-transformers' ``precision``: ``int8``/``uint8`` cut each
-    dimension's range over these vectors into 256 steps (so it needs two vectors or more),
-    ``binary``/``ubinary`` keep the sign bits, 8 a byte (int8 offset by -128, or uint8)."""
-    if precision == "float32":
-        return vectors
-    if precision.endswith("binary"):
-        bits = np.packbits(vectors > 0, axis=-1)  # (N, ceil(D / 8)) uint8
-        return bits if precision == "ubinary" else (bits.astype(np.int16) - 128).astype(np.int8)
-    if vectors.shape[0] < 2:
-        raise ValueError(f"precision {precision!r}: its ranges come from the vectors encoded together, and one "
-                         "vector has none; encode two texts or more at once")
-    start, top = vectors.min(axis=0), vectors.max(axis=0)
-    step = (top - start) / 255
-    step = np.where(step == 0, 1, step)
-    levels = np.clip(np.floor((vectors - start) / step), 0, 255)  # 0..255 per dimension
-    return levels.astype(np.uint8) if precision == "uint8" else (levels - 128).astype(np.int8)
 
 
 PROGRESS_CHUNK = 1024  # texts a step of encode's progress bar

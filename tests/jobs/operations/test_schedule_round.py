@@ -161,15 +161,16 @@ def test_reembed_step_writes_the_new_version_beside_the_old(ray_session, version
     old = tmp_path / "vectors" / "v1"
     old.mkdir(parents=True)
     (old / "part-0.parquet").write_bytes(b"the old version's vectors")
-    step = {"input": str(texts), "output": str(tmp_path / "vectors"), "dimensions": 16}  # as ctx embed --dimensions 16
+    step = {"input": str(texts), "output": str(tmp_path / "vectors"), "dimensions": 16, "precision": "ubinary"}  # as ctx embed's flags
     cfg = validate(schedule(str(tmp_path / "state"), reembed=step), base=REPO)
     assert (cfg.reembed.pooling, cfg.reembed.normalize) == (None, None)  # the model's own, as the served model answers
     v2 = ModelVersion("m", 2, str(versions[1]), ("production",), {}, None)
     out = reembed(cfg, v2)
-    assert out["status"] == "done" and out["output"] == str(tmp_path / "vectors" / "v2") and out["rows"] == 3 and out["dim"] == 16
+    assert out["status"] == "done" and out["output"] == str(tmp_path / "vectors" / "v2") and out["rows"] == 3
+    assert out["precision"] == "ubinary" and out["dim"] == 2  # 16 sign bits: 2 bytes
     table = pads.dataset(str(tmp_path / "vectors" / "v2"), format="parquet").to_table()
     assert sorted(table.column("id").to_pylist()) == [3, 7, 11]
-    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 16)
+    assert table.schema.field("embedding").type == pa.list_(pa.uint8(), 2)
     assert (old / "part-0.parquet").read_bytes() == b"the old version's vectors"
     written = {p.name: p.read_bytes() for p in (tmp_path / "vectors" / "v2").iterdir()}
     again = reembed(cfg, v2)

@@ -63,6 +63,42 @@ def _check_rows(table: pa.Table, expected: np.ndarray, version: str) -> None:
     assert len(set(table.column("tokenizer_hash").to_pylist())) == 1
 
 
+def _check_quantized(out: Path | str, expected: np.ndarray, precision: str, calibration_rows: int | None = None) -> np.ndarray:
+    """The vectors at ``out`` are sentence-transformers' ``quantize_embeddings`` of the float32 serving vectors
+    ``expected``: sign bits for binary; for int8/uint8, levels cut in the ranges ``_embed.json`` keeps, which
+    are the minima and maxima of ``calibration_rows`` of the rows' vectors. Returns those ranges (None for binary)."""
+    from itertools import combinations
+
+    from sentence_transformers.quantization import quantize_embeddings
+
+    table = _read(str(out))
+    kind = pa.int8() if precision in ("int8", "binary") else pa.uint8()
+    width = 384 // 8 if precision.endswith("binary") else 384
+    assert table.schema.field("embedding").type == pa.list_(kind, width)
+    by_id = dict(zip(table.column("id").to_pylist(), np.asarray(table.column("embedding").to_pylist())))
+    assert sorted(by_id) == sorted(IDS)
+    got = np.stack([by_id[i] for i in IDS])
+    ranges = None
+    if precision.endswith("binary"):
+        offset = 128 if precision == "binary" else 0  # binary: the bytes offset by -128 into int8
+
+        def bits(packed: np.ndarray) -> np.ndarray:
+            return np.unpackbits((packed.astype(np.int16) + offset).astype(np.uint8), axis=-1)
+
+        same = bits(got) == bits(quantize_embeddings(expected, precision))
+        assert np.all(same | (np.abs(expected) < 1e-5))  # a sign may differ only where the value is all but 0
+    else:
+        ranges = np.asarray(json.loads((Path(str(out)) / "_embed.json").read_text())["ranges"], np.float32)
+        assert ranges.shape == (2, 384)
+        subsets = [np.vstack([expected[list(c)].min(0), expected[list(c)].max(0)]) for c in combinations(range(len(IDS)), calibration_rows)]
+        assert any(np.allclose(ranges, r, atol=2e-6) for r in subsets)  # the ranges of that many of the rows' vectors
+        ref = quantize_embeddings(expected, precision, ranges=ranges)
+        # a value 1e-6 from theirs may sit a level over; the calibration rows' own extremes sit on the first and last level's edge
+        assert np.abs(got.astype(np.int16) - ref.astype(np.int16)).max() <= 1
+        assert np.mean(got == ref) > 0.95
+    return ranges
+
+
 @pytest.mark.slow
 def test_reembed_local_gives_the_serving_vectors_once_per_id_and_never_overwrites(ray_session, minilm_dir, tmp_path):
     src = tmp_path / "texts.parquet"
@@ -178,6 +214,11 @@ def test_the_ray_engine_takes_prompts_and_dimensions_and_refuses_a_prompt_the_mo
     out = pa.concat_tables(ray_session.get(embed_dataset(ds, str(folder), text_column="body", prompt_name="passage", dimensions=32).to_arrow_refs()))
     by_text = dict(zip(out.column("body").to_pylist(), np.asarray(out.column("embedding").to_pylist(), np.float32)))
     np.testing.assert_allclose(np.stack([by_text[t] for t in TEXTS]), expected, atol=2e-5)
+
+    # int8: the ranges from 4 rows' vectors, embedded by a Ray task (the driver loads no model), reach every actor
+    summary = reembed(str(minilm_dir), str(src), str(tmp_path / "int8"), precision="int8", calibration_rows=4, actor_batch_size=3)
+    assert summary["engine"] == "ray" and summary["precision"] == "int8" and summary["dim"] == 384
+    _check_quantized(tmp_path / "int8", _serving_vectors(minilm_dir, normalize=True), "int8", calibration_rows=4)
 
     with pytest.raises(ValueError, match=r"^prompt_name 'document': model '.*prompted' has no such prompt \(its prompts: 'query', 'passage'\)$"):
         reembed(str(folder), str(src), str(tmp_path / "refused"), prompt_name="document")
@@ -346,6 +387,47 @@ def test_a_run_stopped_midway_resumes_embedding_only_the_ids_it_lacks(minilm_dir
                  "--no-progress"]) == 0
     said = capsys.readouterr()
     assert json.loads(said.out.splitlines()[-1])["resumed"] == 0 and said.err == ""
+
+
+def test_int8_and_binary_vectors_are_sentence_transformers_quantized_ones_and_a_resume_keeps_the_ranges(minilm_dir, tmp_path,
+                                                                                                       monkeypatch, capsys):
+    """``--precision`` stores sentence-transformers' quantized vectors: binary/ubinary the sign bits 8 a byte;
+    int8/uint8 levels in ranges taken from ``--calibration-rows`` input rows' vectors and kept in _embed.json,
+    which a resumed run uses again (its files' levels are the first run's) and a changed precision is refused."""
+    import jobs.serving.embed
+    from jobs.cli import main
+
+    pytest.importorskip("sentence_transformers")
+    monkeypatch.setattr(jobs.serving.embed, "LOCAL_FILE_ROWS", 2)  # 7 rows: files of 2, 2, 2 and 1
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    expected = _serving_vectors(minilm_dir, normalize=True)
+    common = ["embed", "--model", str(minilm_dir), "--input", str(src), "--engine", "local", "--actor-batch-size", "2", "--no-progress"]
+    for precision in ("binary", "ubinary"):
+        assert main([*common, "--output", str(tmp_path / precision), "--precision", precision]) == 0
+        summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert summary["precision"] == precision and summary["dim"] == 48 and summary["rows"] == len(IDS)
+        _check_quantized(tmp_path / precision, expected, precision)
+    assert main([*common, "--output", str(tmp_path / "int8"), "--precision", "int8", "--calibration-rows", "100"]) == 0
+    ranges = _check_quantized(tmp_path / "int8", expected, "int8", calibration_rows=len(IDS))  # all 7 rows: fewer than asked
+    np.testing.assert_allclose(ranges, np.vstack([expected.min(0), expected.max(0)]), atol=2e-6)
+
+    out = tmp_path / "uint8"
+    assert main([*common, "--output", str(out), "--precision", "uint8", "--calibration-rows", "3"]) == 0
+    ranges = _check_quantized(out, expected, "uint8", calibration_rows=3)
+    assert not np.allclose(ranges, np.vstack([expected.min(0), expected.max(0)]))  # 3 rows' ranges are narrower: values clip
+    (out / "embeddings-00001.parquet").unlink()  # a file lost: --resume embeds its rows at the first run's levels
+    assert main([*common, "--output", str(out), "--precision", "uint8", "--calibration-rows", "3", "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["resumed"] == len(IDS) - 2
+    np.testing.assert_array_equal(_check_quantized(out, expected, "uint8", calibration_rows=3), ranges)
+    code = main([*common, "--output", str(out), "--precision", "int8", "--calibration-rows", "3", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(r"holds vectors made otherwise \(precision: 'uint8' then, 'int8' now\)", err), err
+    with pytest.raises(SystemExit, match="2"):
+        main([*common, "--output", str(tmp_path / "refused"), "--precision", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"calibration_rows \(1\) must be at least 2"):
+        reembed(str(minilm_dir), str(src), str(tmp_path / "refused"), precision="int8", calibration_rows=1, engine="local")
 
 
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir, capsys):
