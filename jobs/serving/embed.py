@@ -421,14 +421,13 @@ def reembed(
     options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}  # Embedder's, /v1/embeddings' own
     run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
            **options, "language": language, "dtype": dtype, "precision": precision}
-    if precision.endswith("int8"):
-        run["calibration_rows"] = calibration_rows
     done, earlier = _embedded_ids(output, out_fs, out_path, run, store) if resume else (None, None)  # None: nothing there yet
     calibration = None  # the texts whose vectors' ranges int8/uint8's levels cut, unless an earlier run's are there
     if precision.endswith("int8"):
-        if earlier is not None and earlier.get("ranges"):
-            run["ranges"] = earlier["ranges"]
+        if earlier is not None and earlier.get("ranges"):  # a resumed run keeps the levels (whatever calibration_rows says now)
+            run.update(calibration_rows=earlier.get("calibration_rows"), ranges=earlier["ranges"])
         else:
+            run["calibration_rows"] = calibration_rows
             calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store)
 
     if engine == "auto":

@@ -417,7 +417,7 @@ def test_int8_and_binary_vectors_are_sentence_transformers_quantized_ones_and_a_
     ranges = _check_quantized(out, expected, "uint8", calibration_rows=3)
     assert not np.allclose(ranges, np.vstack([expected.min(0), expected.max(0)]))  # 3 rows' ranges are narrower: values clip
     (out / "embeddings-00001.parquet").unlink()  # a file lost: --resume embeds its rows at the first run's levels
-    assert main([*common, "--output", str(out), "--precision", "uint8", "--calibration-rows", "3", "--resume"]) == 0
+    assert main([*common, "--output", str(out), "--precision", "uint8", "--resume"]) == 0  # --calibration-rows: the first run's stand
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["resumed"] == len(IDS) - 2
     np.testing.assert_array_equal(_check_quantized(out, expected, "uint8", calibration_rows=3), ranges)
     code = main([*common, "--output", str(out), "--precision", "int8", "--calibration-rows", "3", "--resume"])
