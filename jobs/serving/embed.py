@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from jobs.serving.precision import PRECISIONS, quantize, ranges_of
 from pipelines import storage
 
 Pooling = Literal["mean", "cls", "last"]
@@ -137,8 +138,6 @@ class Embedder:
 
     def calibrate(self, texts: list[str]) -> list[list[float]]:
         """int8/uint8's ranges: each dimension's minimum and maximum over ``texts``' float32 vectors."""
-        from jobs.serving.precision import ranges_of
-
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
         return ranges_of(np.stack(out["embeddings"]).astype(np.float32)).tolist()
 
@@ -160,8 +159,6 @@ class Embedder:
     def _vectors(self, batch: pa.Table) -> tuple[pa.FixedSizeListArray, dict]:
         """The batch's text column embedded: (n, dim) float32 (or at ``precision``) as a fixed-size list column,
         and embed_now's stamp."""
-        from jobs.serving.precision import quantize
-
         texts = batch.column(self.text_column).to_pylist()
         missing = [i for i, t in enumerate(texts) if not isinstance(t, str)]
         if missing:
@@ -272,8 +269,6 @@ def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_
         raise ValueError(f"dimensions ({dimensions}) must be at least 1")
     if prompt is not None and prompt_name is not None:
         raise ValueError("prompt and prompt_name: give one of them")
-    from jobs.serving.precision import PRECISIONS
-
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if calibration_rows < 2:
