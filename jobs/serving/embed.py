@@ -135,6 +135,9 @@ class Embedder:
         if precision.endswith("int8") and ranges is None:
             raise ValueError(f"precision {precision!r} needs the ranges of its levels: Embedder.calibrate gives them")
         self.precision, self.ranges = precision, None if ranges is None else np.asarray(ranges, np.float32)
+        dim = self.options["dimensions"] or self.model.dim
+        if self.ranges is not None and self.ranges.shape[-1] != dim:
+            raise ValueError(f"ranges for {self.ranges.shape[-1]} dimensions: the vectors have {dim}")
 
     def calibrate(self, texts: list[str]) -> list[list[float]]:
         """int8/uint8's ranges: each dimension's minimum and maximum over ``texts``' float32 vectors."""
@@ -203,6 +206,8 @@ def embed_dataset(
     dimensions: int | None = None,
     prompt_name: str | None = None,
     prompt: str | None = None,
+    precision: str = "float32",
+    ranges: Any = None,
 ):
     """A Ray Dataset's rows with their text embedded: ``ds`` (any ``ray.data.Dataset``, read from
     anywhere Ray Data reads) with ``output_column`` added, (dim,) float32 per row, the vector
@@ -218,14 +223,25 @@ def embed_dataset(
     the cluster's CPUs hold at ``cpus_per_actor`` each, one CPU left to Ray Data's own tasks), each
     handed ``actor_batch_size`` rows at a time and sorting them by length into passes of at most
     ``batch_size`` rows and ``max_batch_tokens`` padded tokens. ``dimensions``, ``prompt_name``, ``prompt``:
-    as /v1/embeddings' (``Embedder``), checked against the model here, in a Ray task, when given. Ray must
-    be running (``ray.init``)."""
+    as /v1/embeddings' (``Embedder``), checked against the model here, in a Ray task, when given.
+    ``precision``: the vectors' (``jobs.serving.precision``), int8/uint8 in the levels of ``ranges`` ((2, dim):
+    each dimension's minimum and maximum, ``ranges_of`` of a sample's vectors, e.g. ``LocalModel.encode``'s). Ray
+    must be running (``ray.init``)."""
     import ray
 
     from jobs.identity import checkpoint_version
     from jobs.runs import model_checkpoint
 
-    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt)
+    _check_settings(pooling, dtype, batch_size, max_batch_tokens, actor_batch_size, actors, cpus_per_actor, dimensions, prompt_name, prompt,
+                    precision)
+    if precision.endswith("int8"):
+        if ranges is None:
+            raise ValueError(f"precision {precision!r} needs ranges: each dimension's minimum and maximum over a sample's "
+                             "vectors, (2, dim) (jobs.serving.precision.ranges_of); queries are quantized with the same")
+        ranges = np.asarray(ranges, np.float32)
+        if ranges.ndim != 2 or ranges.shape[0] != 2:
+            raise ValueError(f"ranges of shape {ranges.shape}: give (2, dim), the minima then the maxima")
+        ranges = ranges.tolist()
     columns = ds.columns()  # the schema: read from the plan, or from the first block
     if text_column not in columns:
         raise ValueError(f"no column {text_column!r} in the dataset (columns: {', '.join(columns)}); name it with text_column")
@@ -235,8 +251,9 @@ def embed_dataset(
     pool = actors or pool_size(cpus_per_actor, num_gpus)
     _check_pool(pool, cpus_per_actor)
     version = checkpoint_version(checkpoint)
-    options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
-    if any(v is not None for v in options.values()):
+    options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt,
+               "precision": precision, "ranges": ranges if precision.endswith("int8") else None}
+    if any(v is not None for k, v in options.items() if k != "precision"):  # the ranges' width too
         _check_on_ray((checkpoint, version, None, text_column, pooling, normalize, batch_size, max_batch_tokens), language, options)
     return ds.map_batches(  # --- Ray seam: an actor pool over the user's dataset ---
         ColumnEmbedder,

@@ -218,7 +218,20 @@ def test_the_ray_engine_takes_prompts_and_dimensions_and_refuses_a_prompt_the_mo
     # int8: the ranges from 4 rows' vectors, embedded by a Ray task (the driver loads no model), reach every actor
     summary = reembed(str(minilm_dir), str(src), str(tmp_path / "int8"), precision="int8", calibration_rows=4, actor_batch_size=3)
     assert summary["engine"] == "ray" and summary["precision"] == "int8" and summary["dim"] == 384
-    _check_quantized(tmp_path / "int8", _serving_vectors(minilm_dir, normalize=True), "int8", calibration_rows=4)
+    ranges = _check_quantized(tmp_path / "int8", _serving_vectors(minilm_dir, normalize=True), "int8", calibration_rows=4)
+    # embed_dataset takes the ranges (what a user quantizes queries with too); ones of another width are refused up front
+    ds_texts = ray_session.data.from_items([{"body": t} for t in TEXTS])
+    out = pa.concat_tables(ray_session.get(embed_dataset(ds_texts, str(minilm_dir), text_column="body", precision="int8",
+                                                         ranges=ranges).to_arrow_refs()))
+    by_text = dict(zip(out.column("body").to_pylist(), np.asarray(out.column("embedding").to_pylist())))
+    assert out.schema.field("embedding").type == pa.list_(pa.int8(), 384)
+    stored = _read(str(tmp_path / "int8"))
+    for i, vector in zip(stored.column("id").to_pylist(), stored.column("embedding").to_pylist()):
+        assert np.abs(by_text[TEXTS[IDS.index(i)]].astype(np.int16) - np.asarray(vector, np.int16)).max() <= 1
+    with pytest.raises(ValueError, match=r"^precision 'int8' needs ranges"):
+        embed_dataset(ds_texts, str(minilm_dir), text_column="body", precision="int8")
+    with pytest.raises(ValueError, match=r"^ranges for 32 dimensions: the vectors have 384$"):
+        embed_dataset(ds_texts, str(minilm_dir), text_column="body", precision="int8", ranges=ranges[:, :32])
 
     with pytest.raises(ValueError, match=r"^prompt_name 'document': model '.*prompted' has no such prompt \(its prompts: 'query', 'passage'\)$"):
         reembed(str(folder), str(src), str(tmp_path / "refused"), prompt_name="document")
