@@ -438,6 +438,9 @@ def reembed(
     if precision.endswith("int8"):
         if earlier is not None and earlier.get("ranges"):  # a resumed run keeps the levels (whatever calibration_rows says now)
             run.update(calibration_rows=earlier.get("calibration_rows"), ranges=earlier["ranges"])
+        elif rows_in < 2:
+            raise ValueError(f"--input {input}: precision {precision!r} takes each dimension's range from the input's vectors, "
+                             "and one row has none; embed two rows or more, or store float32")
         else:
             run["calibration_rows"] = calibration_rows
             calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store)

@@ -441,6 +441,10 @@ def test_int8_and_binary_vectors_are_sentence_transformers_quantized_ones_and_a_
     assert "invalid choice: 'int4'" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"calibration_rows \(1\) must be at least 2"):
         reembed(str(minilm_dir), str(src), str(tmp_path / "refused"), precision="int8", calibration_rows=1, engine="local")
+    pq.write_table(_input_table().slice(0, 1), tmp_path / "one.parquet")
+    with pytest.raises(ValueError, match=r"precision 'uint8' takes each dimension's range from the input's vectors, and one row has none"):
+        reembed(str(minilm_dir), str(tmp_path / "one.parquet"), str(tmp_path / "refused"), precision="uint8", engine="local")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm_dir, capsys):
