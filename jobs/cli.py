@@ -803,8 +803,8 @@ def _add_mine_negatives(p: argparse.ArgumentParser) -> None:
 
 
 def _add_embed(p: argparse.ArgumentParser) -> None:
-    from jobs.serving.embed import CALIBRATION_ROWS, DTYPES  # DTYPES: the names ModelSettings.dtype takes
-    from jobs.serving.precision import PRECISIONS
+    from jobs.serving.embed import DTYPES  # the names ModelSettings.dtype takes
+    from jobs.serving.precision import CALIBRATION_ROWS, PRECISIONS
 
     p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
     p.add_argument("--input", required=True, help="Parquet, JSON lines (.jsonl, .json) or CSV (.csv; these two also as .gz, .bz2, .lz4) file, or a folder "

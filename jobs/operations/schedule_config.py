@@ -38,6 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jobs.serving.precision import CALIBRATION_ROWS
 from pipelines.retrieval import RETRIEVAL_METRICS
 from pipelines.storage import DEFAULT_RETRY_DEADLINE_S
 
@@ -221,7 +222,7 @@ class ReembedStep(_Section):
     prompt_name: str | None = None  # the folder's prompt put before every text ("document")
     # the stored vectors' (ctx embed --precision): int8/uint8 levels in ranges from calibration_rows rows, binary sign bits
     precision: Literal["float32", "int8", "uint8", "binary", "ubinary"] = "float32"
-    calibration_rows: int = Field(4096, ge=2)
+    calibration_rows: int = Field(CALIBRATION_ROWS, ge=2)
 
 
 class ScheduleConfig(_Section):

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from jobs.serving.precision import PRECISIONS, quantize, ranges_of
+from jobs.serving.precision import CALIBRATION_ROWS, PRECISIONS, quantize, ranges_of
 from pipelines import storage
 
 Pooling = Literal["mean", "cls", "last"]
@@ -85,11 +85,6 @@ RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "
 RUN_FILE = "_embed.json"
 # A run file of an earlier version lacks the settings added since: read as these (the vectors were made so).
 RUN_DEFAULTS: dict[str, Any] = {"precision": "float32"}
-# int8 / uint8 vectors (--precision) cut each dimension's range into 256 levels; the range comes from the vectors
-# of this many input rows (a seeded sample), embedded before the run and kept in RUN_FILE ("ranges"), so every
-# file, a resumed run's too, and the user's query vectors (sentence-transformers' quantize_embeddings(q, "int8",
-# ranges=...)) use the same levels.
-CALIBRATION_ROWS = 4096
 PROGRESS_EVERY_S = 30.0  # the local engine's progress where stderr is no terminal (job logs): a line this often
 
 
@@ -135,9 +130,13 @@ class Embedder:
         if precision.endswith("int8") and ranges is None:
             raise ValueError(f"precision {precision!r} needs the ranges of its levels: Embedder.calibrate gives them")
         self.precision, self.ranges = precision, None if ranges is None else np.asarray(ranges, np.float32)
-        dim = self.options["dimensions"] or self.model.dim
-        if self.ranges is not None and self.ranges.shape[-1] != dim:
-            raise ValueError(f"ranges for {self.ranges.shape[-1]} dimensions: the vectors have {dim}")
+        if self.ranges is not None and self.ranges.shape[-1] != self.dim:
+            raise ValueError(f"ranges for {self.ranges.shape[-1]} dimensions: the vectors have {self.dim}")
+
+    @property
+    def dim(self) -> int:
+        """Components of a float32 vector: ``dimensions``, else the model's width."""
+        return self.options["dimensions"] or self.model.dim
 
     def calibrate(self, texts: list[str]) -> list[list[float]]:
         """int8/uint8's ranges: each dimension's minimum and maximum over ``texts``' float32 vectors."""
@@ -168,8 +167,7 @@ class Embedder:
             where = f"with {self.id_column}={batch.column(self.id_column)[missing[0]].as_py()!r}" if self.id_column else f"{missing[0]} of a batch"
             raise ValueError(f"row {where} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
-        dim = self.options["dimensions"] or self.model.dim
-        vectors = np.stack(out["embeddings"]).astype(np.float32) if texts else np.zeros((0, dim), np.float32)
+        vectors = np.stack(out["embeddings"]).astype(np.float32) if texts else np.zeros((0, self.dim), np.float32)
         stored = quantize(vectors, self.precision, self.ranges)  # (n, dim), or (n, dim / 8) bytes of sign bits
         return pa.FixedSizeListArray.from_arrays(pa.array(stored.reshape(-1)), stored.shape[1]), out
 
@@ -434,7 +432,7 @@ def reembed(
     run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
            **options, "language": language, "dtype": dtype, "precision": precision}
     done, earlier = _embedded_ids(output, out_fs, out_path, run, store) if resume else (None, None)  # None: nothing there yet
-    calibration = None  # the texts whose vectors' ranges int8/uint8's levels cut, unless an earlier run's are there
+    calibrate = False  # int8/uint8's ranges from a sample of the input, unless an earlier run's are there
     if precision.endswith("int8"):
         if earlier is not None and earlier.get("ranges"):  # a resumed run keeps the levels (whatever calibration_rows says now)
             run.update(calibration_rows=earlier.get("calibration_rows"), ranges=earlier["ranges"])
@@ -443,17 +441,19 @@ def reembed(
                              "and one row has none; embed two rows or more, or store float32")
         else:
             run["calibration_rows"] = calibration_rows
-            calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store)
+            calibrate = True
 
     if engine == "auto":
         no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
         engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
-    chunks = None  # the input in actor_batch_size rows, where this process reads it (DRIVER_READ_BYTES)
+    chunks = whole = None  # the input in actor_batch_size rows, and whole, where this process reads it (DRIVER_READ_BYTES)
     if engine == "local" or size <= driver_read_bytes:
-        table = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format=fmt).to_table(columns=[id_column, text_column]),
+        whole = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format=fmt).to_table(columns=[id_column, text_column]),
                             f"read {input}")
-        table = _without(table, done, id_column)
+        table = _without(whole, done, id_column)
         chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
+    # the texts whose vectors' ranges int8/uint8's levels cut
+    calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store, whole) if calibrate else None
     model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
     resumed = 0 if done is None else len(done)
     if engine == "local":
@@ -610,12 +610,15 @@ def _without_cut_short(vectors: list[str], fs: pafs.FileSystem, output: str, sto
 
 
 def _calibration_texts(input: str, files: list[str], fmt: str, fs: pafs.FileSystem, rows: int, n: int, text_column: str,
-                       store: storage.Store) -> list[str]:
+                       store: storage.Store, whole: pa.Table | None = None) -> list[str]:
     """``n`` texts of the input (all of them when it has fewer), a sample seeded by nothing but ``rows``, in
-    input order: the same input gives the same calibration, whichever engine runs."""
+    input order: the same input gives the same calibration, whichever engine runs. ``whole``: the input, where
+    the driver has read it already (not read again); else the sampled rows are read from ``files``."""
     import pyarrow.dataset as pads
 
     picked = np.sort(np.random.default_rng(rows).choice(rows, size=min(n, rows), replace=False))
+    if whole is not None:
+        return whole.column(text_column).take(picked).to_pylist()
     table = store.retry(lambda: pads.dataset(files, filesystem=fs, format=fmt).take(picked, columns=[text_column]),
                         f"read {input}")
     return table.column(text_column).to_pylist()

@@ -13,6 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 PRECISIONS: tuple[str, ...] = ("float32", "int8", "uint8", "binary", "ubinary")
+# ctx embed's int8 / uint8 cut each dimension's range into 256 levels; the range comes from the vectors of this
+# many input rows (a seeded sample), embedded before the run and kept in its _embed.json ("ranges"), so every
+# file, a resumed run's too, and the user's query vectors (sentence-transformers' quantize_embeddings(q, "int8",
+# ranges=...)) use the same levels.
+CALIBRATION_ROWS = 4096
 
 
 def ranges_of(vectors: np.ndarray) -> np.ndarray:
