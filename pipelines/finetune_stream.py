@@ -36,13 +36,14 @@ import pyarrow as pa
 from ctxmodels.task_kinds import TASKS
 from pipelines import storage
 from pipelines.finetune import (
-    NEGATIVE_FIELDS, LabelSet, RecordError, TaskDataConfig, check_records, encode_task, negative_count, read_squad_json,
+    NEGATIVE_FIELDS, SPLIT_COMPRESSIONS, LabelSet, RecordError, TaskDataConfig, check_records, encode_task, negative_count,
+    read_squad_json,
 )
 from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform
 from pipelines.sources import ReadStats
 
-SPLIT_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".csv.gz", ".tsv", ".tsv.gz", ".parquet")
+SPLIT_SUFFIXES = tuple(base + c for base in (".jsonl", ".json", ".csv", ".tsv") for c in ("", *SPLIT_COMPRESSIONS)) + (".parquet",)
 WINDOW_BITS = 16  # sample_id = record index << WINDOW_BITS | window
 ENCODE_ACTOR_CPUS = 0.5
 RECORD_COLUMNS = ("_index", "_file", "_line", "_json")
@@ -52,7 +53,8 @@ def split_format(path: str, fmt: str = "auto") -> str:
     """jsonl, csv, tsv, parquet or squad (the official nested SQuAD JSON) for one split file."""
     if fmt != "auto":
         return fmt
-    p = path.lower().removesuffix(".gz")
+    p = path.lower()
+    p = p[: len(p) - len(next((c for c in SPLIT_COMPRESSIONS if p.endswith(c)), ""))]
     if p.endswith(".jsonl"):
         return "jsonl"
     if p.endswith(".csv"):

@@ -2,10 +2,13 @@
 
 Formats (picked by suffix, or forced by ``fmt``):
 
-- ``.txt`` / ``.txt.gz``: one sentence per line, a blank line between documents (the convention of
-  BERT's ``create_pretraining_data.py``); a file without blank lines is one document per line
-  group, which is harmless for packed objectives.
-- ``.jsonl`` / ``.json`` (+ ``.gz``): one JSON object per line; the document is ``record[text_field]``.
+- ``.txt``: one sentence per line, a blank line between documents (the convention of BERT's
+  ``create_pretraining_data.py``); a file without blank lines is one document per line group,
+  which is harmless for packed objectives.
+- ``.jsonl`` / ``.json``: one JSON object per line; the document is ``record[text_field]``.
+- Either of those compressed whole, as corpora ship, by the name's last ending
+  (``pipelines.storage.CORPUS_COMPRESSIONS``): ``.gz`` (C4, Dolma), ``.zst`` / ``.zstd`` (the Pile,
+  SlimPajama), ``.xz`` (CC-100), ``.bz2``; concatenated members / frames / streams are read on.
 - ``.parquet``: the document is column ``text_field``, read row group by row group.
 - Parallel text (XLM's translation LM, ``iter_translations``): JSONL records holding one sentence
   in each of two languages under the languages' names, ``{"en": "...", "fr": "..."}``.
@@ -24,8 +27,10 @@ What is rejected, by reason (the short category; ``ReadStats.examples`` keeps th
   decoded on their own, so one bad byte costs one line).
 - ``line too long`` / ``value too long``: more than ``max_record_chars`` characters. A long line
   is skipped as it streams by: no more than about ``max_record_chars`` of it is held in memory.
-- ``corrupt gzip`` / ``truncated gzip``: everything decoded before the damage is used; the
-  unreadable remainder of the shard counts as one rejected record.
+- ``corrupt gzip`` / ``truncated gzip`` (``zstd``, ``xz``, ``bzip2`` alike): everything decoded
+  before the damage is used (a gzip shard's to the byte; the others' up to the last piece of at most
+  64 KiB decoded before it: their decoders cannot be replayed byte by byte); the unreadable
+  remainder of the shard counts as one rejected record.
 - ``malformed JSON``, ``not an object``, ``missing field``, ``not a string``: JSONL lines.
 - ``empty text`` (blank text) and ``null text`` (a Parquet null).
 - ``unreadable Parquet``: a file pyarrow cannot open counts as one record; a row group it cannot
@@ -44,7 +49,7 @@ from typing import Any, Callable, ClassVar, Collection, Iterator, Literal, TypeV
 
 import pyarrow.fs as pafs
 
-from pipelines.storage import Store, StorageError, filesystem, is_transient
+from pipelines.storage import CORPUS_COMPRESSIONS, Store, StorageError, filesystem, is_transient
 
 T = TypeVar("T")
 
@@ -119,13 +124,21 @@ class ReadStats:
 
 def detect_format(path: str) -> Format:
     p = path.lower()
-    if p.endswith((".txt", ".txt.gz")):
+    base = p[: len(p) - len(_compressed_ending(p))]
+    if base.endswith(".txt"):
         return "text"
-    if p.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
+    if base.endswith((".jsonl", ".json")):
         return "jsonl"
     if p.endswith(".parquet"):
         return "parquet"
-    raise CorpusError(f"{path}: unknown corpus format (use .txt, .jsonl, .parquet, optionally .gz, or set data.format)")
+    raise CorpusError(f"{path}: unknown corpus format (use .txt, .jsonl or .parquet, the first two optionally compressed "
+                      f"as {', '.join(CORPUS_COMPRESSIONS)}, or set data.format)")
+
+
+def _compressed_ending(path: str) -> str:
+    """The ending of ``CORPUS_COMPRESSIONS`` that ``path`` has (any case), "" for a plain file."""
+    p = path.lower()
+    return next((end for end in CORPUS_COMPRESSIONS if p.endswith(end)), "")
 
 
 @dataclass
@@ -215,18 +228,23 @@ def iter_translations(
 
 
 def _shard_lines(fs: pafs.FileSystem, path: str, uri: str, store: Store, shard: "_Shard", max_chars: int) -> Iterator[tuple[int, str]]:
-    """``(line number, text)`` of a text or JSONL shard, read through the store's retries (gunzipped
-    when it ends in .gz); unreadable lines are rejected (``_decoded_lines``)."""
+    """``(line number, text)`` of a text or JSONL shard, read through the store's retries (decompressed
+    by the codec its name ends with, ``CORPUS_COMPRESSIONS``); unreadable lines are rejected
+    (``_decoded_lines``)."""
+    codec = CORPUS_COMPRESSIONS.get(_compressed_ending(path))
     with _ResumableReader(fs, path, uri, store) as reader:
         blocks = reader.blocks()
-        yield from _decoded_lines(_gunzip(blocks) if path.endswith(".gz") else blocks, shard, max_chars)
+        pieces = blocks if codec is None else _gunzip(blocks) if codec == "gzip" else _unpack(blocks, codec)
+        yield from _decoded_lines(pieces, shard, max_chars)
 
 
 # ---------------------------------------------------------------------------------------------
 # Bytes -> lines, with bounded memory and damage confined to what it damaged.
 
 
-class _GzipDamage(Exception):
+class _Damage(Exception):
+    """Compressed data that stops making sense: ``reason`` is ``corrupt <codec>`` or ``truncated <codec>``."""
+
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason, self.detail = reason, detail
@@ -286,7 +304,7 @@ class _ResumableReader:
 def _gunzip(blocks: Iterator[bytes]) -> Iterator[bytes]:
     """Inflate gzip members (``cat a.gz b.gz`` is valid gzip) in pieces of at most ``_BLOCK`` bytes.
 
-    Raises ``_GzipDamage`` where the data stops making sense, after yielding every byte that
+    Raises ``_Damage`` where the data stops making sense, after yielding every byte that
     was decoded before that point (an error inside one zlib call would otherwise drop the whole
     call's output, so the failing block is replayed one byte at a time from a copy of the
     decoder's state).
@@ -304,13 +322,66 @@ def _gunzip(blocks: Iterator[bytes]) -> Iterator[bytes]:
                     yield piece
             except zlib.error as e:
                 yield from _replay(before, block, skip=done)
-                raise _GzipDamage("corrupt gzip", str(e)) from None
+                raise _Damage("corrupt gzip", str(e)) from None
             if not d.eof:
                 break
             block = d.unused_data.lstrip(b"\0")  # next member; zero padding after a member is allowed
             d, fed = zlib.decompressobj(_GZIP_WBITS), False
     if fed and not d.eof:
-        raise _GzipDamage("truncated gzip", "the compressed data ends before the end of the gzip stream")
+        raise _Damage("truncated gzip", "the compressed data ends before the end of the gzip stream")
+
+
+def _decoder(codec: str) -> tuple[Any, tuple[type[Exception], ...]]:
+    """A new decoder of one zstd frame, xz stream or bzip2 stream, in the standard library's shape
+    (``decompress(data, max_length)``, ``eof``, ``needs_input``, ``unused_data``), and the errors it
+    raises on bad data."""
+    if codec == "zstd":
+        try:
+            from compression import zstd  # Python 3.14's standard library
+        except ImportError:
+            from backports import zstd  # the same module, for earlier Pythons
+        return zstd.ZstdDecompressor(), (zstd.ZstdError,)
+    if codec == "xz":
+        import lzma
+
+        return lzma.LZMADecompressor(), (lzma.LZMAError,)
+    if codec == "bzip2":
+        import bz2
+
+        return bz2.BZ2Decompressor(), (OSError,)
+    raise ValueError(f"unknown codec {codec!r} (CORPUS_COMPRESSIONS names gzip, zstd, xz, bzip2)")
+
+
+def _unpack(blocks: Iterator[bytes], codec: str) -> Iterator[bytes]:
+    """Decode a zstd, xz or bzip2 shard in pieces of at most ``_BLOCK`` bytes, one frame (stream)
+    after another: ``cat a.zst b.zst`` is valid, as for gzip.
+
+    Raises ``_Damage`` where the data stops making sense, after yielding every piece decoded before
+    the failing call. These decoders cannot be copied, so the failing call's own output (at most
+    ``_BLOCK`` bytes, within the damaged compressed block) is lost with it; zstd's and xz's checksums
+    are checked where a frame ends, so damage they alone catch is found after its bytes went by.
+    """
+    d, errors = _decoder(codec)
+    fed = False  # has the current frame received any input?
+    for block in blocks:
+        while block:
+            fed = True
+            while True:
+                try:
+                    piece = d.decompress(block, _BLOCK)
+                except errors as e:
+                    raise _Damage(f"corrupt {codec}", str(e)) from None
+                block = b""  # taken in: the decoder holds what it has not used yet
+                if piece:
+                    yield piece
+                if d.eof or d.needs_input:
+                    break
+            if not d.eof:
+                break
+            block = d.unused_data.lstrip(b"\0")  # the next frame; xz allows zero padding between streams
+            (d, _), fed = _decoder(codec), False
+    if fed and not d.eof:
+        raise _Damage(f"truncated {codec}", f"the compressed data ends before the end of the {codec} {'frame' if codec == 'zstd' else 'stream'}")
 
 
 def _inflate(d: Any, data: bytes) -> Iterator[bytes]:
@@ -392,7 +463,7 @@ def _decoded_lines(pieces: Iterator[bytes], shard: _Shard, max_chars: int) -> It
                 shard.reject("invalid UTF-8", f"invalid UTF-8 at byte {e.start} of the line: {e.reason}", n)
                 continue
             yield n, text.rstrip("\r")
-    except _GzipDamage as e:
+    except _Damage as e:
         shard.reject(e.reason, f"{e.reason} after line {n}: {e.detail}", n + 1)
 
 

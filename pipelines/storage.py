@@ -36,7 +36,10 @@ from ctxmodels.files import CONFIG, MANIFEST, WEIGHTS, first_problem, manifest_e
 
 T = TypeVar("T")
 
-CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+# A text or JSON lines shard may be compressed whole, as corpora ship: gzip (C4, Dolma), zstd (the Pile,
+# SlimPajama), xz (CC-100), bzip2. The codec is the name's last ending (pipelines.sources reads them).
+CORPUS_COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".xz": "xz", ".bz2": "bzip2"}
+CORPUS_SUFFIXES = tuple(base + c for base in (".txt", ".jsonl", ".json") for c in ("", *CORPUS_COMPRESSIONS)) + (".parquet",)
 
 
 class StorageError(RuntimeError):
@@ -448,7 +451,7 @@ class Store:
                     raise StorageError(f"input {uri!r} matches no file or folder")
             files = sorted(p for p in matched if p.endswith(suffixes))
             if not files:
-                raise StorageError(f"input {uri!r} matches no corpus file (expected one of {', '.join(CORPUS_SUFFIXES)})")
+                raise StorageError(f"input {uri!r} matches no corpus file (expected one of {', '.join(suffixes)})")
             out.extend(scheme + p for p in files)
         return sorted(dict.fromkeys(out))
 

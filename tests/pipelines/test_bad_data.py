@@ -7,8 +7,10 @@ and the exact counts it must report.
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
 import random
 import tracemalloc
 import zlib
@@ -17,10 +19,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from backports import zstd
 
 from pipelines.datareport import epoch_report, format_report, list_epochs, write_shard_report
 from pipelines.storage import Store
-from pipelines.sources import CorpusError, ReadStats, iter_documents, sample_text
+from pipelines.sources import _BLOCK, CorpusError, ReadStats, iter_documents, sample_text
 
 MAX_CHARS = 1000  # data.max_record_chars for these tests: the long line below is 2000x that
 
@@ -56,6 +59,16 @@ def gzip_then(good: bytes, rest: bytes, damage: str) -> bytes:
         return head
     # 0xFF reads as a deflate block header of reserved type 3, which every decoder rejects at once
     return head + b"\xff" * 16 + tail[16:]
+
+
+def zstd_then(good: bytes, rest: bytes, damage: str) -> bytes:
+    """``good`` as one zstd frame, then ``rest`` as a second frame whose first 16 bytes are overwritten
+    (``corrupt``: no frame starts so); ``truncated``: one frame of ``good + rest``, flushed to a
+    block boundary after ``good`` and cut there."""
+    if damage == "corrupt":
+        return zstd.compress(good) + b"\xff" * 16 + zstd.compress(rest)[16:]
+    co = zstd.ZstdCompressor()
+    return co.compress(good, mode=co.FLUSH_BLOCK)
 
 
 @dataclass
@@ -126,6 +139,37 @@ def cases() -> dict[str, Case]:
             {"truncated gzip": 1},
             rf"trailer.jsonl.gz:{len(jsonl) + 1}: truncated gzip after line {len(jsonl)}",
         ),
+        "good.jsonl.zst": Case(  # two frames, as `cat a.zst b.zst` (or a seekable-zstd writer) leaves them
+            zstd.compress(("\n".join(jsonl[:20]) + "\n").encode()) + zstd.compress(("\n".join(jsonl[20:]) + "\n").encode()),
+            jsonl_good,
+            len(jsonl),
+        ),
+        "corrupt.txt.zst": Case(
+            zstd_then(text_shard(before), text_shard(after), "corrupt"),
+            before,
+            records(before),
+            {"corrupt zstd": 1},
+            rf"corrupt.txt.zst:{n_before + 1}: corrupt zstd after line {n_before}: .*Unknown frame descriptor",
+        ),
+        "truncated.txt.zst": Case(
+            zstd_then(text_shard(before), text_shard(after), "truncated"),
+            before,
+            records(before),
+            {"truncated zstd": 1},
+            rf"truncated.txt.zst:{n_before + 1}: truncated zstd after line {n_before}: .*end of the zstd frame",
+        ),
+        "empty.txt.zst": Case(b"", [], 0),
+        "good.txt.xz": Case(  # two streams with the zero padding xz allows between them
+            lzma.compress(text_shard(good[:20])) + b"\0" * 4 + lzma.compress(text_shard(good[20:])), good, records(good)
+        ),
+        "truncated.txt.xz": Case(  # every block is there, the stream's index and footer are not
+            lzma.compress(text_shard(before))[:-10],
+            before,
+            records(before),
+            {"truncated xz": 1},
+            rf"truncated.txt.xz:{n_before + 1}: truncated xz after line {n_before}",
+        ),
+        "good.jsonl.bz2": Case(bz2.compress(("\n".join(jsonl) + "\n").encode()), jsonl_good, len(jsonl)),
         "utf8.txt": Case(
             b"\n".join(utf8_lines) + b"\n",
             ["first sentence.\nthird sentence."],
@@ -220,6 +264,24 @@ def test_examples_say_where_and_what(tmp_path):
     _, stats = read(str(tmp_path / "mixed.jsonl"))
     assert [line for line, _ in stats.examples] == [2, 4, 5, 7, 8]  # line 6 is blank: not a record
     assert stats.examples[2] == (5, "record has no 'text' field (set data.text_field)")
+
+
+def test_damage_inside_a_zstd_frame_loses_at_most_one_decoded_piece(tmp_path):
+    """A zstd decoder cannot be replayed byte by byte as zlib's can: what the failing call decoded
+    (at most one ``_BLOCK``) goes with the damaged rest; every document before it comes out whole
+    and in order, and the remainder counts as one rejected record."""
+    before, after = text_docs(2, 1500), text_docs(3, 300)
+    co = zstd.ZstdCompressor()
+    head = co.compress(text_shard(before), mode=co.FLUSH_BLOCK)
+    tail = co.compress(text_shard(after), mode=co.FLUSH_FRAME)
+    (tmp_path / "inframe.txt.zst").write_bytes(head + b"\xff" * 16 + tail[16:])  # 0xFF: a block of reserved type
+    docs, stats = read(str(tmp_path / "inframe.txt.zst"))
+    assert stats.reasons == {"corrupt zstd": 1} and stats.read == stats.used + 1
+    *whole, last = docs
+    assert whole == before[: len(whole)] and before[len(whole)].startswith(last)  # a prefix, cut at a line
+    assert stats.used == records(whole) + records([last])
+    lost = len(text_shard(before)) - len(text_shard(whole)) - len(last)
+    assert 0 <= lost <= _BLOCK + 200, lost  # one decoded piece, and the line it cut
 
 
 def test_a_long_line_is_skipped_without_being_held(tmp_path):
@@ -332,21 +394,21 @@ def test_a_mixed_bucket_reconciles_exactly(s3_server, s3_bucket):
     assert report["n_shards"] == len(CASES)
     assert report["read"] == sum(c.read for c in CASES.values())
     assert report["used"] == sum(c.used for c in CASES.values())
-    assert report["rejected"] == sum(c.rejected for c in CASES.values()) == 18
+    assert report["rejected"] == sum(c.rejected for c in CASES.values()) == 21
     assert report["read"] == report["used"] + report["rejected"]
     reasons: dict[str, int] = {}
     for c in CASES.values():
         for r, n in c.reasons.items():
             reasons[r] = reasons.get(r, 0) + n
     assert report["reasons"] == reasons
-    assert report["empty_shards"] == 5
+    assert report["empty_shards"] == 6
     for row in report["shards"]:
         case = CASES[row["shard"].rsplit("/", 1)[1]]
         assert (row["read"], row["used"], row["rejected"], row["reasons"], row["empty"]) == (case.read, case.used, case.rejected, case.reasons, case.read == 0)
 
     text = format_report(report)
     lines = text.splitlines()
-    assert lines[0].startswith(f"epoch 1: {len(CASES)} shards, ") and "5 empty shards" in lines[0]
+    assert lines[0].startswith(f"epoch 1: {len(CASES)} shards, ") and "6 empty shards" in lines[0]
     broken = [n for n, c in CASES.items() if c.rejected or c.read == 0]
     assert len(lines) == 1 + len(broken)
     assert any("corrupt.txt.gz: 1 of " in line and "corrupt gzip after line" in line for line in lines)

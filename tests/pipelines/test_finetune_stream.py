@@ -1,9 +1,12 @@
 """The fine-tuning stream without Ray: epoch order keyed by (seed, epoch), work units that cover
 every usable record once per epoch, rows named by (record index, window), bad records named with
-their reason, committed rows dropped on resume."""
+their reason, committed rows dropped on resume; and, through Ray Data, split files compressed whole
+read as the plain ones."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
 from pathlib import Path
 
@@ -11,14 +14,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines.finetune import LabelSet, TaskDataConfig
+from pipelines import storage
+from pipelines.finetune import SPLIT_COMPRESSIONS, LabelSet, TaskDataConfig
 from pipelines.finetune_stream import (
+    SPLIT_SUFFIXES,
     WINDOW_BITS,
     EncodeUnits,
     encode_rows,
     epoch_order,
     label_set,
     label_values,
+    read_split,
     references,
     with_split_widths,
     work_units,
@@ -129,3 +135,42 @@ def test_embedding_records_are_checked_against_the_splits_negative_count(tok):
     assert with_split_widths(pairs, cfg).n_negatives == 0
     classes = TaskDataConfig(kind="classification", labels=("0",))
     assert with_split_widths(table, classes) is classes
+
+
+def test_split_files_compressed_whole_read_as_the_plain_ones(ray_session, tmp_path):
+    """``train.jsonl.zst`` (and .gz, .bz2, .lz4; CSV and TSV alike) gives the plain file's records,
+    files and lines; a SQuAD JSON compressed whole too; an ending Arrow cannot undo (.xz) is no split."""
+    import pyarrow as pa
+    from backports import zstd
+
+    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".zst": zstd.compress,
+                ".lz4": lambda b: pa.compress(b, "lz4", asbytes=True)}  # Arrow's "lz4" is the LZ4 frame format
+    assert set(compress) == set(SPLIT_COMPRESSIONS)
+    records = [{"text": f"sentence {i} \u00e9\u6f22", "label": "ab"[i % 2]} for i in range(7)]
+    plain = {
+        "train.jsonl": "".join(json.dumps(r) + "\n" for r in records).encode(),
+        "dev.csv": ("text,label\n" + "".join(f"\"{r['text']}, and more\",{r['label']}\n" for r in records)).encode(),
+        "dev.tsv": ("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in records)).encode(),
+    }
+
+    def records_of(path):
+        t = read_split(str(path))
+        return t.column("_line").to_pylist(), [json.loads(x) for x in t.column("_json").to_pylist()]
+
+    for name, data in plain.items():
+        (tmp_path / name).write_bytes(data)
+        want = records_of(tmp_path / name)
+        assert len(want[1]) == 7
+        for ending, fn in compress.items():
+            (tmp_path / (name + ending)).write_bytes(fn(data))
+            assert (name + ending).endswith(SPLIT_SUFFIXES)  # a folder's listing picks it up
+            assert records_of(tmp_path / (name + ending)) == want, name + ending
+    squad = {"data": [{"title": "T", "paragraphs": [{"context": "Rollo ruled Normandy.", "qas": [
+        {"id": "1", "question": "Who?", "answers": [{"text": "Rollo", "answer_start": 0}]}]}]}]}
+    (tmp_path / "dev.json").write_text(json.dumps(squad))
+    (tmp_path / "dev.json.zst").write_bytes(zstd.compress(json.dumps(squad).encode()))
+    assert records_of(tmp_path / "dev.json.zst")[1] == records_of(tmp_path / "dev.json")[1]
+    (tmp_path / "xz").mkdir()
+    (tmp_path / "xz" / "train.jsonl.xz").write_bytes(b"")
+    with pytest.raises(storage.StorageError, match=r"matches no .*\.jsonl\.zst"):
+        read_split(str(tmp_path / "xz"))
