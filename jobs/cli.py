@@ -807,7 +807,7 @@ def _add_embed(p: argparse.ArgumentParser) -> None:
     from jobs.serving.precision import CALIBRATION_ROWS, PRECISIONS
 
     p.add_argument("--model", required=True, help="checkpoint, run folder (its best checkpoint), HF folder or pkg:PACKAGE/PATH, local or s3://")
-    p.add_argument("--input", required=True, help="Parquet, JSON lines (.jsonl, .json) or CSV (.csv; these two also as .gz, .bz2, .lz4) file, or a folder "
+    p.add_argument("--input", required=True, help="Parquet, JSON lines (.jsonl, .json) or CSV (.csv; these two also as .gz, .bz2, .lz4, .zst) file, or a folder "
                         "of one kind, with an id and a text column (local, file://, s3://)")
     p.add_argument("--output", required=True, help="a new folder for the vectors' Parquet; one that holds files is refused, unless --resume finishes its run")
     p.add_argument("--id-column", default="id")

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from jobs.serving.precision import CALIBRATION_ROWS, PRECISIONS, quantize, ranges_of
+from jobs.training.runlock import RunLock
 from pipelines import storage
 
 Pooling = Literal["mean", "cls", "last"]
@@ -73,16 +74,23 @@ DRIVER_READ_BYTES = 64 << 20
 # reader that streams a larger input. JSON is JSON lines, one object a line (what Ray Data and pyarrow read).
 INPUT_FORMATS: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 # A JSON lines or CSV file may be compressed whole, as corpora often ship (``docs.jsonl.gz``): these endings are
-# the codecs both pyarrow.dataset (the driver) and Ray Data's readers (pyarrow.Codec.detect) take from the name
-# and undo as they read. Not ".zst": pyarrow.dataset knows zstd only as ".zstd", Ray Data only as ".zst", so such
-# a file is refused with a message (UNREAD_COMPRESSIONS). Parquet compresses inside, by column.
-COMPRESSIONS: tuple[str, ...] = (".gz", ".bz2", ".lz4")
-UNREAD_COMPRESSIONS: tuple[str, ...] = (".zst", ".zstd", ".br")
+# the codecs Ray Data's readers (pyarrow.Codec.detect) take from the name and undo as they read. pyarrow.dataset,
+# the driver's reader, undoes all but ".zst" (it knows zstd only as ".zstd", which Ray Data does not): an input
+# holding STREAMED_COMPRESSIONS is read by the driver as a stream instead (``_StreamedInput``), and the endings
+# neither reads (UNREAD_COMPRESSIONS) are refused with a message. Parquet compresses inside, by column.
+COMPRESSIONS: tuple[str, ...] = (".gz", ".bz2", ".lz4", ".zst")
+STREAMED_COMPRESSIONS: tuple[str, ...] = (".zst",)
+UNREAD_COMPRESSIONS: tuple[str, ...] = (".zstd", ".br")
 RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "csv": "read_csv"}
 # Written into the output folder before its first vector: the model version and every setting the vectors depend
 # on, so a resumed run (--resume) adds to a folder only vectors made the same way. Its "_" keeps it out of what
 # Parquet readers (pyarrow, Ray Data, pandas) read as the folder's data.
 RUN_FILE = "_embed.json"
+# The output folder's lock while a run writes there (jobs.training.runlock.RunLock), also named so Parquet readers
+# skip it; the lock's temporary files start with ".", as skipped.
+RUN_LOCK = "_embed.lock.json"
+EMBED_CLASH = ("Two runs into one folder would write the same rows twice. Wait for it to finish, stop it, or give another "
+               "--output (resume a run only once it has stopped).")
 # A run file of an earlier version lacks the settings added since: read as these (the vectors were made so).
 RUN_DEFAULTS: dict[str, Any] = {"precision": "float32"}
 PROGRESS_EVERY_S = 30.0  # the local engine's progress where stderr is no terminal (job logs): a line this often
@@ -313,8 +321,8 @@ def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[s
 
 
 def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> None:
-    """Raise FileExistsError when ``output`` is a file or a folder holding anything (an empty or absent
-    folder is written into). ``store``: the endpoint and retry deadline (or an endpoint URL, with the
+    """Raise FileExistsError when ``output`` is a file or a folder holding anything but a run's lock (an empty
+    or absent folder is written into). ``store``: the endpoint and retry deadline (or an endpoint URL, with the
     default deadline)."""
     store = store if isinstance(store, storage.Store) else storage.Store(store)
     fs, path = store.filesystem(output)
@@ -322,7 +330,7 @@ def refuse_existing(output: str, store: "storage.Store | str | None" = None) -> 
     if info.type != pafs.FileType.File:
         # A prefix with objects under it can read as NotFound on some S3 stores (no folder markers): list it.
         listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), f"list {output}")
-        if not listed:
+        if not _without_lock(listed):
             return
     raise FileExistsError(
         f"--output {output} already holds embeddings or other files: re-embedding writes a new folder "
@@ -410,7 +418,6 @@ def reembed(
     ``started`` (a ``time.perf_counter()`` value, default this call's start), ``rows_per_s`` this run's rows over it.
     """
     started = time.perf_counter() if started is None else started
-    import pyarrow.dataset as pads
     import ray
 
     from jobs.identity import checkpoint_version  # not jobs.serving.serve: the driver needs neither torch nor Ray Serve
@@ -431,83 +438,88 @@ def reembed(
     options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}  # Embedder's, /v1/embeddings' own
     run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
            **options, "language": language, "dtype": dtype, "precision": precision}
-    done, earlier = _embedded_ids(output, out_fs, out_path, run, store) if resume else (None, None)  # None: nothing there yet
-    calibrate = False  # int8/uint8's ranges from a sample of the input, unless an earlier run's are there
-    if precision.endswith("int8"):
-        if earlier is not None and earlier.get("ranges"):  # a resumed run keeps the levels (whatever calibration_rows says now)
-            run.update(calibration_rows=earlier.get("calibration_rows"), ranges=earlier["ranges"])
-        elif rows_in < 2:
-            raise ValueError(f"--input {input}: precision {precision!r} takes each dimension's range from the input's vectors, "
-                             "and one row has none; embed two rows or more, or store float32")
-        else:
-            run["calibration_rows"] = calibration_rows
-            calibrate = True
+    # One run writes into a folder at a time (jobs.training.runlock: an exclusive create, a heartbeat, a stale lock
+    # taken over): two runs into one new folder, or a --resume of a run still going, would write rows twice.
+    with RunLock(output, store, command="ctx embed", name=RUN_LOCK, folder="output folder", clash=EMBED_CLASH):
+        if not resume:
+            refuse_existing(output, store)  # again, holding the lock: a run may have written there since the check above
+        done, earlier = _embedded_ids(output, out_fs, out_path, run, store) if resume else (None, None)  # None: nothing there yet
+        calibrate = False  # int8/uint8's ranges from a sample of the input, unless an earlier run's are there
+        if precision.endswith("int8"):
+            if earlier is not None and earlier.get("ranges"):  # a resumed run keeps the levels (whatever calibration_rows says now)
+                run.update(calibration_rows=earlier.get("calibration_rows"), ranges=earlier["ranges"])
+            elif rows_in < 2:
+                raise ValueError(f"--input {input}: precision {precision!r} takes each dimension's range from the input's vectors, "
+                                 "and one row has none; embed two rows or more, or store float32")
+            else:
+                run["calibration_rows"] = calibration_rows
+                calibrate = True
 
-    if engine == "auto":
-        no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
-        engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
-    chunks = whole = None  # the input in actor_batch_size rows, and whole, where this process reads it (DRIVER_READ_BYTES)
-    if engine == "local" or size <= driver_read_bytes:
-        whole = store.retry(lambda: pads.dataset(files, filesystem=in_fs, format=fmt).to_table(columns=[id_column, text_column]),
-                            f"read {input}")
-        table = _without(whole, done, id_column)
-        chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
-    # the texts whose vectors' ranges int8/uint8's levels cut
-    calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store, whole) if calibrate else None
-    model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
-    resumed = 0 if done is None else len(done)
-    if engine == "local":
-        embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
-        embedder.check()  # before a file is written
-        if calibration is not None:
-            run["ranges"] = embedder.calibrate(calibration)
-        embedder.store_as(precision, run.get("ranges"))
-        if done is None:
-            _write_run_file(out_fs, out_path, run, output, store)
-        parts = map(embedder, chunks)
-        _write_local(out_fs, out_path, _shown(parts, rows_in - resumed) if progress else parts, output, store)
-        pool = 0
-    elif resumed == rows_in:
-        pool = 0  # an earlier run wrote every row: nothing to start
-    else:
-        # --- Ray seam: Ray Data read -> actor pool -> write ---
-        init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
-        pool = actors or pool_size(cpus_per_actor, num_gpus)
-        _check_pool(pool, cpus_per_actor)
-        if any(v is not None for v in options.values()) or calibration is not None:
-            ranges = _check_on_ray(model_args, language, options, calibration)
+        if engine == "auto":
+            no_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+            engine = "local" if no_cluster and size <= driver_read_bytes and actors is None and num_gpus == 0 else "ray"
+        chunks = whole = None  # the input in actor_batch_size rows, and whole, where this process reads it (DRIVER_READ_BYTES)
+        if engine == "local" or size <= driver_read_bytes:
+            whole = store.retry(lambda: _input_dataset(files, in_fs, fmt).to_table(columns=[id_column, text_column]),
+                                f"read {input}")
+            table = _without(whole, done, id_column)
+            chunks = [table.slice(i, actor_batch_size) for i in range(0, table.num_rows, actor_batch_size)]
+        # the texts whose vectors' ranges int8/uint8's levels cut
+        calibration = _calibration_texts(input, files, fmt, in_fs, rows_in, calibration_rows, text_column, store, whole) if calibrate else None
+        model_args = (checkpoint, version, id_column, text_column, pooling, normalize, batch_size, max_batch_tokens)
+        resumed = 0 if done is None else len(done)
+        if engine == "local":
+            embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
+            embedder.check()  # before a file is written
             if calibration is not None:
-                run["ranges"] = ranges
-        if chunks is not None:  # small: read here, no Ray Data read tasks
-            ds = ray.data.from_arrow(chunks)
+                run["ranges"] = embedder.calibrate(calibration)
+            embedder.store_as(precision, run.get("ranges"))
+            if done is None:
+                _write_run_file(out_fs, out_path, run, output, store)
+            parts = map(embedder, chunks)
+            _write_local(out_fs, out_path, _shown(parts, rows_in - resumed) if progress else parts, output, store)
+            pool = 0
+        elif resumed == rows_in:
+            pool = 0  # an earlier run wrote every row: nothing to start
         else:
-            read = getattr(ray.data, RAY_READERS[fmt])
-            # the files chosen above, whatever their ending (the readers' default file_extensions leave out some of COMPRESSIONS)
-            ds = read(files, filesystem=in_fs, file_extensions=None).select_columns([id_column, text_column])  # keep only these two
-            if done is not None:  # the ids an earlier run wrote go to the read tasks through the object store
-                ds = ds.map_batches(_without, fn_kwargs={"done": done, "id_column": id_column}, batch_format="pyarrow")
-            # One file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
-            # every actor of the pool gets work (streaming: no barrier before the model starts).
-            ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
-        threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
-        vectors = ds.map_batches(
-            Embedder,
-            fn_constructor_args=(*model_args, threads, dtype, cuda_graphs, language),
-            fn_constructor_kwargs={**options, "precision": precision, "ranges": run.get("ranges")},
-            batch_size=actor_batch_size,
-            batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=pool),
-            num_cpus=cpus_per_actor,
-            num_gpus=num_gpus,
-        )
-        if done is None:
-            _write_run_file(out_fs, out_path, run, output, store)
-        vectors.write_parquet(out_path, filesystem=out_fs, mode=ray.data.SaveMode.APPEND)  # beside RUN_FILE
+            # --- Ray seam: Ray Data read -> actor pool -> write ---
+            init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
+            pool = actors or pool_size(cpus_per_actor, num_gpus)
+            _check_pool(pool, cpus_per_actor)
+            if any(v is not None for v in options.values()) or calibration is not None:
+                ranges = _check_on_ray(model_args, language, options, calibration)
+                if calibration is not None:
+                    run["ranges"] = ranges
+            if chunks is not None:  # small: read here, no Ray Data read tasks
+                ds = ray.data.from_arrow(chunks)
+            else:
+                read = getattr(ray.data, RAY_READERS[fmt])
+                # the files chosen above, whatever their ending (the readers' default file_extensions leave out some of COMPRESSIONS)
+                ds = read(files, filesystem=in_fs, file_extensions=None).select_columns([id_column, text_column])  # keep only these two
+                if done is not None:  # the ids an earlier run wrote go to the read tasks through the object store
+                    ds = ds.map_batches(_without, fn_kwargs={"done": done, "id_column": id_column}, batch_format="pyarrow")
+                # One file can be one block, and a block goes to one actor whole: cut blocks to a batch each so
+                # every actor of the pool gets work (streaming: no barrier before the model starts).
+                ds = ds.repartition(target_num_rows_per_block=actor_batch_size)
+            threads = max(1, int(cpus_per_actor))  # torch's threads: the CPUs Ray reserves for the actor
+            vectors = ds.map_batches(
+                Embedder,
+                fn_constructor_args=(*model_args, threads, dtype, cuda_graphs, language),
+                fn_constructor_kwargs={**options, "precision": precision, "ranges": run.get("ranges")},
+                batch_size=actor_batch_size,
+                batch_format="pyarrow",
+                compute=ray.data.ActorPoolStrategy(size=pool),
+                num_cpus=cpus_per_actor,
+                num_gpus=num_gpus,
+            )
+            if done is None:
+                _write_run_file(out_fs, out_path, run, output, store)
+            vectors.write_parquet(out_path, filesystem=out_fs, mode=ray.data.SaveMode.APPEND)  # beside RUN_FILE
 
-    summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
-    seconds = time.perf_counter() - started
-    return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
-            "resumed": resumed, "precision": precision, "seconds": round(seconds, 2), "rows_per_s": round((rows_in - resumed) / seconds, 1)}
+        summary = _summary(out_fs, out_path, rows_in, checkpoint=checkpoint, input=input, output=output)
+        seconds = time.perf_counter() - started
+        return {**summary, "registry_version": registered.ref if registered else None, "engine": engine, "actors": pool,
+                "resumed": resumed, "precision": precision, "seconds": round(seconds, 2), "rows_per_s": round((rows_in - resumed) / seconds, 1)}
 
 
 def _shown(parts: Iterator[pa.Table], total: int) -> Iterator[pa.Table]:
@@ -555,7 +567,7 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
     if store.retry(lambda: fs.get_file_info(path), f"stat {output}").type == pafs.FileType.File:
         raise FileExistsError(f"--output {output} is a file: the vectors go to a folder")
     listed = store.retry(lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)), f"list {output}")
-    if not [i for i in listed if i.type == pafs.FileType.File]:
+    if not [i for i in _without_lock(listed) if i.type == pafs.FileType.File]:
         return None, None
     try:
         with store.retry(lambda: fs.open_input_stream(f"{path.rstrip('/')}/{RUN_FILE}"), f"read {storage.join(output, RUN_FILE)}") as f:
@@ -589,6 +601,11 @@ def _embedded_ids(output: str, fs: pafs.FileSystem, path: str, run: dict[str, An
             raise FileExistsError(f"--output {output}: a file of the earlier run cannot be read ({e}); give a new folder") from None
 
 
+def _without_lock(listed: list[pafs.FileInfo]) -> list[pafs.FileInfo]:
+    """A folder's listing less the ``RUN_LOCK`` of the run writing there and that lock's temporary files."""
+    return [i for i in listed if i.base_name != RUN_LOCK and not i.base_name.startswith(f".{RUN_LOCK}.")]
+
+
 def _without_cut_short(vectors: list[str], fs: pafs.FileSystem, output: str, store: storage.Store) -> list[str]:
     """``vectors`` less the files a run stopped while writing (the Ray engine writes in place: on a local disk a
     stop mid-file leaves one without its Parquet footer, so none of its rows can be read). Each is deleted, with a
@@ -614,12 +631,10 @@ def _calibration_texts(input: str, files: list[str], fmt: str, fs: pafs.FileSyst
     """``n`` texts of the input (all of them when it has fewer), a sample seeded by nothing but ``rows``, in
     input order: the same input gives the same calibration, whichever engine runs. ``whole``: the input, where
     the driver has read it already (not read again); else the sampled rows are read from ``files``."""
-    import pyarrow.dataset as pads
-
     picked = np.sort(np.random.default_rng(rows).choice(rows, size=min(n, rows), replace=False))
     if whole is not None:
         return whole.column(text_column).take(picked).to_pylist()
-    table = store.retry(lambda: pads.dataset(files, filesystem=fs, format=fmt).take(picked, columns=[text_column]),
+    table = store.retry(lambda: _input_dataset(files, fs, fmt).take(picked, columns=[text_column]),
                         f"read {input}")
     return table.column(text_column).to_pylist()
 
@@ -708,8 +723,6 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
     its footer; JSON lines and CSV are read for it) and their bytes. The files are ``path`` itself (read as
     Parquet unless its name says JSON lines or CSV), or every file of one format under the folder whose
     path below it starts with neither "." nor "_", as Ray Data's readers skip those."""
-    import pyarrow.dataset as pads
-
     info = store.retry(lambda: fs.get_file_info(path), f"stat {input}")
     if info.type == pafs.FileType.File:
         listed = [info]
@@ -719,8 +732,9 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
         listed = [i for i in listed if i.type == pafs.FileType.File and not i.path[len(base):].startswith((".", "_"))]
     unread = next((i.base_name for i in listed if i.path.endswith(UNREAD_COMPRESSIONS)), None)
     if unread:
+        fix = "rename it .zst" if unread.endswith(".zstd") else "decompress it, or recompress it with gzip or zstd (.zst)"
         raise ValueError(f"--input {input}: {unread} is compressed with a codec read here only as "
-                         f"{'/'.join(COMPRESSIONS)}: decompress it, or recompress it with gzip")
+                         f"{'/'.join(COMPRESSIONS)}: {fix}")
     if info.type == pafs.FileType.File:
         files, size, fmt = [path], info.size, _input_format(input, path) or "parquet"
     else:
@@ -733,7 +747,7 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
             raise ValueError(f"--input {input}: the folder mixes {' and '.join(formats)} files; give a folder of one kind")
         files, size, fmt = sorted(i.path for i in chosen), sum(i.size or 0 for i in chosen), formats[0]
     try:
-        dataset = pads.dataset(files, filesystem=fs, format=fmt)
+        dataset = _input_dataset(files, fs, fmt)
         for col in (id_column, text_column):
             if col not in dataset.schema.names:
                 raise ValueError(f"--input {input}: no column {col!r} (columns: {', '.join(dataset.schema.names)}); name it with --id-column / --text-column")
@@ -745,6 +759,69 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
         kind = "JSON lines (one object a line)" if fmt == "json" else fmt
         raise ValueError(f"--input {input}: not readable as {kind} ({e})") from None
     return files, fmt, rows, size or 0
+
+
+def _input_dataset(files: list[str], fs: pafs.FileSystem, fmt: str):
+    """What the driver reads ``files`` through: a ``pyarrow.dataset`` of them, or a ``_StreamedInput`` where
+    one's ending is one pyarrow.dataset does not undo (``STREAMED_COMPRESSIONS``)."""
+    import pyarrow.dataset as pads
+
+    if any(f.lower().endswith(STREAMED_COMPRESSIONS) for f in files):
+        return _StreamedInput(files, fs, fmt)
+    return pads.dataset(files, filesystem=fs, format=fmt)
+
+
+class _StreamedInput:
+    """JSON lines or CSV files read one after another as record batches, each file decompressed by its name's
+    ending (pyarrow's ``Codec.detect``: .gz, .bz2, .lz4, .zst), with the few calls of ``pyarrow.dataset.Dataset``
+    the driver makes (``schema``, ``count_rows``, ``head``, ``take``, ``to_table``). Each call reads the files
+    again from the start and holds one batch at a time, but for the table it returns."""
+
+    def __init__(self, files: list[str], fs: pafs.FileSystem, fmt: str):
+        self.files, self.fs, self.fmt = files, fs, fmt
+
+    def _readers(self) -> Iterator[pa.RecordBatchReader]:
+        import pyarrow.csv as pacsv
+        import pyarrow.json as pajson
+
+        for path in self.files:
+            with self.fs.open_input_stream(path, compression="detect") as stream:
+                yield pajson.open_json(stream) if self.fmt == "json" else pacsv.open_csv(stream)
+
+    def _batches(self, columns: list[str] | None = None, filter=None) -> Iterator[pa.Table]:
+        import pyarrow.dataset as pads
+
+        for reader in self._readers():
+            for batch in reader:
+                yield pads.dataset(pa.Table.from_batches([batch])).to_table(columns=columns, filter=filter)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return next(self._readers()).schema
+
+    def count_rows(self, filter=None) -> int:
+        return sum(t.num_rows for t in self._batches([], filter))
+
+    def head(self, n: int, columns: list[str], filter=None) -> pa.Table:
+        kept, rows = [], 0
+        for t in self._batches(columns, filter):
+            kept.append(t.slice(0, n - rows))
+            rows += kept[-1].num_rows
+            if rows == n:
+                break
+        return pa.concat_tables(kept, promote_options="permissive")
+
+    def take(self, indices: np.ndarray, columns: list[str]) -> pa.Table:
+        """The rows at ``indices`` (sorted, as ``_calibration_texts`` picks them)."""
+        kept, start = [], 0
+        for t in self._batches(columns):
+            inside = indices[(indices >= start) & (indices < start + t.num_rows)]
+            kept.append(t.take(pa.array(inside - start)))
+            start += t.num_rows
+        return pa.concat_tables(kept, promote_options="permissive")
+
+    def to_table(self, columns: list[str]) -> pa.Table:
+        return pa.concat_tables(list(self._batches(columns)), promote_options="permissive")
 
 
 def _check_texts(input: str, dataset, id_column: str, text_column: str, store: storage.Store) -> None:

@@ -16,7 +16,11 @@ the run ends (also when it fails):
 * **Stale takeover.** A lock whose heartbeat is older than ``stale_after_s`` (its driver died
   without releasing it) may be taken over, with the same conditional replace against the version
   read: of two runs taking over at once, one wins.
-* **Release** deletes the lock, conditional on it being this holder's version.
+* **Release** deletes the lock, conditional on it being this holder's version (and, locally, the
+  folder the lock created, where nothing else was written there).
+
+``ctx embed`` holds its output folder the same way (``jobs.serving.embed.RUN_LOCK``): two runs into
+one folder would write the same rows twice.
 
 On S3, taking the lock waits through an outage as every other call of the run does, until the
 recipe's ``data.retry_deadline_s`` (the ``Store`` it is given), saying so on stderr; a heartbeat
@@ -45,6 +49,9 @@ from pipelines import storage
 from pipelines.storage import Store, as_store
 
 LOCK_FILE = "LOCK.json"
+# What two holders at once would do to a training run, and what to do about it (RunLock's ``clash``).
+TRAINING_CLASH = ("Two runs on one output would resume from the same checkpoint and overwrite each other. Wait for it "
+                  "to finish, stop it, or give this run another name or output_dir.")
 RELEASE_WAIT_S = 10.0  # how long releasing the lock waits for the store: never the run's whole deadline
 
 
@@ -86,6 +93,7 @@ class _LocalBackend:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.made = False  # this holder created the folder: releasing removes it again if nothing else was written
 
     def _link_new(self, body: bytes) -> None:
         tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
@@ -98,9 +106,15 @@ class _LocalBackend:
             tmp.unlink(missing_ok=True)
 
     def create(self, body: bytes) -> bytes:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._link_new(body)
-        return body
+        for _ in range(2):  # a second time where another holder's release removed the folder just made
+            self.made = not self.path.parent.is_dir()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._link_new(body)
+                return body
+            except FileNotFoundError:
+                continue
+        raise _Conflict()
 
     def read(self) -> tuple[bytes, bytes] | None:
         try:
@@ -148,6 +162,11 @@ class _LocalBackend:
 
     def delete(self, version: bytes) -> None:
         self._take_aside(version).unlink(missing_ok=True)
+        if self.made:  # a run that stopped before writing anything leaves no folder behind
+            try:
+                self.path.parent.rmdir()
+            except OSError:
+                pass  # it holds what the run wrote (or another run's lock): kept
 
 
 class _S3Backend:
@@ -247,14 +266,18 @@ class RunLock:
 
     Raises ``RunLockHeld`` at once when a live holder has it. ``store``: the run's ``Store`` (its
     endpoint and retry deadline), or an endpoint URL. ``clock`` is injectable so tests can age a
-    lock without waiting.
+    lock without waiting. ``name``, ``folder`` and ``clash``: the lock file's name, what the
+    folder is and what two writers would do to it, as the held message says them (``ctx embed``
+    locks its output folder as ``_embed.lock.json``, a name Parquet readers skip).
     """
 
     def __init__(self, run_uri: str, store: Store | str | None = None, *, command: str = "ctx", heartbeat_s: float = 10.0,
-                 stale_after_s: float = 60.0, clock: Callable[[], float] = time.time, err: TextIO | None = None) -> None:
+                 stale_after_s: float = 60.0, clock: Callable[[], float] = time.time, err: TextIO | None = None,
+                 name: str = LOCK_FILE, folder: str = "run folder", clash: str = TRAINING_CLASH) -> None:
         if not 0 < heartbeat_s < stale_after_s:
             raise ValueError(f"heartbeat_s ({heartbeat_s}) must be positive and below stale_after_s ({stale_after_s})")
-        self.uri = storage.join(run_uri, LOCK_FILE)
+        self.uri = storage.join(run_uri, name)
+        self.folder, self.clash = folder, clash
         self.command = command
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s
@@ -315,14 +338,12 @@ class RunLock:
     def _held_message(self, holder: LockInfo | None) -> str:
         where = self.uri.rsplit("/", 1)[0] if "://" in self.uri else str(Path(self.uri).parent)
         if holder is None:  # never taken over: we cannot tell whether its writer lives
-            return (f"the run folder {where} has a lock {self.uri} that is not a ctx run lock (or is damaged). "
+            return (f"the {self.folder} {where} has a lock {self.uri} that is not a ctx run lock (or is damaged). "
                     f"If no run is writing to this folder, delete that file and start again.")
         age = self.clock() - holder.heartbeat
         who = f"{self._describe(holder)} (owner {holder.owner[:8]}, heartbeat {age:.0f} s ago)"
-        return (f"the run folder {where} is in use by {who}. Two runs on one output would resume from "
-                f"the same checkpoint and overwrite each other. Wait for it to finish, stop it, or give "
-                f"this run another name or output_dir. If its driver died, the lock becomes stale after "
-                f"{self.stale_after_s:.0f} s without a heartbeat and the next run takes it over.")
+        return (f"the {self.folder} {where} is in use by {who}. {self.clash} If its driver died, the lock becomes "
+                f"stale after {self.stale_after_s:.0f} s without a heartbeat and the next run takes it over.")
 
     # -- holding it
 

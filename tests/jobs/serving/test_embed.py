@@ -147,12 +147,15 @@ def test_reembed_on_s3_normalized_matches_sentence_transformers(ray_session, min
     assert summary["output"] == out and summary["rows"] == len(IDS)
     expected = _serving_vectors(minilm_dir, normalize=True)
     _check_rows(_read(out), expected, checkpoint_version(str(minilm_dir)))
-    # JSON lines streamed the same way, by Ray Data's read_json: one file as it is, one gzipped
+    # JSON lines streamed the same way, by Ray Data's read_json: one file as it is, one gzipped, one zstd (.zst,
+    # which the driver reads as a stream: pyarrow.dataset does not undo it)
     lines = [json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)]
     with fs.open_output_stream(f"{s3_bucket}/index/docs/part-0.jsonl") as f:
-        f.write("".join(lines[:4]).encode())
+        f.write("".join(lines[:3]).encode())
     with fs.open_output_stream(f"{s3_bucket}/index/docs/part-1.jsonl.gz", compression="gzip") as f:
-        f.write("".join(lines[4:]).encode())
+        f.write("".join(lines[3:5]).encode())
+    with fs.open_output_stream(f"{s3_bucket}/index/docs/part-2.jsonl.zst", compression="zstd") as f:
+        f.write("".join(lines[5:]).encode())
     summary = reembed(str(minilm_dir), f"s3://{s3_bucket}/index/docs/", out + "-jsonl", actor_batch_size=4, driver_read_bytes=0)
     assert summary["engine"] == "ray" and summary["rows"] == len(IDS)
     _check_rows(_read(out + "-jsonl"), expected, checkpoint_version(str(minilm_dir)))
@@ -464,10 +467,10 @@ def test_refuses_an_output_that_holds_files_before_starting_ray(tmp_path, minilm
 
 def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, tmp_path, capsys):
     """``--input`` of JSON lines (.jsonl, .json) or CSV, a file or a folder of one kind, plain or compressed
-    whole (.gz, .bz2, .lz4), is read as Parquet is (the local engine here; the Ray engine streams it with
-    read_json / read_csv, on S3 above); a folder that mixes kinds, a .json that is one JSON array, a
-    compressed Parquet file or a zstd one (which pyarrow.dataset does not read by its .zst ending) is
-    refused naming the input."""
+    whole (.gz, .bz2, .lz4, .zst: the driver streams this one, pyarrow.dataset does not undo it), is read as
+    Parquet is (the local engine here; the Ray engine streams it with read_json / read_csv, on S3 above); a
+    folder that mixes kinds, a .json that is one JSON array, a compressed Parquet file or a zstd one ending
+    .zstd (which Ray Data's readers do not undo) is refused naming the input."""
     import gzip
 
     from jobs.cli import main
@@ -482,12 +485,16 @@ def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, t
     pa_csv = pytest.importorskip("pyarrow.csv")
     csv_table = _input_table().drop_columns(["lang"])
     pa_csv.write_csv(csv_table, tmp_path / "texts.csv")  # quotes, commas and newlines as CSV says
-    for codec, ending in (("bz2", "bz2"), ("lz4", "lz4"), ("zstd", "zst")):
+    for codec, ending in (("bz2", "bz2"), ("lz4", "lz4"), ("zstd", "zst"), ("zstd", "zstd")):
         with pa.CompressedOutputStream(str(tmp_path / f"texts.csv.{ending}"), codec) as f:
             pa_csv.write_csv(csv_table, f)
+    (tmp_path / "zdocs").mkdir()  # the Pile's shards are .jsonl.zst; here beside a plain and a gzipped one
+    for k, (codec, ending) in enumerate(((None, ""), ("gzip", ".gz"), ("zstd", ".zst"))):
+        with pa.output_stream(str(tmp_path / "zdocs" / f"part-{k}.jsonl{ending}"), compression=codec) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows[3 * k : 3 * k + 3]).encode())
     expected = _serving_vectors(minilm_dir, normalize=True)
     for name, source in (("jsonl", tmp_path / "docs"), ("csv", tmp_path / "texts.csv"), ("csv-bz2", tmp_path / "texts.csv.bz2"),
-                         ("csv-lz4", tmp_path / "texts.csv.lz4")):
+                         ("csv-lz4", tmp_path / "texts.csv.lz4"), ("csv-zst", tmp_path / "texts.csv.zst"), ("jsonl-zst", tmp_path / "zdocs")):
         code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / name), "--engine", "local"])
         assert code == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out.splitlines()[-1])["rows"] == len(IDS)
@@ -500,12 +507,80 @@ def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, t
         pq.write_table(_input_table(), f)
     for source, said in ((tmp_path / "docs", r"the folder mixes json and parquet files; give a folder of one kind"),
                          (tmp_path / "array.json", r"not readable as JSON lines \(one object a line\)"),
-                         (tmp_path / "gz", r"no Parquet, JSON lines or CSV file \(.*JSON lines and CSV also as \.gz/\.bz2/\.lz4\) there"),
-                         (tmp_path / "texts.csv.zst", r"texts\.csv\.zst is compressed with a codec read here only as \.gz/\.bz2/\.lz4: "
-                                                      r"decompress it, or recompress it with gzip$")):
+                         (tmp_path / "gz", r"no Parquet, JSON lines or CSV file \(.*JSON lines and CSV also as \.gz/\.bz2/\.lz4/\.zst\) there"),
+                         (tmp_path / "texts.csv.zstd", r"texts\.csv\.zstd is compressed with a codec read here only as \.gz/\.bz2/\.lz4/\.zst: "
+                                                       r"rename it \.zst$")):
         code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / "refused"), "--engine", "local"])
         err = capsys.readouterr().err
         assert code == 2 and re.search(r"^ctx: error: --input .*" + said, err), err
+
+
+def test_one_run_writes_into_an_output_folder_at_a_time(minilm_dir, tmp_path, capsys):
+    """While a run holds the output folder's lock (another ``ctx embed`` still going), a second run into it,
+    fresh or ``--resume``, is refused naming the holder before a vector is written; once the lock is released
+    the run goes and leaves no lock behind; a lock whose heartbeat stopped an hour ago (its process died) is
+    taken over."""
+    from jobs.cli import main
+    from jobs.serving.embed import RUN_LOCK
+    from jobs.training.runlock import LockInfo, RunLock, RunLockHeld
+
+    src = tmp_path / "texts.parquet"
+    pq.write_table(_input_table(), src)
+    out = tmp_path / "vectors"
+    holder = RunLock(str(out), command="ctx embed", name=RUN_LOCK).acquire()
+    try:
+        said = rf"the output folder {out} is in use by ctx embed on .*, pid {os.getpid()} .*would write the same rows twice"
+        for resume in (False, True):
+            with pytest.raises(RunLockHeld, match=said):
+                reembed(str(minilm_dir), str(src), str(out), engine="local", resume=resume)
+        code = main(["embed", "--model", str(minilm_dir), "--input", str(src), "--output", str(out), "--resume"])
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(r"^ctx: error: " + said, err), err
+        assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK]  # nothing written beside the holder's lock
+    finally:
+        holder.release()
+    summary = reembed(str(minilm_dir), str(src), str(out), engine="local")
+    assert summary["rows"] == len(IDS) and not (out / RUN_LOCK).exists()
+    expected = _serving_vectors(minilm_dir, normalize=True)  # unasked: the folder's Normalize module
+    _check_rows(_read(str(out)), expected, checkpoint_version(str(minilm_dir)))
+
+    dead = tmp_path / "vectors-dead"
+    dead.mkdir()
+    now = time.time()
+    (dead / RUN_LOCK).write_bytes(LockInfo("0" * 32, "elsewhere", 1, "ctx embed", now - 3700, now - 3600).to_bytes())
+    summary = reembed(str(minilm_dir), str(src), str(dead), engine="local")
+    assert summary["rows"] == len(IDS) and not (dead / RUN_LOCK).exists()
+    assert "took over the stale run lock" in capsys.readouterr().err
+    _check_rows(_read(str(dead)), expected, checkpoint_version(str(minilm_dir)))
+
+
+def test_a_streamed_input_answers_the_drivers_calls_as_pyarrow_dataset_does(tmp_path):
+    """``_StreamedInput`` (how the driver reads .zst files) gives what pyarrow.dataset gives over the same
+    rows: schema, counts with and without a filter, the first rows a filter keeps, sorted picks spanning
+    files and batches, the whole table."""
+    import pyarrow.compute as pc
+
+    from jobs.serving.embed import _StreamedInput
+
+    n = 5000  # several of the JSON reader's batches per file
+    rows = [{"id": i, "text": None if i % 7 == 3 else f"text {i} \u00e9"} for i in range(n)]
+    files = []
+    for k, (codec, ending) in enumerate(((None, ".jsonl"), ("zstd", ".jsonl.zst"), ("gzip", ".jsonl.gz"))):
+        files.append(str(tmp_path / f"part-{k}{ending}"))
+        with pa.output_stream(files[-1], compression=codec, buffer_size=None) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows[k * n // 3 : (k + 1) * n // 3]).encode())
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    streamed = _StreamedInput(files, pafs.LocalFileSystem(), "json")
+    reference = pads.dataset(str(plain), format="json")
+    missing = pc.field("text").is_null()
+    assert streamed.schema.names == reference.schema.names
+    assert streamed.count_rows() == reference.count_rows() == n
+    assert streamed.count_rows(filter=missing) == reference.count_rows(filter=missing) == len([r for r in rows if r["text"] is None])
+    assert streamed.head(3, columns=["id"], filter=missing).equals(reference.head(3, columns=["id"], filter=missing))
+    picked = np.sort(np.random.default_rng(0).choice(n, size=700, replace=False))
+    assert streamed.take(picked, columns=["text"]).equals(reference.take(picked, columns=["text"]))
+    assert streamed.to_table(columns=["id", "text"]).equals(reference.to_table(columns=["id", "text"]))
 
 
 @pytest.mark.parametrize("engine", ["local", "ray"])
