@@ -297,7 +297,35 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _error(status: int, message: str, type_: str, code: str | None = None, request_id: str | None = None, headers: dict | None = None) -> AsciiJSON:
+class TeiErrorBody(BaseModel):
+    """TEI's error body (its router's ``ErrorResponse``): ``error`` is the message its clients show
+    (huggingface_hub's InferenceClient prints it; OpenAI's nested object came out as a dict's repr)."""
+
+    error: str
+    error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
+
+
+# TEI's own paths answer errors in TEI's shape, with this server's status codes; /v1/..., Infinity's paths and
+# the probes keep the OpenAI shape of ERROR_RESPONSES.
+TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"})
+TEI_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": TeiErrorBody, "description": "The request's mistake, named (TEI's error body)"},
+    "5XX": {"model": TeiErrorBody, "description": "The server's failure: only a request id (TEI's error body)"},
+}
+
+
+def tei_error_type(status: int) -> str:
+    """TEI's ``error_type`` for a status: 429 Overloaded, 503 Unhealthy, other 5xx Backend, every 4xx
+    Validation (TEI's Tokenizer and Empty name causes this server does not tell apart by status)."""
+    return {429: "Overloaded", 503: "Unhealthy"}.get(status) or ("Backend" if status >= 500 else "Validation")
+
+
+def _error(status: int, message: str, type_: str, code: str | None = None, request_id: str | None = None, headers: dict | None = None,
+           path: str | None = None) -> AsciiJSON:
+    """The error response: OpenAI's ``{"error": {"message", "type", ...}}``, or TEI's body where ``path`` is
+    one of ``TEI_ROUTES``."""
+    if path in TEI_ROUTES:
+        return AsciiJSON(status_code=status, content={"error": message, "error_type": tei_error_type(status)}, headers=headers)
     body: dict[str, Any] = {"message": message, "type": type_}
     if code:
         body["code"] = code
@@ -614,17 +642,17 @@ class Guard:
         if path not in self.OPEN and not gw.authorized(headers.get("authorization")):
             return _error(
                 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", "authentication_error",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, path=path,
             )
         if gw.draining and _api_call(path):
             return _error(
                 503, "the server is shutting down; retry on another replica", "unavailable", code="shutting_down",
-                request_id=request_id, headers={"Retry-After": _retry_after(gw.config.retry_after_s)},
+                request_id=request_id, headers={"Retry-After": _retry_after(gw.config.retry_after_s)}, path=path,
             )
         length = headers.get("content-length")
         limit = gw.config.limits.max_body_bytes
         if length is not None and length.isdigit() and int(length) > limit:
-            return _body_too_large(limit)
+            return _body_too_large(limit, path)
         return None
 
     def _limited(self, receive):
@@ -647,8 +675,9 @@ def _api_call(path: str) -> bool:
     return path.startswith("/v1/") or path in UNVERSIONED_CALLS
 
 
-def _body_too_large(limit: int) -> Response:
-    return _error(413, f"the request body is larger than {limit} bytes (max_body_bytes)", "invalid_request_error", code="body_too_large")
+def _body_too_large(limit: int, path: str) -> Response:
+    return _error(413, f"the request body is larger than {limit} bytes (max_body_bytes)", "invalid_request_error", code="body_too_large",
+                  path=path)
 
 
 def _retry_after(seconds: float) -> str:
@@ -663,7 +692,7 @@ def http_api(gw: "Gateway") -> FastAPI:
     @api.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> Response:
         rid = _request_id(request) if e.status >= 500 else None
-        return _error(e.status, e.message, e.type, e.code, request_id=rid, headers=e.headers)
+        return _error(e.status, e.message, e.type, e.code, request_id=rid, headers=e.headers, path=request.url.path)
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
@@ -679,17 +708,17 @@ def http_api(gw: "Gateway") -> FastAPI:
             else:
                 msg = err.get("msg", "invalid").removeprefix("Value error, ")
                 problems.append(f"{where}: {msg}" if where else msg)
-        return _error(422, "; ".join(problems) or "invalid request", "invalid_request_error")
+        return _error(422, "; ".join(problems) or "invalid request", "invalid_request_error", path=request.url.path)
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         message = e.detail if e.status_code == 413 else f"{request.method} {request.url.path}: {e.detail}"
-        return _error(e.status_code, message, kind, request_id=_request_id(request) if e.status_code >= 500 else None)
+        return _error(e.status_code, message, kind, request_id=_request_id(request) if e.status_code >= 500 else None, path=request.url.path)
 
     @api.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> Response:
-        return internal_error(_request_id(request), f"{request.method} {request.url.path}", e)
+        return internal_error(_request_id(request), f"{request.method} {request.url.path}", e, path=request.url.path)
 
     @api.get("/healthz")
     async def healthz() -> dict:
@@ -717,26 +746,27 @@ def http_api(gw: "Gateway") -> FastAPI:
     async def embeddings(req: EmbeddingsRequest) -> Response:
         return await gw.embeddings(req)
 
-    @api.post("/embed")
+    @api.post("/embed", responses=TEI_ERROR_RESPONSES)
     async def tei_embed(req: TeiEmbedRequest) -> Response:
         return await gw.tei_embed(req)
 
-    @api.post("/similarity")
+    @api.post("/similarity", responses=TEI_ERROR_RESPONSES)
     async def tei_similarity(req: SimilarityRequest) -> Response:
         return await gw.tei_similarity(req)
 
-    @api.post("/embed_all")
+    @api.post("/embed_all", responses=TEI_ERROR_RESPONSES)
     async def tei_embed_all(req: TeiEmbedAllRequest) -> Response:
         return await gw.tei_embed_all(req)
 
-    @api.get("/info")
+    @api.get("/info", responses=TEI_ERROR_RESPONSES)
     async def tei_info(model: str | None = None) -> Response:
         return await gw.tei_info(model)
 
     # TEI's default route, and SageMaker's: where a client given the server's bare URL posts (huggingface_hub's
     # InferenceClient(model=URL), LangChain's HuggingFaceEndpointEmbeddings): /predict, /rerank or /embed, by the model.
-    @api.post("/", responses={200: {"description": "/predict's, /rerank's or /embed's answer, by the model's TEI type (GET /info)"}})
-    @api.post("/invocations", responses={200: {"description": "as POST /"}})
+    @api.post("/", responses={200: {"description": "/predict's, /rerank's or /embed's answer, by the model's TEI type (GET /info)"},
+                              **TEI_ERROR_RESPONSES})
+    @api.post("/invocations", responses={200: {"description": "as POST /"}, **TEI_ERROR_RESPONSES})
     async def tei_default(request: Request) -> Response:
         try:
             body = await request.json()
@@ -752,7 +782,7 @@ def http_api(gw: "Gateway") -> FastAPI:
         async def endpoint(req: request_cls) -> Response:  # FastAPI reads the body's class from here
             return await gw.task(route, req)
 
-        api.post(path, name=path)(endpoint)
+        api.post(path, name=path, responses=TEI_ERROR_RESPONSES if path in TEI_ROUTES else None)(endpoint)
 
     for route, request_cls in REQUESTS.items():  # /v1/classify, /v1/tag, ... /tokenize (jobs/serving/serve_tasks.py)
         task_route(route, route, request_cls)
@@ -764,12 +794,12 @@ def http_api(gw: "Gateway") -> FastAPI:
     return api
 
 
-def internal_error(request_id: str, what: str, e: BaseException) -> Response:
+def internal_error(request_id: str, what: str, e: BaseException, path: str | None = None) -> Response:
     """A 500 that tells the client only a request id; the exception goes to the log under that id."""
     logger.error("request %s: %s failed", request_id, what, exc_info=e)
     return _error(
         500, f"internal error; the server log has the details under request id {request_id}", "server_error",
-        code="internal_error", request_id=request_id,
+        code="internal_error", request_id=request_id, path=path,
     )
 
 

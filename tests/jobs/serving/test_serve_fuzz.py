@@ -171,15 +171,21 @@ def test_the_server_still_answers_after_the_fuzz(server):
 
 def test_the_spec_declares_the_error_body_the_server_sends(server):
     """FastAPI declared {"detail": [...]} for 422, which this server never sends: conformance passed
-    vacuously. Every operation now declares the real error body for 4XX and 5XX."""
+    vacuously. Every operation now declares the real error body for 4XX and 5XX: TEI's on TEI's paths,
+    OpenAI's elsewhere."""
+    from jobs.serving.serve import TEI_ROUTES
+
     spec = httpx.get(f"{server}/openapi.json", timeout=60).json()
     assert "HTTPValidationError" not in spec["components"]["schemas"]
     assert spec["components"]["schemas"]["ErrorBody"]["required"] == ["error"]
+    assert spec["components"]["schemas"]["TeiErrorBody"]["required"] == ["error", "error_type"]
+    assert TEI_ROUTES <= set(spec["paths"])
     for path, operations in spec["paths"].items():
+        body = "TeiErrorBody" if path in TEI_ROUTES else "ErrorBody"
         for method, op in operations.items():
             for status in ("4XX", "5XX"):
                 schema = op["responses"][status]["content"]["application/json"]["schema"]
-                assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+                assert schema == {"$ref": f"#/components/schemas/{body}"}, (method, path, status)
 
 
 # ----------------------------------------------------------------------------- what the fuzz found

@@ -299,9 +299,10 @@ def test_teis_embed_route_answers_its_clients_shape(server, tiny_models, minilm_
     r = _post_json(client, "/embed", {"inputs": texts[0], "model": "tiny", "normalize": False, "dimensions": 16})
     np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), mean[:1, :16] / np.linalg.norm(mean[0, :16]), atol=TOL)  # the cut re-normalises, as /v1/embeddings' dimensions
     r = _post_json(client, "/embed", {"inputs": texts})
-    assert r.status_code == 400 and "serves 3 models (gpt, slow, tiny): name one" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "serves 3 models (gpt, slow, tiny): name one" in r.json()["error"]  # TEI's body on TEI's paths
     r = _post_json(client, "/embed", {"inputs": texts, "model": "tiny", "prompt_name": "query"})
-    assert r.status_code == 400 and "no such prompt (its prompts: none)" in r.json()["error"]["message"]
+    assert r.json() == {"error": r.json()["error"], "error_type": "Validation"} and r.status_code == 400
+    assert "no such prompt (its prompts: none)" in r.json()["error"]
     assert tei_model(None, ["only"]) == "only" and tei_model("x", ["a", "b"]) == "x"
     with pytest.raises(ApiError):
         tei_model(None, [])

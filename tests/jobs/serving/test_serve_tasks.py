@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from jobs.serving.serve import TEI_ROUTES
 from tests.conftest import REPO, serving
 
 pytestmark = pytest.mark.slow
@@ -271,11 +272,11 @@ def test_rerank_without_v1_takes_tei_and_infinity_clients_bodies(client):
     cohere = _ok(client.post("/rerank", json={"model": "pair", "query": query, "documents": texts, "top_n": 2}))
     assert [r["index"] for r in cohere["results"]] == [d["index"] for d in v1[:2]]
     r = client.post("/rerank", json={"query": query, "texts": texts})
-    assert r.status_code == 400 and "name one" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "name one" in r.json()["error"], r.text
     r = client.post("/rerank", json={"model": "pair", "query": query, "texts": texts, "truncation_direction": "left"})
-    assert r.status_code == 422 and "truncation_direction" in r.json()["error"]["message"], r.text
+    assert r.status_code == 422 and "truncation_direction" in r.json()["error"], r.text
     r = client.post("/rerank", json={"model": "mlm", "query": query, "texts": texts})
-    assert r.status_code == 400 and "/v1/rerank needs" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "/v1/rerank needs" in r.json()["error"], r.text
 
 
 def test_tag_words_offsets_and_entities_match_the_model(client, built, tok):
@@ -538,7 +539,8 @@ def test_tokenize_gives_ids_tokens_and_offsets(client, tok):
 def test_wrong_model_or_malformed_input_gets_a_4xx_naming_it(client, path, body, status, words):
     r = client.post(path, json=body)
     assert r.status_code == status, r.text
-    message = r.json()["error"]["message"]
+    error = r.json()["error"]
+    message = error if path in TEI_ROUTES else error["message"]  # TEI's body on TEI's paths (/tokenize)
     for w in words:
         assert w.lower() in message.lower(), (w, message)
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from jobs.serving.serve import tei_error_type
 from tests.conftest import free_port
 
 TOL = 1e-5
@@ -79,6 +80,15 @@ def urls(models):
 
 def post(url: str, route: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}{route}", json=body, timeout=60)
+
+
+def tei_error(r: httpx.Response) -> str:
+    """The message of TEI's error body, its shape checked: {"error": the message, "error_type": TEI's name
+    for the status}, what TEI's clients read (huggingface_hub prints ``error``)."""
+    body = r.json()
+    assert set(body) == {"error", "error_type"} and isinstance(body["error"], str), r.text
+    assert body["error_type"] == tei_error_type(r.status_code), r.text
+    return body["error"]
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +179,10 @@ def test_predict_refuses_what_tei_refuses_and_names_it(urls):
     }
     for what, (body, status, words) in cases.items():
         r = post(url, "/predict", body)
-        assert r.status_code == status and words in r.json()["error"]["message"], (what, r.status_code, r.text)
+        assert r.status_code == status and words in tei_error(r), (what, r.status_code, r.text)
     assert post(url, "/predict", {"inputs": [["word " * 300]], "truncate": True}).status_code == 200
     r = post(urls["minilm"], "/predict", {"inputs": TEXTS[0]})  # an embedding model is no classifier
-    assert r.status_code == 400 and "/v1/classify needs a fine-tuned classification" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "/v1/classify needs a fine-tuned classification" in tei_error(r)
 
 
 def test_huggingface_hubs_inference_client_classifies_and_compares_sentences(urls, minilm_dir, hf_logits, monkeypatch):
@@ -198,8 +208,13 @@ def test_huggingface_hubs_inference_client_classifies_and_compares_sentences(url
     # and /embed, which LangChain's HuggingFaceEndpointEmbeddings reaches through the same client
     vector = hub.InferenceClient(model=f"{urls['minilm']}/embed").feature_extraction(TEXTS[0])
     np.testing.assert_allclose(np.asarray(vector).reshape(-1), reference.encode(TEXTS[0], normalize_embeddings=True), atol=TOL)
+    # a refusal reaches the client's user as the server's message (TEI's body: OpenAI's nested one came out as a dict's repr)
+    with pytest.raises(hub.errors.HfHubHTTPError) as refused:
+        hub.InferenceClient(model=f"{urls['minilm']}/predict").text_classification(TEXTS[0])
+    said = str(refused.value)
+    assert "/v1/classify needs a fine-tuned classification" in said and "{'message'" not in said, said
     r = post(urls["minilm"], "/similarity", {"inputs": {"source_sentence": TEXTS[0], "sentences": []}})
-    assert r.status_code == 422 and "inputs.sentences: must not be empty" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "inputs.sentences: must not be empty" in tei_error(r)
 
 
 def test_decode_equals_the_tokenizers_librarys_decoding(urls, minilm_dir):
@@ -215,7 +230,7 @@ def test_decode_equals_the_tokenizers_librarys_decoding(urls, minilm_dir):
     assert post(url, "/decode", {"ids": rows, "skip_special_tokens": False}).json() == [tok.decode(r, skip_special_tokens=False) for r in rows]
     assert "[CLS]" in post(url, "/decode", {"ids": rows[0], "skip_special_tokens": False}).json()[0]
     r = post(url, "/decode", {"ids": [rows[0], [tok.get_vocab_size()]]})
-    assert r.status_code == 400 and "ids item 1: 30522 is not a token id" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "ids item 1: 30522 is not a token id" in tei_error(r)
     assert post(url, "/decode", {"ids": [-1]}).status_code == 422
     assert post(url, "/decode", {"ids": []}).status_code == 422
     assert post(urls["emotion"], "/decode", {"ids": rows[1]}).json() == [tok.decode(rows[1])]  # every model decodes
@@ -263,9 +278,9 @@ def test_tokenize_takes_teis_body_and_answers_teis_tokens(urls, minilm_dir):
     for body, words in (({"model": "minilm", "input": "a", "inputs": "a"}, "both were given"), ({"input": "a"}, "model: required"),
                         ({"model": "minilm", "input": "a", "prompt_name": "query"}, "prompt_name belongs to TEI's body")):
         r = post(url, "/tokenize", body)
-        assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
+        assert r.status_code == 422 and words in tei_error(r), r.text
     r = post(url, "/tokenize", {"inputs": "a", "prompt_name": "query"})  # MiniLM's folder has no prompts
-    assert r.status_code == 400 and "has no such prompt" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "has no such prompt" in tei_error(r)
 
 
 def test_embed_all_gives_sentence_transformers_token_embeddings(urls, minilm_dir):
@@ -283,7 +298,7 @@ def test_embed_all_gives_sentence_transformers_token_embeddings(urls, minilm_dir
     one = post(urls["minilm"], "/embed_all", {"inputs": TEXTS[0]}).json()  # a string: a list of one
     np.testing.assert_allclose(np.asarray(one[0]), want[0].numpy(), atol=TOL)
     r = post(urls["minilm"], "/embed_all", {"inputs": TEXTS[0], "prompt_name": "query"})
-    assert r.status_code == 400 and "has no such prompt" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "has no such prompt" in tei_error(r)
 
 
 def test_the_bare_url_answers_as_tei_by_the_models_type(urls, minilm_dir, hf_logits, monkeypatch):
@@ -309,7 +324,7 @@ def test_the_bare_url_answers_as_tei_by_the_models_type(urls, minilm_dir, hf_log
 
     for body, words in (([1, 2], "must be a JSON object"), ({"inputs": 3}, "inputs: must be"), ({"query": "q"}, "texts")):
         r = post(urls["emotion"] if "inputs" in str(body) else urls["sts"], "/", body)
-        assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
+        assert r.status_code == 422 and words in tei_error(r), r.text
     r = httpx.post(f"{urls['minilm']}/", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
-    assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "not valid JSON" in tei_error(r)
     assert httpx.get(f"{urls['minilm']}/ping", timeout=30).status_code == 200
