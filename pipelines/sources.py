@@ -340,7 +340,10 @@ def _decoder(codec: str) -> tuple[Any, tuple[type[Exception], ...]]:
             from compression import zstd  # Python 3.14's standard library
         except ImportError:
             from backports import zstd  # the same module, for earlier Pythons
-        return zstd.ZstdDecompressor(), (zstd.ZstdError,)
+        # A frame written with `zstd --long=31` (Reddit's Pushshift dumps) declares a window of up to 2 GiB, which
+        # the decoder's default (128 MiB) refuses as "too much memory": such a shard is valid, so it is read (the
+        # window's pages are touched only as far as the data reaches).
+        return zstd.ZstdDecompressor(options={zstd.DecompressionParameter.window_log_max: 31}), (zstd.ZstdError,)
     if codec == "xz":
         import lzma
 

@@ -26,6 +26,7 @@ more rows one call sorts, the less padding its passes carry, while each pass sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -755,6 +756,8 @@ def _input_rows(input: str, fs: pafs.FileSystem, path: str, id_column: str, text
         if rows == 0:
             raise ValueError(f"--input {input}: no rows to embed")
         _check_texts(input, dataset, id_column, text_column, store)
+    except _Undecodable as e:
+        raise ValueError(f"--input {input}: {e}") from None
     except pa.ArrowInvalid as e:  # a file that is not what its name says (a JSON array, not JSON lines): the reader's words
         kind = "JSON lines (one object a line)" if fmt == "json" else fmt
         raise ValueError(f"--input {input}: not readable as {kind} ({e})") from None
@@ -785,15 +788,16 @@ class _StreamedInput:
         import pyarrow.json as pajson
 
         for path in self.files:
-            with self.fs.open_input_stream(path, compression="detect") as stream:
+            with self.fs.open_input_stream(path, compression="detect") as stream, _undecodable(path):
                 yield pajson.open_json(stream) if self.fmt == "json" else pacsv.open_csv(stream)
 
     def _batches(self, columns: list[str] | None = None, filter=None) -> Iterator[pa.Table]:
         import pyarrow.dataset as pads
 
-        for reader in self._readers():
-            for batch in reader:
-                yield pads.dataset(pa.Table.from_batches([batch])).to_table(columns=columns, filter=filter)
+        for path, reader in zip(self.files, self._readers()):
+            with _undecodable(path):
+                for batch in reader:
+                    yield pads.dataset(pa.Table.from_batches([batch])).to_table(columns=columns, filter=filter)
 
     @property
     def schema(self) -> pa.Schema:
@@ -822,6 +826,23 @@ class _StreamedInput:
 
     def to_table(self, columns: list[str]) -> pa.Table:
         return pa.concat_tables(list(self._batches(columns)), promote_options="permissive")
+
+
+class _Undecodable(ValueError):
+    """An input file Arrow's decoder fails on; the message names the file."""
+
+
+@contextlib.contextmanager
+def _undecodable(path: str) -> Iterator[None]:
+    """Arrow's decoder failing on ``path`` (an OSError "... decompress failed") as ``_Undecodable``: a damaged
+    file, or a zstd frame written with ``zstd --long`` (a window over 128 MiB, which Arrow refuses)."""
+    try:
+        yield
+    except OSError as e:
+        if "decompress" not in str(e).lower():
+            raise
+        raise _Undecodable(f"{path.rsplit('/', 1)[-1]} cannot be decompressed ({e}): a damaged file, or one written with "
+                           "zstd --long, whose window Arrow's reader refuses; recompress it without --long") from None
 
 
 def _check_texts(input: str, dataset, id_column: str, text_column: str, store: storage.Store) -> None:

@@ -71,6 +71,16 @@ def zstd_then(good: bytes, rest: bytes, damage: str) -> bytes:
     return co.compress(good, mode=co.FLUSH_BLOCK)
 
 
+def long_window(data: bytes) -> bytes:
+    """``data`` as `zstd --long=28` streams it: size unknown, so the frame declares a 256 MiB window (over the
+    128 MiB a zstd decoder takes by default; Reddit's Pushshift dumps declare 2 GiB with --long=31)."""
+    co = zstd.ZstdCompressor(options={zstd.CompressionParameter.window_log: 28, zstd.CompressionParameter.enable_long_distance_matching: True})
+    frame = co.compress(data, mode=co.CONTINUE) + co.flush(mode=co.FLUSH_FRAME)
+    with pytest.raises(zstd.ZstdError, match="too much memory"):  # what a default decoder says of it
+        zstd.ZstdDecompressor().decompress(frame)
+    return frame
+
+
 @dataclass
 class Case:
     """A shard file, what must come out of it, and how strict reading must fail (None: it passes)."""
@@ -159,6 +169,7 @@ def cases() -> dict[str, Case]:
             rf"truncated.txt.zst:{n_before + 1}: truncated zstd after line {n_before}: .*end of the zstd frame",
         ),
         "empty.txt.zst": Case(b"", [], 0),
+        "window.jsonl.zst": Case(long_window(("\n".join(jsonl) + "\n").encode()), jsonl_good, len(jsonl)),
         "good.txt.xz": Case(  # two streams with the zero padding xz allows between them
             lzma.compress(text_shard(good[:20])) + b"\0" * 4 + lzma.compress(text_shard(good[20:])), good, records(good)
         ),

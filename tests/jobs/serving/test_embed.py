@@ -502,6 +502,11 @@ def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, t
 
     pq.write_table(_input_table(), tmp_path / "docs" / "more.parquet")
     (tmp_path / "array.json").write_text(json.dumps(rows))
+    from backports import zstd  # `zstd --long=28` streaming: a 256 MiB window, over the 128 MiB Arrow's decoder takes
+
+    co = zstd.ZstdCompressor(options={zstd.CompressionParameter.window_log: 28, zstd.CompressionParameter.enable_long_distance_matching: True})
+    (tmp_path / "long.jsonl.zst").write_bytes(co.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows), mode=co.CONTINUE)
+                                              + co.flush(mode=co.FLUSH_FRAME))
     (tmp_path / "gz").mkdir()
     with gzip.open(tmp_path / "gz" / "texts.parquet.gz", "wb") as f:
         pq.write_table(_input_table(), f)
@@ -509,7 +514,9 @@ def test_json_lines_and_csv_inputs_give_the_parquet_inputs_vectors(minilm_dir, t
                          (tmp_path / "array.json", r"not readable as JSON lines \(one object a line\)"),
                          (tmp_path / "gz", r"no Parquet, JSON lines or CSV file \(.*JSON lines and CSV also as \.gz/\.bz2/\.lz4/\.zst\) there"),
                          (tmp_path / "texts.csv.zstd", r"texts\.csv\.zstd is compressed with a codec read here only as \.gz/\.bz2/\.lz4/\.zst: "
-                                                       r"rename it \.zst$")):
+                                                       r"rename it \.zst$"),
+                         (tmp_path / "long.jsonl.zst", r"long\.jsonl\.zst cannot be decompressed \(.*too much memory.*\): .*"
+                                                       r"recompress it without --long$")):
         code = main(["embed", "--model", str(minilm_dir), "--input", str(source), "--output", str(tmp_path / "refused"), "--engine", "local"])
         err = capsys.readouterr().err
         assert code == 2 and re.search(r"^ctx: error: --input .*" + said, err), err
