@@ -643,23 +643,18 @@ def flatten_squad(squad: dict) -> dict[str, list]:
 
 
 # A split file may be compressed whole (``train.jsonl.zst``): the endings Arrow undoes by name, and so
-# Ray Data's readers (``pipelines.finetune_stream.read_split``) and ``read_squad_json`` alike.
+# Ray Data's readers (``pipelines.finetune_stream.read_split``) and ``Store.read_bytes`` (``read_squad_json``) alike.
 SPLIT_COMPRESSIONS = (".gz", ".bz2", ".lz4", ".zst")
 
 
 def read_squad_json(uri: str, store: Any = None) -> dict[str, list]:
     """``flatten_squad`` of a SQuAD JSON file (local path or URI, read with ``store``'s retries: a
-    ``pipelines.storage.Store``; None: the default endpoint and deadline), decompressed when its
-    name ends with one of ``SPLIT_COMPRESSIONS``."""
+    ``pipelines.storage.Store``; None: the default endpoint and deadline), decompressed by its name's
+    ending (``SPLIT_COMPRESSIONS``: pyarrow's ``open_input_stream`` detects them)."""
     from pipelines.storage import Store
 
-    data = (store or Store()).read_bytes(uri)
-    if uri.lower().endswith(SPLIT_COMPRESSIONS):
-        import pyarrow as pa
-
-        data = pa.CompressedInputStream(pa.BufferReader(data), pa.Codec.detect(uri.lower()).name).read()
     try:
-        squad = json.loads(data)
+        squad = json.loads((store or Store()).read_bytes(uri))
     except json.JSONDecodeError as e:
         raise ValueError(f"{uri}: not valid JSON ({e})") from e
     return flatten_squad(squad)

@@ -26,6 +26,7 @@ from pipelines.finetune_stream import (
     label_values,
     read_split,
     references,
+    split_format,
     with_split_widths,
     work_units,
 )
@@ -138,7 +139,7 @@ def test_embedding_records_are_checked_against_the_splits_negative_count(tok):
 
 
 def test_split_files_compressed_whole_read_as_the_plain_ones(ray_session, tmp_path):
-    """``train.jsonl.zst`` (and .gz, .bz2, .lz4; CSV and TSV alike) gives the plain file's records,
+    """``train.jsonl.zst`` (and .gz, .bz2, .lz4; CSV and TSV alike, one codec each here) gives the plain file's records,
     files and lines; a SQuAD JSON compressed whole too; an ending Arrow cannot undo (.xz) is no split."""
     import pyarrow as pa
     from backports import zstd
@@ -157,19 +158,22 @@ def test_split_files_compressed_whole_read_as_the_plain_ones(ray_session, tmp_pa
         t = read_split(str(path))
         return t.column("_line").to_pylist(), [json.loads(x) for x in t.column("_json").to_pylist()]
 
+    endings = {"train.jsonl": list(compress), "dev.csv": [".zst"], "dev.tsv": [".bz2"]}  # each read is a Ray Data run
     for name, data in plain.items():
         (tmp_path / name).write_bytes(data)
         want = records_of(tmp_path / name)
         assert len(want[1]) == 7
-        for ending, fn in compress.items():
-            (tmp_path / (name + ending)).write_bytes(fn(data))
+        for ending in endings[name]:
+            (tmp_path / (name + ending)).write_bytes(compress[ending](data))
             assert (name + ending).endswith(SPLIT_SUFFIXES)  # a folder's listing picks it up
             assert records_of(tmp_path / (name + ending)) == want, name + ending
     squad = {"data": [{"title": "T", "paragraphs": [{"context": "Rollo ruled Normandy.", "qas": [
         {"id": "1", "question": "Who?", "answers": [{"text": "Rollo", "answer_start": 0}]}]}]}]}
-    (tmp_path / "dev.json").write_text(json.dumps(squad))
-    (tmp_path / "dev.json.zst").write_bytes(zstd.compress(json.dumps(squad).encode()))
-    assert records_of(tmp_path / "dev.json.zst")[1] == records_of(tmp_path / "dev.json")[1]
+    (tmp_path / "dev.json").write_text(json.dumps(squad, indent=2))  # over lines, as SQuAD ships: not JSON lines
+    (tmp_path / "dev.json.zst").write_bytes(zstd.compress(json.dumps(squad, indent=2).encode()))
+    assert split_format(str(tmp_path / "dev.json.zst")) == "squad"
+    flat = {"id": "1", "title": "T", "context": "Rollo ruled Normandy.", "question": "Who?", "answers": {"text": ["Rollo"], "answer_start": [0]}}
+    assert records_of(tmp_path / "dev.json.zst") == records_of(tmp_path / "dev.json") == ([1], [flat])
     (tmp_path / "xz").mkdir()
     (tmp_path / "xz" / "train.jsonl.xz").write_bytes(b"")
     with pytest.raises(storage.StorageError, match=r"matches no .*\.jsonl\.zst"):
