@@ -90,13 +90,14 @@ def _add_retry_deadline(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from pipelines import storage
     from pipelines.sources import sample_text
     from pipelines.tokenizers import train_tokenizer
 
     _exit_on_sigterm()
     store = _store(args)
     try:
-        shards = store.list_files(args.input)
+        shards = store.list_files(args.input, storage.corpus_suffixes(args.format))
         texts = sample_text(shards, args.sample_chars, args.format, args.text_field, store)
         tok = train_tokenizer(args.kind, texts, args.vocab_size, lowercase=not args.cased)
         with tempfile.TemporaryDirectory() as d:

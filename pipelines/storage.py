@@ -42,6 +42,12 @@ CORPUS_COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".zst": "zstd", ".zstd": "
 CORPUS_SUFFIXES = tuple(base + c for base in (".txt", ".jsonl", ".json") for c in ("", *CORPUS_COMPRESSIONS)) + (".parquet",)
 
 
+def corpus_suffixes(fmt: str = "auto") -> tuple[str, ...]:
+    """The endings a corpus listing keeps: ``CORPUS_SUFFIXES``, and, where ``data.format`` names the format
+    (not "auto"), also a file that only a compression ending names (Pushshift's Reddit dumps, ``RC_2019-04.zst``)."""
+    return CORPUS_SUFFIXES if fmt == "auto" else CORPUS_SUFFIXES + tuple(CORPUS_COMPRESSIONS)
+
+
 class StorageError(RuntimeError):
     """A URI that cannot be read or written; the message names it."""
 

@@ -145,7 +145,7 @@ def watched_files(cfg: ScheduleConfig) -> list[str]:
     if cfg.train.kind == "finetune":  # task records: the formats a fine-tuning split is read in
         from pipelines.finetune_stream import SPLIT_SUFFIXES as suffixes
     else:
-        suffixes = storage.CORPUS_SUFFIXES
+        suffixes = storage.corpus_suffixes(cfg.recipe["data"]["format"])
     try:
         return cfg.store.list_files(cfg.trigger.watch, suffixes=suffixes)
     except storage.StorageError as e:
@@ -208,7 +208,7 @@ def probe_texts(cfg: ScheduleConfig) -> list[str]:
     elif cfg.train.kind == "finetune":
         lines = split_texts(cfg)
     else:
-        lines = sample_text(cfg.store.list_files(ev.held_out), 2_000_000, cfg.recipe["data"]["format"],
+        lines = sample_text(cfg.store.list_files(ev.held_out, storage.corpus_suffixes(cfg.recipe["data"]["format"])), 2_000_000, cfg.recipe["data"]["format"],
                             cfg.recipe["data"]["text_field"], cfg.store)
     texts: list[str] = []
     for line in lines:
@@ -263,7 +263,7 @@ def evaluate_pair(cfg: ScheduleConfig, candidate: str, production: str, log=prin
         shards: list[str] = []
     else:
         recipe = Recipe.model_validate({**cfg.recipe, "data": {**cfg.recipe["data"], "eval_max_samples": cfg.evaluate.max_samples}})
-        shards = cfg.store.list_files(cfg.evaluate.held_out)
+        shards = cfg.store.list_files(cfg.evaluate.held_out, storage.corpus_suffixes(recipe.data.format))
     texts = probe_texts(cfg)
     work = Path(tempfile.mkdtemp(prefix="ctx-round-eval-"))
     try:

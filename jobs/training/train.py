@@ -137,12 +137,13 @@ def warm_start_source(recipe: Recipe, workdir: Path, log=print, key: str = "mode
     return uri, tok, version
 
 
-def language_shards(store: storage.Store, entries: list[str]) -> tuple[list[str], tuple[int, ...]]:
-    """(shards, language id of each) for data.languages' inputs: entry i's files are language i."""
+def language_shards(store: storage.Store, entries: list[str], fmt: str = "auto") -> tuple[list[str], tuple[int, ...]]:
+    """(shards, language id of each) for data.languages' inputs: entry i's files are language i (``fmt``:
+    data.format, which widens what is listed: ``storage.corpus_suffixes``)."""
     shards: list[str] = []
     languages: list[int] = []
     for i, entry in enumerate(entries):
-        for uri in store.list_files(entry):
+        for uri in store.list_files(entry, storage.corpus_suffixes(fmt)):
             if uri in shards:
                 raise RecipeError(f"data.input: {uri} is listed for two languages (entries {languages[shards.index(uri)]} and {i})")
             shards.append(uri)
@@ -245,11 +246,12 @@ def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=p
 def _pretrain(recipe: Recipe, workdir: Path, verbose: bool, progress: bool, log) -> PretrainResult:
     store = storage.Store.of(recipe.data)  # every call of the driver: the recipe's endpoint and deadline
     if recipe.data.languages and recipe.data.objective != "tlm":  # XLM's MLM: each input entry is one language's shards
-        shards, languages = language_shards(store, recipe.data.input)
-        eval_shards, eval_languages = language_shards(store, recipe.data.eval_input) if recipe.data.eval_input else ([], ())
+        shards, languages = language_shards(store, recipe.data.input, recipe.data.format)
+        eval_shards, eval_languages = language_shards(store, recipe.data.eval_input, recipe.data.format) if recipe.data.eval_input else ([], ())
     else:
-        shards, languages = store.list_files(recipe.data.input), ()
-        eval_shards, eval_languages = (store.list_files(recipe.data.eval_input) if recipe.data.eval_input else []), ()
+        suffixes = storage.corpus_suffixes(recipe.data.format)
+        shards, languages = store.list_files(recipe.data.input, suffixes), ()
+        eval_shards, eval_languages = (store.list_files(recipe.data.eval_input, suffixes) if recipe.data.eval_input else []), ()
     log(f"data: {len(shards)} shard(s) from {recipe.data.input}")
     keep = language_keep(store, recipe, shards, languages, log) if languages else ()
     parallel = parallel_shards(store, recipe, shards, log) if recipe.data.translations is not None else []

@@ -52,6 +52,19 @@ def test_listing_folder_glob_list_and_file_scheme(tmp_path):
     assert STORE.list_files(f"file://{root}") == folder
 
 
+def test_a_forced_format_lists_a_file_only_its_compression_names(tmp_path):
+    """Pushshift's Reddit dumps are ``RC_2019-04.zst``: JSON lines, zstd with a 2 GiB window (``--long=31``), no
+    format in the name. With data.format set the listing keeps such a file and it is read in that format."""
+    (tmp_path / "RC_2019-04.zst").write_bytes(zstd.compress("".join(json.dumps({"body": d}) + "\n" for d in DOCS).encode()))
+    (tmp_path / "a.txt").write_text("\n\n".join(DOCS) + "\n")
+    assert [p.rsplit("/", 1)[1] for p in STORE.list_files(str(tmp_path))] == ["a.txt"]
+    listed = STORE.list_files(str(tmp_path), storage.corpus_suffixes("jsonl"))
+    assert [p.rsplit("/", 1)[1] for p in listed] == ["RC_2019-04.zst", "a.txt"]
+    assert all_docs(listed[0], fmt="jsonl", text_field="body") == DOCS
+    with pytest.raises(CorpusError, match="unknown corpus format"):  # auto: the name says no format
+        all_docs(listed[0])
+
+
 def test_inputs_that_match_nothing_say_so(tmp_path):
     with pytest.raises(storage.StorageError, match="matches no"):
         STORE.list_files(str(tmp_path / "missing"))
