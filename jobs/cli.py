@@ -926,7 +926,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     needs no torch in its driver (`ctx embed`) would otherwise spend before it starts."""
     from jobs.training.config import RecipeError
     from jobs.registry import RegistryError
-    from jobs.training.runlock import RunLockHeld
+    from jobs.runlock import RunLockHeld
     from jobs.operations.schedule_config import ScheduleError
     from jobs.serving.serve_config import ConfigError
     from jobs.operations.submit import SubmitError

@@ -2,7 +2,7 @@
 functions too) without importing anything:
 
 * ``ctxmodels/`` never imports ray, ``pipelines/`` never imports torch;
-* ``jobs/`` by role: the shared modules (runs, identity, registry, session), then ``training``,
+* ``jobs/`` by role: the shared modules (runs, identity, registry, session, runlock), then ``training``,
   ``serving``, ``evaluation``, ``operations``, then ``jobs/cli.py``; each imports only its own layer
   or one below it;
 * training imports no web framework and no Ray Serve; serving imports nothing of training but the
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = ("jobs.runs", "jobs.identity", "jobs.registry", "jobs.session")  # and the package jobs itself
+SHARED = ("jobs.runs", "jobs.identity", "jobs.registry", "jobs.session", "jobs.runlock")  # and the package jobs itself
 RANKS = {"shared": 0, "training": 1, "serving": 2, "evaluation": 3, "operations": 4, "cli": 5}
 
 

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from jobs.serving.precision import CALIBRATION_ROWS, PRECISIONS, quantize, ranges_of
-from jobs.training.runlock import RunLock
+from jobs.runlock import RunLock
 from pipelines import storage
 
 Pooling = Literal["mean", "cls", "last"]
@@ -87,7 +87,7 @@ RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "
 # on, so a resumed run (--resume) adds to a folder only vectors made the same way. Its "_" keeps it out of what
 # Parquet readers (pyarrow, Ray Data, pandas) read as the folder's data.
 RUN_FILE = "_embed.json"
-# The output folder's lock while a run writes there (jobs.training.runlock.RunLock), also named so Parquet readers
+# The output folder's lock while a run writes there (jobs.runlock.RunLock), also named so Parquet readers
 # skip it; the lock's temporary files start with ".", as skipped.
 RUN_LOCK = "_embed.lock.json"
 EMBED_CLASH = ("Two runs into one folder would write the same rows twice. Wait for it to finish, stop it, or give another "
@@ -439,7 +439,7 @@ def reembed(
     options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}  # Embedder's, /v1/embeddings' own
     run = {"model_version": version, "id_column": id_column, "text_column": text_column, "pooling": pooling, "normalize": normalize,
            **options, "language": language, "dtype": dtype, "precision": precision}
-    # One run writes into a folder at a time (jobs.training.runlock: an exclusive create, a heartbeat, a stale lock
+    # One run writes into a folder at a time (jobs.runlock: an exclusive create, a heartbeat, a stale lock
     # taken over): two runs into one new folder, or a --resume of a run still going, would write rows twice.
     with RunLock(output, store, command="ctx embed", name=RUN_LOCK, folder="output folder", clash=EMBED_CLASH):
         if not resume:

@@ -154,7 +154,7 @@ def score_of(metric: str, values: dict[str, float]) -> float:
 
 def finetune(recipe: FinetuneRecipe, verbose: bool = False, progress: bool = True, log=print) -> FinetuneResult:
     """Fine-tune under the run folder's lock, as ``jobs.training.train.pretrain`` (one writer per run)."""
-    from jobs.training.runlock import RunLock
+    from jobs.runlock import RunLock
 
     run = run_folder(recipe.output_dir, recipe.name)
     with RunLock(run, storage.Store.of(recipe.data), command=f"ctx finetune ({recipe.name})"):

@@ -231,12 +231,12 @@ def check_tokenizer_for_objective(tok, objective_name: str) -> None:
 
 
 def pretrain(recipe: Recipe, verbose: bool = False, progress: bool = True, log=print) -> PretrainResult:
-    """Pretrain under the run folder's lock (jobs/training/runlock.py), taken before anything is read from
+    """Pretrain under the run folder's lock (jobs/runlock.py), taken before anything is read from
     the run, so a second driver on the same output fails at once instead of resuming from the same
     checkpoint; released when the run ends, also when it fails. The tokenizer's local copy lives in
     a temporary folder, removed whatever happens: the workers and the data stage get its files as
     bytes."""
-    from jobs.training.runlock import RunLock
+    from jobs.runlock import RunLock
 
     with RunLock(run_uri(recipe), storage.Store.of(recipe.data), command=f"ctx pretrain ({recipe.name})"), \
             tempfile.TemporaryDirectory(prefix="ctx-pretrain-") as workdir:

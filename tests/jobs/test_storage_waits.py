@@ -434,7 +434,7 @@ def test_an_outage_mid_command_is_waited_out_and_said_and_one_past_the_deadline_
 
 
 def test_taking_the_run_lock_on_s3_waits_until_the_deadline_and_names_the_lock(closed_port, sleeps, fake_keys, capsys):
-    from jobs.training.runlock import RunLock
+    from jobs.runlock import RunLock
 
     with pytest.raises(storage.StorageError, match=rf"write s3://corp/runs/r/LOCK.json \(endpoint {closed_port}\): "
                                                    rf"gave up after \d+ attempts in 4 s \(data.retry_deadline_s=4\)"):
@@ -444,7 +444,7 @@ def test_taking_the_run_lock_on_s3_waits_until_the_deadline_and_names_the_lock(c
 
 
 def test_releasing_the_run_lock_during_an_outage_waits_briefly_and_says_what_happens_next(s3_server, s3_bucket, closed_port, sleeps, capsys):
-    from jobs.training.runlock import RELEASE_WAIT_S, RunLock
+    from jobs.runlock import RELEASE_WAIT_S, RunLock
 
     lock = RunLock(f"s3://{s3_bucket}/runs/r", storage.Store(s3_server, 300)).acquire()
     lock.backend.client = storage.s3_client(closed_port)  # the store goes away

@@ -28,7 +28,7 @@ import pytest
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from jobs.training.runlock import LOCK_FILE
+from jobs.runlock import LOCK_FILE
 from jobs.operations.submit import EXIT_CODES, build_entrypoint, follow_job, job_runtime_env, submit, submit_when_ready
 from pipelines import storage
 from tests.conftest import REPO, free_port, stop_process_group

@@ -529,7 +529,7 @@ def test_one_run_writes_into_an_output_folder_at_a_time(minilm_dir, tmp_path, ca
     taken over."""
     from jobs.cli import main
     from jobs.serving.embed import RUN_LOCK
-    from jobs.training.runlock import LockInfo, RunLock, RunLockHeld
+    from jobs.runlock import LockInfo, RunLock, RunLockHeld
 
     src = tmp_path / "texts.parquet"
     pq.write_table(_input_table(), src)

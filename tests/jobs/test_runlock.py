@@ -1,4 +1,4 @@
-"""One writer per run folder: the lock object (jobs/training/runlock.py) on a local folder and on a real S3
+"""One writer per run folder: the lock object (jobs/runlock.py) on a local folder and on a real S3
 endpoint (moto on loopback, conditional writes), in-process; and a real `ctx pretrain` refused
 at once while another holder has the run."""
 
@@ -14,7 +14,7 @@ import time
 import boto3
 import pytest
 
-from jobs.training.runlock import LOCK_FILE, RunLock, RunLockHeld
+from jobs.runlock import LOCK_FILE, RunLock, RunLockHeld
 from tests.conftest import REPO
 
 
