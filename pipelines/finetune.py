@@ -642,15 +642,10 @@ def flatten_squad(squad: dict) -> dict[str, list]:
     return cols
 
 
-# A split file may be compressed whole (``train.jsonl.zst``): the endings Arrow undoes by name, and so
-# Ray Data's readers (``pipelines.finetune_stream.read_split``) and ``Store.read_bytes`` (``read_squad_json``) alike.
-SPLIT_COMPRESSIONS = (".gz", ".bz2", ".lz4", ".zst")
-
-
 def read_squad_json(uri: str, store: Any = None) -> dict[str, list]:
     """``flatten_squad`` of a SQuAD JSON file (local path or URI, read with ``store``'s retries: a
     ``pipelines.storage.Store``; None: the default endpoint and deadline), decompressed by its name's
-    ending (``SPLIT_COMPRESSIONS``: pyarrow's ``open_input_stream`` detects them)."""
+    ending (``pipelines.storage.ARROW_COMPRESSIONS``: ``Store.read_bytes`` opens with pyarrow's detection)."""
     from pipelines.storage import Store
 
     try:

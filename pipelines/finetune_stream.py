@@ -36,13 +36,14 @@ import pyarrow as pa
 from ctxmodels.task_kinds import TASKS
 from pipelines import storage
 from pipelines.finetune import (
-    NEGATIVE_FIELDS, SPLIT_COMPRESSIONS, LabelSet, RecordError, TaskDataConfig, check_records, encode_task, negative_count,
-    read_squad_json,
+    NEGATIVE_FIELDS, LabelSet, RecordError, TaskDataConfig, check_records, encode_task, negative_count, read_squad_json,
 )
 from pipelines.position import DataPosition, load_position
 from pipelines.rng import keyed_uniform
 from pipelines.sources import ReadStats
 
+# A split file may be compressed whole (``train.jsonl.zst``): Ray Data's readers and read_squad_json undo these by name.
+SPLIT_COMPRESSIONS = storage.ARROW_COMPRESSIONS
 SPLIT_SUFFIXES = tuple(base + c for base in (".jsonl", ".json", ".csv", ".tsv") for c in ("", *SPLIT_COMPRESSIONS)) + (".parquet",)
 WINDOW_BITS = 16  # sample_id = record index << WINDOW_BITS | window
 ENCODE_ACTOR_CPUS = 0.5

@@ -39,6 +39,9 @@ T = TypeVar("T")
 # A text or JSON lines shard may be compressed whole, as corpora ship: gzip (C4, Dolma), zstd (the Pile,
 # SlimPajama), xz (CC-100), bzip2. The codec is the name's last ending (pipelines.sources reads them).
 CORPUS_COMPRESSIONS: dict[str, str] = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".xz": "xz", ".bz2": "bzip2"}
+# The endings pyarrow's Codec.detect undoes by name (open_input_stream's compression="detect", and so Store.read_bytes
+# and Ray Data's readers): what fine-tuning splits and ctx embed's inputs may be compressed with.
+ARROW_COMPRESSIONS: tuple[str, ...] = (".gz", ".bz2", ".lz4", ".zst")
 CORPUS_SUFFIXES = tuple(base + c for base in (".txt", ".jsonl", ".json") for c in ("", *CORPUS_COMPRESSIONS)) + (".parquet",)
 
 

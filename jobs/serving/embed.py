@@ -79,7 +79,7 @@ INPUT_FORMATS: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json
 # the driver's reader, undoes all but ".zst" (it knows zstd only as ".zstd", which Ray Data does not): an input
 # holding STREAMED_COMPRESSIONS is read by the driver as a stream instead (``_StreamedInput``), and the endings
 # neither reads (UNREAD_COMPRESSIONS) are refused with a message. Parquet compresses inside, by column.
-COMPRESSIONS: tuple[str, ...] = (".gz", ".bz2", ".lz4", ".zst")
+COMPRESSIONS = storage.ARROW_COMPRESSIONS
 STREAMED_COMPRESSIONS: tuple[str, ...] = (".zst",)
 UNREAD_COMPRESSIONS: tuple[str, ...] = (".zstd", ".br")
 RAY_READERS: dict[str, str] = {"parquet": "read_parquet", "json": "read_json", "csv": "read_csv"}

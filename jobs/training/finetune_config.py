@@ -178,7 +178,7 @@ class FtDataSection(_Section):
     validation_retrieval: str | None = None
     validation_retrieval_split: str = "dev"
     test: str | list[str] | None = None  # scored once with the best checkpoint at the end
-    format: SplitFormat = "auto"  # auto: by suffix (.jsonl/.json, .csv, .tsv, .parquet; the text ones also compressed whole, SPLIT_COMPRESSIONS; a SQuAD .json by its shape)
+    format: SplitFormat = "auto"  # auto: by suffix (.jsonl/.json, .csv, .tsv, .parquet; the text ones also compressed whole, pipelines.storage.ARROW_COMPRESSIONS; a SQuAD .json by its shape)
     endpoint_url: str | None = None  # S3-compatible endpoint (MinIO, moto); else AWS_ENDPOINT_URL
     retry_deadline_s: float = Field(DEFAULT_RETRY_DEADLINE_S, ge=1)  # how long one storage operation retries
     unit_records: int = Field(256, ge=1)  # records per work unit of the stream (what resume skips whole)

@@ -15,8 +15,9 @@ import pyarrow as pa
 import pytest
 
 from pipelines import storage
-from pipelines.finetune import SPLIT_COMPRESSIONS, LabelSet, TaskDataConfig
+from pipelines.finetune import LabelSet, TaskDataConfig
 from pipelines.finetune_stream import (
+    SPLIT_COMPRESSIONS,
     SPLIT_SUFFIXES,
     WINDOW_BITS,
     EncodeUnits,
