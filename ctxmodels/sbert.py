@@ -13,9 +13,11 @@ Folder::
     modules.json                                         the list above
     config_sentence_transformers.json                    the similarity function (cosine)
 
-``read_sentence_settings`` reads such a folder back (anyone's, not only ours): its pooling, whether it
-normalises, its max_seq_length and prompts are what serving uses by default for it, as
-sentence-transformers, TEI and Infinity do. A checkpoint of ours fine-tuned as an embedding model
+``read_sentence_settings`` reads such a folder back (anyone's, not only ours, in the layout of
+sentence-transformers up to 5.x or of 6.x, which names modules by their modules and writes the pooling
+mode as a string): its pooling, whether it normalises, its max_seq_length and prompts are what serving
+uses by default for it, as sentence-transformers, TEI and Infinity do. A SparseEncoder folder
+(MLMTransformer, SpladePooling) says its vectors are SPLADE's (``Splade``). A checkpoint of ours fine-tuned as an embedding model
 (``ctx finetune`` with task kind ``embedding``) says the same in its task config
 (``checkpoint_sentence_settings``), so it is served and exported with the pooling it was trained with.
 
@@ -37,8 +39,11 @@ from ctxmodels import hf
 
 Pooling = Literal["mean", "cls", "last"]
 POOLING_MODES: dict[str, str] = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
-ALL_MODES = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
-             "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
+# sentence-transformers' pooling flags up to 5.x, and the mode each stands for (6.x writes the mode: ``pooling_mode``)
+LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+                "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",
+                "pooling_mode_lasttoken": "lasttoken"}
+ALL_MODES = tuple(LEGACY_MODES)
 
 
 def export_sentence_transformers_folder(
@@ -86,8 +91,23 @@ def export_sentence_transformers_folder(
     return out
 
 
-MODULE_PREFIX = "sentence_transformers.models."
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")  # sentence-transformers' SimilarityFunction
+
+
+@dataclass(frozen=True)
+class Splade:
+    """SPLADE (Formal et al. 2021, "SPLADE v2"): a text's vector over the vocabulary, each token's weight
+    log(1 + relu(its masked-LM score)) at the text's positions, max-pooled (``sum``: SPLADE v1), as
+    sentence-transformers' ``SpladePooling`` and TEI's ``--pooling splade`` compute it
+    (``ctxmodels.features.splade_pool``). ``log1p_relu`` takes log1p once more (OpenSearch's models);
+    ``max_active_dims`` keeps a vector's largest weights only (a SparseEncoder's setting)."""
+
+    pooling: Literal["max", "sum"] = "max"
+    activation: Literal["relu", "log1p_relu"] = "relu"
+    max_active_dims: int | None = None
+
+    def shown(self) -> dict[str, Any]:
+        return {"pooling": self.pooling, "activation": self.activation, "max_active_dims": self.max_active_dims}
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,7 @@ class SentenceSettings:
     default_prompt_name: str | None = None  # the prompt every text gets unless another is asked
     similarity: str = "cosine"  # similarity_fn_name: cosine | dot | euclidean | manhattan
     problems: tuple[str, ...] = ()  # the folder's steps this project does not run: its vectors differ there
+    splade: Splade | None = None  # a SparseEncoder folder's SpladePooling: its vectors are sparse (POST /embed_sparse)
 
     @property
     def default_prompt(self) -> str:
@@ -112,6 +133,8 @@ class SentenceSettings:
                                "similarity": self.similarity}
         if self.prompts:
             out.update(prompts=dict(self.prompts), default_prompt_name=self.default_prompt_name)
+        if self.splade is not None:
+            out["splade"] = self.splade.shown()
         if self.problems:
             out["not_reproduced"] = list(self.problems)
         return out
@@ -159,28 +182,34 @@ def _read_settings(root: Path) -> SentenceSettings:
     if not isinstance(modules, list) or not all(isinstance(m, dict) and "type" in m for m in modules):
         raise ValueError(f"{root / 'modules.json'}: expected a list of modules, each with a 'type'")
     pooling: Pooling = "mean"
-    normalize, max_seq_length, problems = False, None, []
+    normalize, max_seq_length, splade, problems = False, None, None, []
     for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-        kind = str(module["type"]).removeprefix(MODULE_PREFIX)
+        kind = module_kind(module["type"])
         where = root / str(module.get("path") or "")
-        if kind == "Transformer":
+        if kind in ("Transformer", "MLMTransformer"):  # MLMTransformer: a SparseEncoder's, read for its masked-LM scores
             config = _json(where / "sentence_bert_config.json") if (where / "sentence_bert_config.json").is_file() else {}
-            if config.get("max_seq_length") is not None:
-                max_seq_length = int(config["max_seq_length"])
+            max_seq_length = _max_seq_length(config, where)
             if config.get("do_lower_case"):
                 problems.append("do_lower_case (texts are tokenized as given)")
         elif kind == "Pooling":
             config = _json(where / "config.json")
-            modes = [mode for mode in ALL_MODES if config.get(mode)]
-            ours = {v: k for k, v in POOLING_MODES.items()}
-            if len(modes) == 1 and modes[0] in ours:
-                pooling = ours[modes[0]]  # type: ignore[assignment]
+            modes = _pooling_modes(config)
+            if len(modes) == 1 and modes[0] in ST_POOLING:
+                pooling = ST_POOLING[modes[0]]  # type: ignore[assignment]
             else:
-                problems.append(f"pooling {'+'.join(m.removeprefix('pooling_mode_') for m in modes) or 'none'} (mean is used)")
+                problems.append(f"pooling {'+'.join(modes) or 'none'} (mean is used)")
             if config.get("include_prompt") is False:
                 problems.append("a pooling that leaves the prompt's tokens out (they are pooled)")
         elif kind == "Normalize":
             normalize = True
+        elif kind == "SpladePooling":
+            config = _json(where / "config.json")
+            strategy, activation = config.get("pooling_strategy", "max"), config.get("activation_function", "relu")
+            if strategy in ("max", "sum") and activation in ("relu", "log1p_relu"):
+                splade = Splade(pooling=strategy, activation=activation)
+            else:
+                problems.append(f"SpladePooling with pooling_strategy {strategy!r} and activation_function {activation!r} "
+                                "(max or sum of relu or log1p_relu are run)")
         else:
             problems.append(f"module {kind}")
     extra = _json(root / "config_sentence_transformers.json") if (root / "config_sentence_transformers.json").is_file() else {}
@@ -193,8 +222,51 @@ def _read_settings(root: Path) -> SentenceSettings:
     if similarity not in SIMILARITIES:
         problems.append(f"similarity_fn_name {similarity!r} (cosine is used)")
         similarity = "cosine"
+    if splade is not None and extra.get("max_active_dims") is not None:
+        top = extra["max_active_dims"]
+        if isinstance(top, int) and not isinstance(top, bool) and top > 0:
+            splade = Splade(splade.pooling, splade.activation, top)
+        else:
+            problems.append(f"max_active_dims {top!r}, not a positive integer (every weight is kept)")
     return SentenceSettings(pooling=pooling, normalize=normalize, max_seq_length=max_seq_length, prompts=prompts,
-                            default_prompt_name=default, similarity=similarity, problems=tuple(problems))
+                            default_prompt_name=default, similarity=similarity, problems=tuple(problems), splade=splade)
+
+
+# sentence-transformers' pooling modes (Pooling's ``pooling_mode``) that are ours
+ST_POOLING: dict[str, str] = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+HUGE = 10**6  # a tokenizer's model_max_length above this is transformers' "no limit" (1e30)
+
+
+def module_kind(type_name: Any) -> str:
+    """A modules.json entry's class name. sentence-transformers up to 5.x names its modules
+    ``sentence_transformers.models.Pooling``, 6.x by their modules
+    (``sentence_transformers.sentence_transformer.modules.pooling.Pooling``,
+    ``sentence_transformers.base.modules.transformer.Transformer``): both are "Pooling" and "Transformer".
+    Another package's module keeps its whole name."""
+    name = str(type_name)
+    return name.rsplit(".", 1)[-1] if name.startswith("sentence_transformers.") else name
+
+
+def _pooling_modes(config: dict) -> list[str]:
+    """A Pooling module's modes: 6.x writes ``pooling_mode`` ("mean", or a list of them), earlier
+    versions one ``pooling_mode_<mode>`` flag each (``pooling_mode_lasttoken``: "lasttoken")."""
+    mode = config.get("pooling_mode")
+    if mode is not None:
+        return [mode] if isinstance(mode, str) else [str(m) for m in mode]
+    return [mode for flag, mode in LEGACY_MODES.items() if config.get(flag)]
+
+
+def _max_seq_length(config: dict, where: Path) -> int | None:
+    """Tokens a text keeps: the module's ``max_seq_length``, else (as sentence-transformers falls back,
+    and as 6.x saves it) the tokenizer's ``model_max_length``; None: the model's positions."""
+    if config.get("max_seq_length") is not None:
+        return int(config["max_seq_length"])
+    tok_config = where / "tokenizer_config.json"
+    if tok_config.is_file():
+        limit = _json(tok_config).get("model_max_length")
+        if isinstance(limit, (int, float)) and not isinstance(limit, bool) and 0 < limit < HUGE:
+            return int(limit)
+    return None
 
 
 def _json(path: Path) -> Any:

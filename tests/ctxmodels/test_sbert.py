@@ -148,7 +148,7 @@ def test_steps_this_project_does_not_run_are_named_and_bad_files_refused(tmp_pat
     settings = read_sentence_settings(tmp_path)
     assert settings.pooling == "mean" and not settings.normalize and settings.max_seq_length == 128
     assert settings.prompts == {"query": "query: "} and settings.default_prompt_name is None and settings.similarity == "dot"
-    assert settings.problems == ("do_lower_case (texts are tokenized as given)", "pooling max_tokens (mean is used)",
+    assert settings.problems == ("do_lower_case (texts are tokenized as given)", "pooling max (mean is used)",
                                  "a pooling that leaves the prompt's tokens out (they are pooled)", "module Dense",
                                  "default_prompt_name 'passage', which is not among its prompts")
     assert settings.shown()["not_reproduced"] == list(settings.problems)
@@ -162,3 +162,44 @@ def test_steps_this_project_does_not_run_are_named_and_bad_files_refused(tmp_pat
         broken = read_sentence_settings(tmp_path)
         assert (broken.pooling, broken.normalize, broken.max_seq_length, broken.prompts) == ("mean", False, None, {})
         assert len(broken.problems) == 1 and words in broken.problems[0] and "settings are left out" in broken.problems[0]
+
+
+def test_a_folder_saved_by_sentence_transformers_6_is_read_as_it_reads_it(minilm_dir, tmp_path):
+    """sentence-transformers 6 names its modules by their modules (``...base.modules.transformer.Transformer``),
+    writes Pooling's mode as ``pooling_mode: "mean"`` and leaves max_seq_length to the tokenizer's
+    ``model_max_length``: such a folder is read with its Normalize module and 256 tokens, nothing flagged,
+    and served with the vectors sentence-transformers gives it."""
+    saved = tmp_path / "st6"
+    st.SentenceTransformer(str(minilm_dir), device="cpu").save(str(saved))
+    types = [m["type"] for m in json.loads((saved / "modules.json").read_text())]
+    if all(t.startswith("sentence_transformers.models.") for t in types):
+        pytest.skip("this sentence-transformers writes the 5.x layout")
+    settings = read_sentence_settings(saved)
+    assert (settings.pooling, settings.normalize, settings.max_seq_length, settings.problems) == ("mean", True, 256, ())
+    again = st.SentenceTransformer(str(saved), device="cpu")
+    assert settings.max_seq_length == again.max_seq_length
+    np.testing.assert_allclose(server_vectors(saved, TEXTS, settings.pooling, settings.normalize), st_vectors(saved, TEXTS), atol=2e-5)
+
+
+def test_pooling_modes_of_both_layouts(tmp_path):
+    (tmp_path / "1_Pooling").mkdir()
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "my_package.Dense"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    pool = tmp_path / "1_Pooling" / "config.json"
+    for config, pooling, problem in [({"pooling_mode": "cls"}, "cls", None), ({"pooling_mode": "lasttoken"}, "last", None),
+                                     ({"pooling_mode": ["mean", "max"]}, "mean", "pooling mean+max (mean is used)"),
+                                     ({"pooling_mode_lasttoken": True}, "last", None),
+                                     ({"pooling_mode_mean_sqrt_len_tokens": True}, "mean", "pooling mean_sqrt_len_tokens (mean is used)")]:
+        pool.write_text(json.dumps(config))
+        settings = read_sentence_settings(tmp_path)
+        assert settings.pooling == pooling
+        assert settings.problems == ((problem,) if problem else ()) + ("module my_package.Dense",)
+    # no max_seq_length anywhere, and transformers' "no limit": the model's own positions
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": int(1e30)}))
+    assert read_sentence_settings(tmp_path).max_seq_length is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 384}))
+    assert read_sentence_settings(tmp_path).max_seq_length == 384
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    assert read_sentence_settings(tmp_path).max_seq_length == 128
