@@ -121,3 +121,28 @@ def combine_layers(states: list[Tensor], strategy: str, mix: torch.nn.Module | N
     if mix is not None:
         return mix(states)
     return torch.stack(states).mean(dim=0)  # scalar-mix with equal (untrained) weights
+
+
+def splade_weights(logits: Tensor, activation: str = "relu") -> Tensor:
+    """SPLADE's token weights of masked-LM scores (any shape): log(1 + relu(x)); ``log1p_relu`` takes
+    log1p once more (OpenSearch's sparse models). Float32 whatever the scores' dtype."""
+    if activation not in ("relu", "log1p_relu"):
+        raise ValueError(f"activation {activation!r}: SPLADE's are 'relu' and 'log1p_relu'")
+    out = torch.log1p(torch.relu(logits.float()))
+    return torch.log1p(out) if activation == "log1p_relu" else out
+
+
+def splade_pool(logits: Tensor, rows: Tensor, n_rows: int, pooling: str = "max", activation: str = "relu",
+                out: Tensor | None = None) -> Tensor:
+    """(n_rows, V) SPLADE vectors (Formal et al. 2021) from the masked-LM scores ``logits`` (N, V) of the
+    real positions of ``n_rows`` texts, flattened (no padding among them), ``rows`` (N,) the text of
+    each: ``splade_weights`` max-pooled over a text's positions (``sum``: summed, SPLADE v1). Weights
+    are >= 0, so max-pooling starts from 0. ``out``: (n_rows, V) float32 to pool into, chunk after
+    chunk of a text's positions (the (T, V) scores of a long batch need not exist at once)."""
+    if pooling not in ("max", "sum"):
+        raise ValueError(f"pooling {pooling!r}: SPLADE pools with 'max' or 'sum'")
+    weights = splade_weights(logits, activation)  # (N, V)
+    if out is None:
+        out = torch.zeros((n_rows, weights.shape[-1]), dtype=torch.float32, device=weights.device)
+    index = rows.to(weights.device).long().unsqueeze(-1).expand_as(weights)  # (N, V)
+    return out.scatter_reduce_(0, index, weights, reduce="amax" if pooling == "max" else "sum", include_self=True)

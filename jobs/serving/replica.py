@@ -187,7 +187,9 @@ class EmbeddingReplica(TaskServing):
         self._embed_batch = Batcher(self._embed_pass, settings.max_batch_size, settings.batch_wait_timeout_s, self.model_lock,
                                     length=_item_length, max_batch_tokens=settings.max_batch_tokens,
                                     interactive_batch_tokens=settings.interactive_batch_tokens)
-        self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s)
+        self.pooling_setting = settings.pooling  # a SPLADE model's dense vectors need a pooling named (_sentence_defaults)
+        self._init_tasks(loaded, recipe, untrained_heads, settings.max_batch_size, settings.batch_wait_timeout_s,
+                         splade_settings(self.sentence, settings.splade))
         # A checkpoint fine-tuned with features: scalar-mix carries its learned layer weights (TaskModel.mix).
         self.mix = getattr(self.model, "mix", None)
         # One real forward pass: warms the model up and tells the layer count and width of any family.
@@ -569,6 +571,12 @@ class EmbeddingReplica(TaskServing):
             prefix = self._named_prompt(prompt_name)
         else:
             prefix = self.sentence.default_prompt if self.sentence is not None else ""
+        if self.splade is not None and pooling is None and self.pooling_setting is None:
+            raise InputError(
+                f"model {self.name!r} is a SPLADE model: its vectors are sparse, a weight per token of its vocabulary; "
+                "POST /embed_sparse for them, or name a pooling (mean, cls or last: the request's pooling, ctx embed's --pooling or the model's pooling "
+                "setting) for its backbone's dense vectors"
+            )
         if prefix:
             texts = [prefix + text for text in texts]
         return texts, pooling or self.pooling, self.normalize if normalize is None else normalize
@@ -784,6 +792,18 @@ def read_language(name: str, wanted: int | str | None, family: str, model, local
         with torch.no_grad():  # this process's copy of the weights only
             table.weight[[0, languages.default]] = table.weight[[languages.default, 0]].clone()
     return languages
+
+
+def splade_settings(sentence, wanted: bool | None):
+    """The ``ctxmodels.sbert.Splade`` settings a model is served with for /embed_sparse, or None: a
+    SparseEncoder folder's SpladePooling unless the deployment sets ``splade: false``; ``splade: true``
+    without one: max pooling of relu, as TEI's ``--pooling splade`` reads a plain masked-LM folder."""
+    from ctxmodels.sbert import Splade
+
+    own = sentence.splade if sentence is not None else None
+    if wanted is None:
+        return own
+    return (own or Splade()) if wanted else None
 
 
 def serving_dtype(name: str, device) -> Any:  # torch.dtype

@@ -99,8 +99,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jobs.identity import checkpoint_version
 from jobs.serving.serve_config import APP_NAME, InputError, LimitError, Limits, ModelSettings, MultiplexedConfig, ServeConfig, validate
 from jobs.serving.replica import EmbeddingReplica
-from jobs.serving.serve_tasks import (REQUESTS, TEI_NEEDS, DecodeRequest, PredictRequest, RerankRequest, TaskRequest, cannot_serve,
-                                      check_texts, one_text, tei_model_type)
+from jobs.serving.serve_tasks import (REQUESTS, TEI_NEEDS, DecodeRequest, EmbedSparseRequest, PredictRequest, RerankRequest, TaskRequest,
+                                      cannot_serve, check_texts, one_text, tei_model_type)
 
 logger = logging.getLogger("ray.serve")
 
@@ -307,7 +307,8 @@ class TeiErrorBody(BaseModel):
 
 # TEI's own paths answer errors in TEI's shape, with this server's status codes; /v1/..., Infinity's paths and
 # the probes keep the OpenAI shape of ERROR_RESPONSES.
-TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/similarity", "/rerank", "/predict", "/tokenize", "/decode", "/info"})
+TEI_ROUTES = frozenset({"/", "/invocations", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/rerank", "/predict", "/tokenize",
+                        "/decode", "/info"})
 TEI_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": TeiErrorBody, "description": "The request's mistake, named (TEI's error body)"},
     "5XX": {"model": TeiErrorBody, "description": "The server's failure: only a request id (TEI's error body)"},
@@ -522,7 +523,8 @@ def _encode_vector(v: np.ndarray, encoding_format: str) -> list[float] | str:
 
 
 # The routes outside /v1/ that call a model: Infinity's and TEI's paths, and /tokenize.
-UNVERSIONED_CALLS = ("/embeddings", "/embed", "/rerank", "/tokenize", "/predict", "/similarity", "/embed_all", "/decode", "/", "/invocations")
+UNVERSIONED_CALLS = ("/embeddings", "/embed", "/rerank", "/tokenize", "/predict", "/similarity", "/embed_all", "/embed_sparse", "/decode", "/",
+                     "/invocations")
 
 
 class Metrics:
@@ -788,7 +790,7 @@ def http_api(gw: "Gateway") -> FastAPI:
         task_route(route, route, request_cls)
     # TEI's task routes ("model" optional): /rerank answers as /v1/rerank
     for path, route, request_cls in (("/rerank", "/v1/rerank", TeiRerankRequest), ("/predict", "/predict", PredictRequest),
-                                     ("/decode", "/decode", DecodeRequest)):
+                                     ("/decode", "/decode", DecodeRequest), ("/embed_sparse", "/embed_sparse", EmbedSparseRequest)):
         task_route(path, route, request_cls)
 
     return api
@@ -967,7 +969,8 @@ class GatewayBase:
 
     async def tei_default(self, body: Any) -> Response:
         """TEI's ``POST /``: the body read as the request of the model's TEI type (``tei_model_type``), a
-        classifier's ``/predict``, a reranker's ``/rerank`` or an embedding model's ``/embed``."""
+        classifier's ``/predict``, a reranker's ``/rerank``, an embedding model's ``/embed`` (a SPLADE
+        model's ``/embed_sparse``)."""
         from pydantic import ValidationError
 
         if not isinstance(body, dict):
@@ -977,8 +980,11 @@ class GatewayBase:
             raise ApiError(422, f"model: must be a string, got {type(requested).__name__}")
         name = tei_model(requested, list(self.models))
         self._handle(name)
-        kind = next(iter(tei_model_type(await self._model_info(name))))
-        request_cls = {"classifier": PredictRequest, "reranker": TeiRerankRequest, "embedding": TeiEmbedRequest}[kind]
+        model_type = tei_model_type(await self._model_info(name))
+        kind = next(iter(model_type))
+        if model_type.get("embedding") == {"pooling": "splade"}:
+            kind = "sparse"
+        request_cls = {"classifier": PredictRequest, "reranker": TeiRerankRequest, "embedding": TeiEmbedRequest, "sparse": EmbedSparseRequest}[kind]
         try:
             req = request_cls.model_validate({**body, "model": name})
         except ValidationError as e:  # answered as a route's own body errors are
@@ -987,6 +993,8 @@ class GatewayBase:
             return await self.task("/predict", req)
         if kind == "reranker":
             return await self.task("/v1/rerank", req)
+        if kind == "sparse":
+            return await self.task("/embed_sparse", req)
         return await self.tei_embed(req)
 
     async def tei_info(self, requested: str | None) -> Response:

@@ -126,6 +126,10 @@ class ModelSettings(BaseModel):
     # mean pooling, not normalised (TEI's --pooling overrides a folder's pooling the same way).
     pooling: Literal["mean", "cls", "last"] | None = None
     normalize: bool | None = None
+    # SPLADE vectors on TEI's POST /embed_sparse, from the masked-LM head: None serves a sentence-transformers
+    # SparseEncoder folder so (its SpladePooling), true any pretrained masked LM with its head (max pooling of
+    # relu: TEI's --pooling splade), false none. A SPLADE model's dense routes need a pooling named.
+    splade: bool | None = None
     max_ongoing_requests: int = Field(32, ge=1)  # per replica
     max_queued_requests: int = Field(64, ge=1)  # per caller (the Gateway); beyond it: 429 + Retry-After
     request_timeout_s: float | None = Field(None, gt=0)  # None: limits.request_timeout_s

@@ -69,6 +69,8 @@ NEEDS: dict[str, str] = {
     "/v1/rerank": "a fine-tuned pair classifier with 2 labels, or a regression checkpoint",
     "/v1/fill-mask": f"a pretrained {' / '.join(MLM_FAMILIES)} checkpoint with its masked-LM head (XLM: pretrained with mlm or tlm)",
     "/v1/generate": f"a pretrained {' / '.join(LM_FAMILIES)} checkpoint, or an XLM pretrained as a causal LM (objective clm)",
+    "/embed_sparse": ("a SPLADE model: a sentence-transformers SparseEncoder folder (SpladePooling), or a pretrained "
+                      f"{' / '.join(MLM_FAMILIES)} checkpoint with its masked-LM head served with splade: true"),
 }
 
 
@@ -97,12 +99,14 @@ def cannot_serve(name: str, info: dict, route: str) -> str:
     """The 400's message for a model asked for what it does not do: what it is and what it serves."""
     what = f"a fine-tuned {info['family']} {info['task']} model" if info["task"] else f"a pretrained {info['family']} model"
     why = ""
-    if route == "/v1/fill-mask" and info["family"] in MLM_FAMILIES and "/v1/generate" in info["routes"] and not info["task"]:
+    if route in ("/v1/fill-mask", "/embed_sparse") and info["family"] in MLM_FAMILIES and "/v1/generate" in info["routes"] and not info["task"]:
         why = " pretrained as a causal LM (objective clm)"
-    elif route == "/v1/fill-mask" and info["family"] in MLM_FAMILIES and not info["task"]:
+    elif route in ("/v1/fill-mask", "/embed_sparse") and info["family"] in MLM_FAMILIES and not info["task"] and "/v1/fill-mask" not in info["routes"]:
         why = " whose checkpoint has no trained masked-LM head"
     elif route == "/v1/rerank" and info["task"] == "classification":
         why = f" with {len(info['labels'])} labels"
+    elif route == "/embed_sparse" and "/v1/fill-mask" in info["routes"]:
+        why = " served for dense vectors (splade is not set)"
     return f"model {name!r} is {what}{why}: it serves {', '.join(info['routes'])}; {route} needs {NEEDS[route]}"
 
 
@@ -451,6 +455,29 @@ class PredictRequest(TaskRequest):
         return body if self.is_batch() else body[0]
 
 
+class EmbedSparseRequest(TaskRequest):
+    """TEI's ``/embed_sparse``: a SPLADE model's vector of each input, its nonzero weights as
+    ``{"index": token id, "value": weight}`` by token id (a list per input, a string input too).
+    TEI serves one model and its clients name none; ``model`` picks one when this server serves several."""
+
+    model: str | None = None
+    inputs: str | list[str]
+    truncate: bool | None = False  # false: an input longer than the model reads is a 400
+    truncation_direction: Literal["Right", "right"] = "Right"  # the end is cut, as every route's truncate
+    prompt_name: str | None = None  # one of the folder's prompts, put before each input
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        return check_texts(v, allow_str=True)
+
+    def texts(self) -> list[str]:
+        return _as_list(self.inputs)
+
+    def payload(self) -> dict[str, Any]:
+        return {"texts": self.texts(), "truncate": bool(self.truncate), "prompt_name": self.prompt_name}
+
+
 class DecodeRequest(TaskRequest):
     """TEI's ``/decode``: token ids (one list, or a list of lists) back to text through the model's own
     tokenizer; a list of texts either way. ``model`` as on ``/predict``."""
@@ -602,9 +629,10 @@ def class_results(logits: np.ndarray, kind: str, labels: list[str]) -> list[dict
 
 def tei_model_type(info: dict) -> dict:
     """TEI's ``model_type`` of a served model's info: a classifier with its labels, or a reranker (a
-    one-output head: TEI's word for it), else an embedding model with the pooling it serves."""
+    one-output head: TEI's word for it), else an embedding model with the pooling it serves ("splade":
+    a SPLADE model's, whose vectors come from /embed_sparse)."""
     if "outputs" not in info:
-        return {"embedding": {"pooling": info["pooling"]}}
+        return {"embedding": {"pooling": "splade" if "splade" in info else info["pooling"]}}
     labels = {"id2label": {str(i): n for i, n in enumerate(info["outputs"])}, "label2id": {n: i for i, n in enumerate(info["outputs"])}}
     return {"reranker" if len(info["outputs"]) == 1 else "classifier": labels}
 
@@ -711,11 +739,58 @@ def mlm_logits_at(family: str, model, input_ids, attention_mask, selected, langu
     """Masked-LM scores (N, V) at the ``selected`` (B, T) positions, row-major: only the N rows are
     sent through the head (the (B, T, V) scores of every position are never built). ``language_ids``
     (B, T): a multilingual XLM's rows of its language table (None: row 0)."""
+    return mlm_scores(family, model, mlm_states(model, input_ids, attention_mask, language_ids)[selected])
+
+
+def mlm_states(model, input_ids, attention_mask, language_ids=None):
+    """(B, T, D): the last layer a masked-LM head reads (``language_ids`` as ``mlm_logits_at``'s)."""
     given = {} if language_ids is None else {"token_type_ids": language_ids}
-    last = model.backbone.hidden_states(input_ids, attention_mask, **given)[-1]  # (B, T, D)
+    return model.backbone.hidden_states(input_ids, attention_mask, **given)[-1]
+
+
+def mlm_scores(family: str, model, states):
+    """(N, V) masked-LM scores of (N, D) last-layer states, through the family's head (tied to the word embeddings)."""
     if family == "albert":
-        return model.mlm_head(last[selected], model.backbone.word_emb.weight)  # (N, V)
-    return model.mlm(last[selected], model.backbone.embeddings.word.weight)  # (N, V)
+        return model.mlm_head(states, model.backbone.word_emb.weight)
+    return model.mlm(states, model.backbone.embeddings.word.weight)
+
+
+SPLADE_CHUNK_TOKENS = 512  # positions sent through the head at once for SPLADE: (512, V) scores, 62 MB at V 30,522 in float32
+
+
+def splade_rows(family: str, model, states, rows: list[dict[str, np.ndarray]], splade, device) -> list[dict[str, np.ndarray]]:
+    """Each row's SPLADE vector (``ctxmodels.features.splade_pool``) from the last-layer ``states`` (B, T, D) of
+    rows right-padded to T, as its nonzero weights {"indices": int64 (K,), "values": float32 (K,)}, by
+    token id; a model's ``max_active_dims`` keeps the K largest. The head reads the real positions
+    SPLADE_CHUNK_TOKENS at a time, pooling into one (B, V) float32 buffer."""
+    import torch
+
+    from ctxmodels.features import splade_pool
+
+    lengths = [len(r["input_ids"]) for r in rows]
+    mask = torch.zeros(states.shape[:2], dtype=torch.bool, device=states.device)  # (B, T)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = True
+    flat = states[mask]  # (N, D) row after row
+    owner = torch.repeat_interleave(torch.arange(len(rows), device=states.device), torch.tensor(lengths, device=states.device))  # (N,)
+    vocab = mlm_scores(family, model, flat[:1]).shape[-1]
+    pooled = torch.zeros((len(rows), vocab), dtype=torch.float32, device=states.device)  # (B, V)
+    for start in range(0, len(flat), SPLADE_CHUNK_TOKENS):
+        chunk = slice(start, start + SPLADE_CHUNK_TOKENS)
+        splade_pool(mlm_scores(family, model, flat[chunk]), owner[chunk], len(rows), splade.pooling, splade.activation, out=pooled)
+    if splade.max_active_dims is not None and splade.max_active_dims < vocab:
+        top = pooled.topk(splade.max_active_dims, dim=-1)
+        pooled = torch.zeros_like(pooled).scatter_(-1, top.indices, top.values)  # sentence-transformers' select_max_active_dims
+    at = pooled.nonzero()  # (K, 2) by row, then token id
+    values = pooled[at[:, 0], at[:, 1]].cpu().numpy()
+    at = at.cpu().numpy()
+    bounds = np.searchsorted(at[:, 0], np.arange(1, len(rows)))
+    return [{"indices": i[:, 1], "values": v} for i, v in zip(np.split(at, bounds), np.split(values, bounds))]
+
+
+def sparse_values(vector: dict[str, np.ndarray]) -> list[dict]:
+    """TEI's ``/embed_sparse`` entries of one vector: float32 weights as their shortest digits."""
+    return [{"index": int(i), "value": float(str(v))} for i, v in zip(vector["indices"], vector["values"])]
 
 
 def next_token_logits(family: str, model, input_ids, placeholder_id: int, language: int = 0):
@@ -859,19 +934,29 @@ class TaskServing:
     """Task routes of one model replica; a base class of ``jobs.serving.replica.EmbeddingReplica``, whose
     ``name``, ``family``, ``tokenizer``, ``device``, ``max_len``, ``limits``, ``max_batch_size``,
     ``max_batch_tokens``, ``recent_passes``, ``_task_graphed`` (a GPU replica's task passes as CUDA
-    graphs, or None), ``_encode``, ``_pad``, ``_on_device``, ``_language_row`` and ``_named_prompt`` it uses."""
+    graphs, or None), ``sentence`` (its sentence-transformers settings, or None), ``_encode``, ``_encode_ids``,
+    ``_pad``, ``_on_device``, ``_language_row`` and ``_named_prompt`` it uses. ``splade``: the SPLADE
+    settings (``ctxmodels.sbert.Splade``) of a model served for /embed_sparse, else None."""
 
-    def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float) -> None:
+    def _init_tasks(self, loaded, recipe: dict | None, untrained_heads: set[str], max_batch_size: int, batch_wait_timeout_s: float,
+                    splade=None) -> None:
         self.task_config = loaded.task
         self.model = loaded.model.to(self.device).eval()  # its backbone is the one embeddings read
         self.routes = routes_of(self.family, self.task_config, untrained_heads, getattr(loaded.config, "causal", False))
         self.settings = task_settings(self.family, self.task_config, recipe, self.max_len) if self.task_config is not None else None
+        self.splade = None
+        if splade is not None:
+            if "/v1/fill-mask" not in self.routes:  # SPLADE weighs the vocabulary with the masked-LM head
+                raise ValueError(f"splade is set, but {cannot_serve(self.name, {'family': self.family, **self.task_info()}, '/embed_sparse')}")
+            self.splade, self.routes = splade, [*self.routes, "/embed_sparse"]
         self._rows_batch = Batcher(self._rows_pass, max_batch_size, batch_wait_timeout_s, self.model_lock)
 
     def task_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"task": self.task_config.kind if self.task_config else None, "labels": list(self.task_config.labels) if self.task_config else [], "routes": self.routes}
         if "/v1/fill-mask" in self.routes:
             info["mask_token"] = self.tokenizer.special_tokens["mask"]
+        if self.splade is not None:
+            info["splade"] = self.splade.shown()
         if self.task_config is not None and self.task_config.matryoshka_dims:  # the `dimensions` trained to be vectors
             info["matryoshka_dims"] = list(self.task_config.matryoshka_dims)
         if self.task_config is not None and self.task_config.kind in ("classification", "regression"):
@@ -889,7 +974,7 @@ class TaskServing:
         handler = {
             "/v1/classify": self._classify, "/v1/tag": self._tag, "/v1/answer": self._answer, "/v1/rerank": self._rerank,
             "/v1/fill-mask": self._fill_mask, "/v1/generate": self._generate, "/tokenize": self._tokenize,
-            "/predict": self._predict, "/decode": self._decode,
+            "/predict": self._predict, "/decode": self._decode, "/embed_sparse": self._embed_sparse,
         }[route]
         body, passes = await handler(**args)
         return {"body": body, "batches": passes, **self._stamp()}
@@ -912,7 +997,8 @@ class TaskServing:
         read once the next pass is queued (``jobs.serving.passes.HostCopy``: on a GPU it runs meanwhile).
 
         Task model: logits per row ((L,), or (T, L) padded back to the row's width with -1e4).
-        Pretrained masked LM: probabilities (M, V) at each row's mask ``positions``."""
+        Pretrained masked LM: probabilities (M, V) at each row's mask ``positions``; a row without
+        positions (/embed_sparse's), its SPLADE vector (``splade_rows``)."""
         from jobs.serving.passes import one_pass_behind, token_budget_groups
 
         sizes = [self._row_size(r) for r in rows]
@@ -964,14 +1050,24 @@ class TaskServing:
             n_seq, real = mask.size // mask.shape[-1], int(mask.sum())  # B, or B x K; counted on the host
         else:
             ids, mask = self._pad([r["input_ids"] for r in rows])  # (B, T), T = width
-            selected = np.zeros(tuple(ids.shape), dtype=bool)  # (B, T)
-            for b, r in enumerate(rows):
-                selected[b, r["positions"]] = True
+            filled = [b for b, r in enumerate(rows) if "positions" in r]  # /v1/fill-mask's rows: their mask positions
+            sparse = [b for b, r in enumerate(rows) if "positions" not in r]  # /embed_sparse's: every position
             language_ids = self._on_device(np.repeat(languages[:, None], ids.shape[1], axis=1)) if languages.any() else None  # (B, T)
+            outputs: list = [None] * len(rows)
             with torch.inference_mode():  # (reading the selected positions waits for the device anyway)
-                probs = torch.softmax(mlm_logits_at(self.family, self.model, ids, mask, self._on_device(selected), language_ids).float(),
-                                      dim=-1).cpu().numpy()  # (N, V)
-            outputs = np.split(probs, np.cumsum([len(r["positions"]) for r in rows])[:-1])
+                states = mlm_states(self.model, ids, mask, language_ids)  # (B, T, D)
+                if filled:
+                    selected = np.zeros(tuple(ids.shape), dtype=bool)  # (B, T)
+                    for b in filled:
+                        selected[b, rows[b]["positions"]] = True
+                    probs = torch.softmax(mlm_scores(self.family, self.model, states[self._on_device(selected)]).float(), dim=-1).cpu().numpy()  # (N, V)
+                    for b, p in zip(filled, np.split(probs, np.cumsum([len(rows[b]["positions"]) for b in filled])[:-1])):
+                        outputs[b] = p
+                if sparse:
+                    vectors = splade_rows(self.family, self.model, states[sparse] if filled else states, [rows[b] for b in sparse],
+                                          self.splade, self.device)
+                    for b, v in zip(sparse, vectors):
+                        outputs[b] = v
 
             def read() -> list[np.ndarray]:
                 return outputs
@@ -1113,6 +1209,14 @@ class TaskServing:
         data = [{"index": i, "masks": fill_results(self.tokenizer, texts[i], offsets[i], positions[i], probs[i], top_k)} for i in range(len(texts))]
         n_tokens = sum(len(row) for row in ids)
         return {"object": "list", "data": data, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, passes
+
+    async def _embed_sparse(self, texts: list[str], truncate: bool, prompt_name: str | None = None) -> tuple[list[list[dict]], list]:
+        """TEI's /embed_sparse: each text's SPLADE vector (``self.splade``) as its nonzero weights by token id.
+        The rows batch with /v1/fill-mask's (one masked-LM pass); a prompt goes before each text, as /embed's."""
+        prefix = self._named_prompt(prompt_name) if prompt_name is not None else (self.sentence.default_prompt if self.sentence is not None else "")
+        ids = await asyncio.to_thread(self._encode_ids, [prefix + text for text in texts], truncate)
+        vectors, passes = await self._run_rows([{"input_ids": row} for row in ids])
+        return [sparse_values(v) for v in vectors], passes
 
     async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
                         language: int | str | None = None) -> tuple[dict, list]:

@@ -33,11 +33,13 @@ from schemathesis.specs.openapi.checks import response_schema_conformance  # noq
 
 V = {"vocab_size": 30522}  # MiniLM's vocabulary
 MODELS = ("mlm", "pair", "gpt")
-SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/predict": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt"}
-TEI_ROUTES = ("/embed", "/rerank", "/predict", "/similarity", "/embed_all", "/decode", "/tokenize")  # "model" optional: TEI serves one
+SERVES = {"/v1/classify": "pair", "/v1/rerank": "pair", "/rerank": "pair", "/predict": "pair", "/v1/fill-mask": "mlm", "/v1/generate": "gpt",
+          "/embed_sparse": "sparse"}
+TEI_ROUTES = ("/embed", "/rerank", "/predict", "/similarity", "/embed_all", "/embed_sparse", "/decode", "/tokenize")  # "model" optional: TEI serves one
 # Routes some served model answers with a 200 (no model here tags or answers questions).
 SERVED = ("POST /v1/embeddings", "POST /embeddings", "POST /embed", "POST /v1/token-embeddings", "POST /v1/classify", "POST /v1/rerank", "POST /rerank",
-          "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize", "POST /predict", "POST /similarity", "POST /embed_all", "POST /decode", "GET /info")
+          "POST /v1/fill-mask", "POST /v1/generate", "POST /tokenize", "POST /predict", "POST /similarity", "POST /embed_all", "POST /embed_sparse",
+          "POST /decode", "GET /info")
 LIMITS = {  # small, so a generated list or number reaches each limit quickly instead of running long
     "max_inputs": 16,
     "max_chars_per_text": 2_000,
@@ -70,7 +72,8 @@ def checkpoints(tmp_path_factory, minilm_dir) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(ray_session, checkpoints) -> str:
     with serving({
-        "models": {name: str(checkpoints[name]) for name in MODELS},
+        # "sparse": the masked LM served for SPLADE (TEI's --pooling splade), reached by /embed_sparse's requests
+        "models": {**{name: str(checkpoints[name]) for name in MODELS}, "sparse": {"uri": str(checkpoints["mlm"]), "splade": True}},
         "defaults": {"num_cpus": 0.25, "max_batch_size": 8},
         "limits": LIMITS,
     }) as url:
@@ -167,6 +170,8 @@ def test_the_server_still_answers_after_the_fuzz(server):
         for name in MODELS:
             r = c.post("/v1/embeddings", content=json.dumps({"model": name, "input": "still here"}), headers={"content-type": "application/json"})
             assert r.status_code == 200, r.text
+        r = c.post("/embed_sparse", json={"model": "sparse", "inputs": "still here"})
+        assert r.status_code == 200 and r.json()[0], r.text
 
 
 def test_the_spec_declares_the_error_body_the_server_sends(server):
