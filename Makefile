@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host_floor.py
 	$(BIN)/python benchmarks/embed.py
 	$(BIN)/python benchmarks/local_encode.py
+	$(BIN)/python benchmarks/sparse_encode.py
 	$(BIN)/python benchmarks/generate.py
 	$(BIN)/python benchmarks/xlm_alignment.py
 

@@ -216,6 +216,23 @@ class LocalModel:
                                                granularity=granularity, language=language)
         return self._run(coro)["rows"]
 
+    def encode_sparse(self, texts: str | list[str], *, truncate: bool = True, prompt_name: str | None = None,
+                      convert_to_sparse_tensor: bool = True) -> Any:
+        """A SPLADE model's vector of each text over its vocabulary, as sentence-transformers'
+        ``SparseEncoder.encode`` gives it: a (texts, V) torch sparse COO tensor of float32 weights (dense with
+        ``convert_to_sparse_tensor=False``), the weights /embed_sparse answers. ``prompt_name``: one of the
+        folder's prompts, put before each text (None: its default prompt)."""
+        import torch
+
+        vectors, _ = self._run(self._replica.sparse_vectors(_texts(texts), truncate, prompt_name))
+        vocab = self._replica.tokenizer.vocab_size
+        rows = np.concatenate([np.full(len(v["indices"]), i) for i, v in enumerate(vectors)] or [np.zeros(0)]).astype(np.int64)
+        cols = np.concatenate([v["indices"] for v in vectors] or [np.zeros(0, np.int64)]).astype(np.int64)
+        values = np.concatenate([v["values"] for v in vectors] or [np.zeros(0, np.float32)]).astype(np.float32)
+        out = torch.sparse_coo_tensor(torch.from_numpy(np.stack([rows, cols])), torch.from_numpy(values), (len(vectors), vocab),
+                                      is_coalesced=True, check_invariants=False)  # built sorted and unique: nothing to check
+        return out if convert_to_sparse_tensor else out.to_dense()
+
     # --- the task routes: each gives its route's answer ---
 
     def _task(self, route: str, **fields: Any) -> Any:

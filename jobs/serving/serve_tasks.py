@@ -1211,12 +1211,19 @@ class TaskServing:
         return {"object": "list", "data": data, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, passes
 
     async def _embed_sparse(self, texts: list[str], truncate: bool, prompt_name: str | None = None) -> tuple[list[list[dict]], list]:
-        """TEI's /embed_sparse: each text's SPLADE vector (``self.splade``) as its nonzero weights by token id.
-        The rows batch with /v1/fill-mask's (one masked-LM pass); a prompt goes before each text, as /embed's."""
+        """TEI's /embed_sparse: each text's SPLADE vector as its nonzero weights by token id (``sparse_vectors``)."""
+        vectors, passes = await self.sparse_vectors(texts, truncate, prompt_name)
+        return [sparse_values(v) for v in vectors], passes
+
+    async def sparse_vectors(self, texts: list[str], truncate: bool, prompt_name: str | None = None) -> tuple[list[dict[str, np.ndarray]], list]:
+        """(each text's SPLADE vector (``self.splade``) as {"indices", "values"}: its nonzero weights by token id;
+        the passes' (rows, tokens, padded tokens)). The rows batch with /v1/fill-mask's (one masked-LM pass); a
+        prompt goes before each text, as /embed's: ``prompt_name``'s, else the folder's default prompt."""
+        if self.splade is None:
+            raise InputError(cannot_serve(self.name, {"family": self.family, **self.task_info()}, "/embed_sparse"))
         prefix = self._named_prompt(prompt_name) if prompt_name is not None else (self.sentence.default_prompt if self.sentence is not None else "")
         ids = await asyncio.to_thread(self._encode_ids, [prefix + text for text in texts], truncate)
-        vectors, passes = await self._run_rows([{"input_ids": row} for row in ids])
-        return [sparse_values(v) for v in vectors], passes
+        return await self._run_rows([{"input_ids": row} for row in ids])
 
     async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
                         language: int | str | None = None) -> tuple[dict, list]:

@@ -246,3 +246,16 @@ def test_the_head_in_chunks_across_texts_pools_as_in_one(folders, monkeypatch):
     for (got, _), (want, _) in zip(replica._rows_forward(rows), whole):
         np.testing.assert_array_equal(got["indices"], want["indices"])
         np.testing.assert_allclose(got["values"], want["values"], rtol=1e-6, atol=1e-6)
+
+
+def test_local_model_encode_sparse_is_sparse_encoders_encode(folders):
+    from jobs.serving.local import LocalModel
+
+    with LocalModel(str(folders["splade"]), dtype="float32") as model:
+        got = model.encode_sparse(TEXTS)
+        assert got.is_sparse and got.shape == (len(TEXTS), 30522)
+        expected = st_encode(folders["splade"], TEXTS, prompt_name="query")
+        np.testing.assert_allclose(model.encode_sparse(TEXTS, prompt_name="query", convert_to_sparse_tensor=False).numpy(), expected, atol=1e-5)
+        np.testing.assert_allclose(got.to_dense().numpy(), st_encode(folders["splade"], TEXTS), atol=1e-5)
+    with LocalModel(str(folders["minilm"])) as dense_model, pytest.raises(ValueError, match="/embed_sparse needs a SPLADE model"):
+        dense_model.encode_sparse(TEXTS)
