@@ -95,6 +95,8 @@ EMBED_CLASH = ("Two runs into one folder would write the same rows twice. Wait f
 # A run file of an earlier version lacks the settings added since: read as these (the vectors were made so).
 RUN_DEFAULTS: dict[str, Any] = {"precision": "float32"}
 PROGRESS_EVERY_S = 30.0  # the local engine's progress where stderr is no terminal (job logs): a line this often
+# A SPLADE model's stored vector: its nonzero weights by token id, ascending
+SPARSE_TYPE = pa.struct([("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float32()))])
 
 
 class Embedder:
@@ -131,11 +133,15 @@ class Embedder:
         self.model = EmbeddingReplica(checkpoint, checkpoint, version, settings, Limits(max_tokens_per_request=UNBOUNDED_TOKENS))
         self.id_column, self.text_column = id_column, text_column
         self.pooling, self.normalize = pooling, normalize
+        # A SPLADE model (a SparseEncoder folder) stores its sparse vectors unless a pooling asks for its backbone's dense ones.
+        self.sparse = self.model.splade is not None and pooling is None
         self.options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt}
         self.store_as(precision, ranges)
 
     def store_as(self, precision: str, ranges: list[list[float]] | None = None) -> None:
         """Vectors from now on stored at ``precision``, int8/uint8's levels cut in ``ranges``."""
+        if self.sparse and precision != "float32":
+            raise ValueError(self._sparse_refusal(f"--precision {precision}"))
         if precision.endswith("int8") and ranges is None:
             raise ValueError(f"precision {precision!r} needs the ranges of its levels: Embedder.calibrate gives them")
         self.precision, self.ranges = precision, None if ranges is None else np.asarray(ranges, np.float32)
@@ -144,17 +150,31 @@ class Embedder:
 
     @property
     def dim(self) -> int:
-        """Components of a float32 vector: ``dimensions``, else the model's width."""
-        return self.options["dimensions"] or self.model.dim
+        """Components of a float32 vector: ``dimensions``, else the model's width (a sparse one's: its vocabulary)."""
+        return self.model.tokenizer.vocab_size if self.sparse else self.options["dimensions"] or self.model.dim
+
+    def _sparse_refusal(self, what: str) -> str:
+        return (f"model {self.model.name!r} is a SPLADE model: its vectors are stored sparse, as their float32 weights by token id, "
+                f"and {what} is for dense vectors; leave it out, or give --pooling for its backbone's dense vectors")
 
     def calibrate(self, texts: list[str]) -> list[list[float]]:
         """int8/uint8's ranges: each dimension's minimum and maximum over ``texts``' float32 vectors."""
+        if self.sparse:
+            raise ValueError(self._sparse_refusal("an int8 or uint8 --precision"))
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
         return ranges_of(np.stack(out["embeddings"]).astype(np.float32)).tolist()
 
-    def check(self) -> None:
+    def check(self, precision: str = "float32") -> None:
         """ValueError (the replica's InputError) for options this model cannot take: a ``prompt_name`` its
-        folder does not have, ``dimensions`` above its width, a prompt given both ways. Nothing is embedded."""
+        folder does not have, ``dimensions`` above its width, a prompt given both ways; for a SPLADE model's
+        sparse vectors, ``dimensions`` or a ``precision`` other than float32. Nothing is embedded."""
+        if self.sparse:
+            if self.options["dimensions"] is not None:
+                raise ValueError(self._sparse_refusal("--dimensions"))
+            if precision != "float32":
+                raise ValueError(self._sparse_refusal(f"--precision {precision}"))
+            self.model.sparse_now([], prompt_name=self.options["prompt_name"], prompt=self.options["prompt"])
+            return
         self.model.embed_now([], pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -167,18 +187,32 @@ class Embedder:
             "tokenizer_hash": pa.array([out["tokenizer_hash"]] * n, pa.string()),
         })
 
-    def _vectors(self, batch: pa.Table) -> tuple[pa.FixedSizeListArray, dict]:
+    def _vectors(self, batch: pa.Table) -> tuple[pa.Array, dict]:
         """The batch's text column embedded: (n, dim) float32 (or at ``precision``) as a fixed-size list column,
-        and embed_now's stamp."""
+        and embed_now's stamp; a SPLADE model's sparse vectors as a struct column (``sparse_column``)."""
         texts = batch.column(self.text_column).to_pylist()
         missing = [i for i, t in enumerate(texts) if not isinstance(t, str)]
         if missing:
             where = f"with {self.id_column}={batch.column(self.id_column)[missing[0]].as_py()!r}" if self.id_column else f"{missing[0]} of a batch"
             raise ValueError(f"row {where} has no text in column {self.text_column!r} ({len(missing)} such rows in this batch)")
+        if self.sparse:
+            sparse = self.model.sparse_now(texts, truncate=True, prompt_name=self.options["prompt_name"], prompt=self.options["prompt"])
+            return sparse_column(sparse), self.model._stamp()
         out = self.model.embed_now(texts, pooling=self.pooling, normalize=self.normalize, truncate=True, **self.options)
         vectors = np.stack(out["embeddings"]).astype(np.float32) if texts else np.zeros((0, self.dim), np.float32)
         stored = quantize(vectors, self.precision, self.ranges)  # (n, dim), or (n, dim / 8) bytes of sign bits
         return pa.FixedSizeListArray.from_arrays(pa.array(stored.reshape(-1)), stored.shape[1]), out
+
+
+def sparse_column(vectors: list[dict[str, np.ndarray]]) -> pa.StructArray:
+    """SPLADE vectors ({"indices", "values"} each: a text's nonzero weights by token id) as one column of
+    ``SPARSE_TYPE``: what Qdrant's and Pinecone's sparse vectors take ({indices, values})."""
+    sizes = np.array([len(v["indices"]) for v in vectors], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+    indices = np.concatenate([v["indices"] for v in vectors]).astype(np.int32) if vectors else np.zeros(0, np.int32)
+    values = np.concatenate([v["values"] for v in vectors]).astype(np.float32) if vectors else np.zeros(0, np.float32)
+    return pa.StructArray.from_arrays([pa.ListArray.from_arrays(offsets, pa.array(indices)), pa.ListArray.from_arrays(offsets, pa.array(values))],
+                                      fields=list(SPARSE_TYPE))
 
 
 class ColumnEmbedder(Embedder):
@@ -260,7 +294,7 @@ def embed_dataset(
     version = checkpoint_version(checkpoint)
     options = {"dimensions": dimensions, "prompt_name": prompt_name, "prompt": prompt,
                "precision": precision, "ranges": ranges if precision.endswith("int8") else None}
-    if any(v is not None for k, v in options.items() if k != "precision"):  # the ranges' width too
+    if any(v is not None for k, v in options.items() if k != "precision") or precision != "float32":  # the ranges' width too
         _check_on_ray((checkpoint, version, None, text_column, pooling, normalize, batch_size, max_batch_tokens), language, options)
     return ds.map_batches(  # --- Ray seam: an actor pool over the user's dataset ---
         ColumnEmbedder,
@@ -300,7 +334,7 @@ def _check_settings(pooling: str | None, dtype: str, batch_size: int, max_batch_
 
 
 def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[str, Any],
-                  calibration: list[str] | None = None) -> list[list[float]] | None:
+                  calibration: list[str] | None = None, precision: str = "float32") -> list[list[float]] | None:
     """``Embedder.check`` in a Ray task, on a CPU, before the pool starts: an actor that cannot take the
     options would fail each of its batches, and Ray Data's error on the driver keeps only the traceback's
     text. A ValueError of the model's comes back as itself (one line from ``ctx embed``). With ``calibration``
@@ -310,7 +344,7 @@ def _check_on_ray(model_args: tuple, language: int | str | None, options: dict[s
     @ray.remote(num_cpus=1)
     def check() -> list[list[float]] | None:
         embedder = Embedder(*model_args, threads=1, language=language, **options)
-        embedder.check()
+        embedder.check(precision)
         return None if calibration is None else embedder.calibrate(calibration)
 
     try:
@@ -412,9 +446,14 @@ def reembed(
     embedded first; kept in ``RUN_FILE`` as "ranges", for a resumed run and for quantizing queries alike);
     binary / ubinary, the sign bits packed 8 a byte.
 
-    Returns {"rows", "dim", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
+    A SPLADE model (``EmbeddingReplica.splade``) with ``pooling`` None stores its sparse vectors (``SPARSE_TYPE``:
+    its nonzero weights by token id, as /embed_sparse answers them); ``dimensions`` and a ``precision`` other than
+    float32 are refused for them.
+
+    Returns {"rows", "dim", "sparse", "model_version", "tokenizer_hash", "checkpoint", "input", "output",
     "registry_version", "engine", "actors", "resumed", "precision", "seconds", "rows_per_s"}, read back from what
-    was written (``rows``: all of the output's, ``dim``: a stored vector's components, bytes for binary;
+    was written (``rows``: all of the output's, ``dim``: a stored vector's components, bytes for binary, None
+    for sparse vectors;
     ``resumed``: those an earlier run wrote); ``seconds`` is wall time from
     ``started`` (a ``time.perf_counter()`` value, default this call's start), ``rows_per_s`` this run's rows over it.
     """
@@ -471,7 +510,7 @@ def reembed(
         resumed = 0 if done is None else len(done)
         if engine == "local":
             embedder = Embedder(*model_args, threads=os.cpu_count() or 1, dtype=dtype, cuda_graphs=cuda_graphs, language=language, **options)
-            embedder.check()  # before a file is written
+            embedder.check(precision)  # before a file is written
             if calibration is not None:
                 run["ranges"] = embedder.calibrate(calibration)
             embedder.store_as(precision, run.get("ranges"))
@@ -487,8 +526,8 @@ def reembed(
             init_ray(verbose, num_cpus=(os.cpu_count() or 1) + IO_CPUS)  # a no-op where Ray is up (tests, the scheduler's actor)
             pool = actors or pool_size(cpus_per_actor, num_gpus)
             _check_pool(pool, cpus_per_actor)
-            if any(v is not None for v in options.values()) or calibration is not None:
-                ranges = _check_on_ray(model_args, language, options, calibration)
+            if any(v is not None for v in options.values()) or calibration is not None or precision != "float32":
+                ranges = _check_on_ray(model_args, language, options, calibration, precision)
                 if calibration is not None:
                     run["ranges"] = ranges
             if chunks is not None:  # small: read here, no Ray Data read tasks
@@ -873,5 +912,7 @@ def _summary(fs: pafs.FileSystem, path: str, rows_in: int, **where: str) -> dict
     hashes = sorted(set(table.column("tokenizer_hash").to_pylist()))
     if len(versions) > 1 or len(hashes) > 1:
         raise RuntimeError(f"{where['output']}: rows of several model versions {versions} / tokenizers {hashes}")
-    dim = pads.dataset(path, filesystem=fs, format="parquet").schema.field("embedding").type.list_size
-    return {"rows": rows_in, "dim": dim, "model_version": versions[0], "tokenizer_hash": hashes[0], **where}
+    kind = pads.dataset(path, filesystem=fs, format="parquet").schema.field("embedding").type
+    sparse = pa.types.is_struct(kind)  # a SPLADE model's (SPARSE_TYPE): no fixed width
+    return {"rows": rows_in, "dim": None if sparse else kind.list_size, "sparse": sparse, "model_version": versions[0],
+            "tokenizer_hash": hashes[0], **where}

@@ -1219,11 +1219,27 @@ class TaskServing:
         """(each text's SPLADE vector (``self.splade``) as {"indices", "values"}: its nonzero weights by token id;
         the passes' (rows, tokens, padded tokens)). The rows batch with /v1/fill-mask's (one masked-LM pass); a
         prompt goes before each text, as /embed's: ``prompt_name``'s, else the folder's default prompt."""
+        ids = await asyncio.to_thread(self._sparse_inputs, texts, truncate, prompt_name)
+        return await self._run_rows([{"input_ids": row} for row in ids])
+
+    def sparse_now(self, texts: list[str], truncate: bool = False, prompt_name: str | None = None,
+                   prompt: str | None = None) -> list[dict[str, np.ndarray]]:
+        """``sparse_vectors`` without Serve's request batching: the passes run here, in this thread (``ctx
+        embed``'s actors, as ``embed_now``). ``prompt``: a text put before each text, in place of a named one."""
+        from jobs.serving.passes import on_forward_thread
+
+        ids = self._sparse_inputs(texts, truncate, prompt_name, prompt)
+        return [v for v, _ in on_forward_thread(self._rows_forward, [{"input_ids": row} for row in ids])] if ids else []
+
+    def _sparse_inputs(self, texts: list[str], truncate: bool, prompt_name: str | None = None, prompt: str | None = None) -> list[np.ndarray]:
+        """Each text's token ids with its prompt before it; an InputError for a model not served for SPLADE."""
         if self.splade is None:
             raise InputError(cannot_serve(self.name, {"family": self.family, **self.task_info()}, "/embed_sparse"))
-        prefix = self._named_prompt(prompt_name) if prompt_name is not None else (self.sentence.default_prompt if self.sentence is not None else "")
-        ids = await asyncio.to_thread(self._encode_ids, [prefix + text for text in texts], truncate)
-        return await self._run_rows([{"input_ids": row} for row in ids])
+        if prompt is not None and prompt_name is not None:
+            raise InputError("prompt and prompt_name: give one of them")
+        if prompt is None:
+            prompt = self._named_prompt(prompt_name) if prompt_name is not None else (self.sentence.default_prompt if self.sentence is not None else "")
+        return self._encode_ids([prompt + text for text in texts], truncate)
 
     async def _generate(self, prompt: str, max_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int | None,
                         language: int | str | None = None) -> tuple[dict, list]:

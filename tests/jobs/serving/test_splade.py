@@ -259,3 +259,39 @@ def test_local_model_encode_sparse_is_sparse_encoders_encode(folders):
         np.testing.assert_allclose(got.to_dense().numpy(), st_encode(folders["splade"], TEXTS), atol=1e-5)
     with LocalModel(str(folders["minilm"])) as dense_model, pytest.raises(ValueError, match="/embed_sparse needs a SPLADE model"):
         dense_model.encode_sparse(TEXTS)
+
+
+def test_ctx_embed_stores_a_splade_models_sparse_vectors_and_refuses_dense_options(folders, tmp_path, capsys):
+    """``ctx embed`` (the local engine) on a SparseEncoder folder: each row's vector as {indices, values}
+    (its nonzero weights by token id, SparseEncoder.encode's), the prompt asked taken; --pooling stores the
+    backbone's dense vectors instead; int8, binary and --dimensions, dense vectors' options, are refused
+    in one line before a file is written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.cli import main
+    from jobs.serving.embed import SPARSE_TYPE
+
+    src = tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"id": list(range(len(TEXTS))), "text": TEXTS}), src)
+    for name, flags, keywords in (("plain", [], {}), ("query", ["--prompt-name", "query"], {"prompt_name": "query"})):
+        code = main(["embed", "--model", str(folders["splade"]), "--input", str(src), "--output", str(tmp_path / name), "--engine", "local", *flags])
+        assert code == 0, capsys.readouterr().err
+        summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert summary["sparse"] is True and summary["dim"] is None and summary["rows"] == len(TEXTS)
+        table = pq.read_table(tmp_path / name).sort_by("id")
+        assert table.schema.field("embedding").type == SPARSE_TYPE
+        got = np.zeros((len(TEXTS), 30522), np.float32)
+        for i, row in enumerate(table.column("embedding").to_pylist()):
+            assert row["indices"] == sorted(row["indices"]) and len(row["indices"]) == len(row["values"]) > 0
+            got[i, row["indices"]] = row["values"]
+        np.testing.assert_allclose(got, st_encode(folders["splade"], TEXTS, **keywords), atol=1e-5)
+    code = main(["embed", "--model", str(folders["splade"]), "--input", str(src), "--output", str(tmp_path / "dense"), "--engine", "local",
+                 "--pooling", "mean"])
+    assert code == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["dim"] == 64
+    for flags in (["--precision", "int8"], ["--precision", "binary"], ["--dimensions", "8"]):
+        out = tmp_path / "refused"
+        code = main(["embed", "--model", str(folders["splade"]), "--input", str(src), "--output", str(out), "--engine", "local", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and "is a SPLADE model: its vectors are stored sparse" in err and flags[0] in err, err
+        assert not out.exists() or not any(out.iterdir())
