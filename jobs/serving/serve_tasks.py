@@ -758,7 +758,7 @@ def mlm_scores(family: str, model, states):
 SPLADE_CHUNK_TOKENS = 512  # positions sent through the head at once for SPLADE: (512, V) scores, 62 MB at V 30,522 in float32
 
 
-def splade_rows(family: str, model, states, rows: list[dict[str, np.ndarray]], splade, device) -> list[dict[str, np.ndarray]]:
+def splade_rows(family: str, model, states, rows: list[dict[str, np.ndarray]], splade) -> list[dict[str, np.ndarray]]:
     """Each row's SPLADE vector (``ctxmodels.features.splade_pool``) from the last-layer ``states`` (B, T, D) of
     rows right-padded to T, as its nonzero weights {"indices": int64 (K,), "values": float32 (K,)}, by
     token id; a model's ``max_active_dims`` keeps the K largest. The head reads the real positions
@@ -767,18 +767,17 @@ def splade_rows(family: str, model, states, rows: list[dict[str, np.ndarray]], s
 
     from ctxmodels.features import splade_pool
 
-    lengths = [len(r["input_ids"]) for r in rows]
-    mask = torch.zeros(states.shape[:2], dtype=torch.bool, device=states.device)  # (B, T)
-    for b, n in enumerate(lengths):
-        mask[b, :n] = True
-    flat = states[mask]  # (N, D) row after row
-    owner = torch.repeat_interleave(torch.arange(len(rows), device=states.device), torch.tensor(lengths, device=states.device))  # (N,)
-    vocab = mlm_scores(family, model, flat[:1]).shape[-1]
-    pooled = torch.zeros((len(rows), vocab), dtype=torch.float32, device=states.device)  # (B, V)
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows], device=states.device)  # (B,)
+    flat = states[torch.arange(states.shape[1], device=states.device)[None] < lengths[:, None]]  # (N, D): the real positions, row after row
+    owner = torch.repeat_interleave(torch.arange(len(rows), device=states.device), lengths)  # (N,) the row of each
+    pooled = None  # (B, V) float32
     for start in range(0, len(flat), SPLADE_CHUNK_TOKENS):
         chunk = slice(start, start + SPLADE_CHUNK_TOKENS)
-        splade_pool(mlm_scores(family, model, flat[chunk]), owner[chunk], len(rows), splade.pooling, splade.activation, out=pooled)
-    if splade.max_active_dims is not None and splade.max_active_dims < vocab:
+        scores = mlm_scores(family, model, flat[chunk])  # (<= SPLADE_CHUNK_TOKENS, V)
+        if pooled is None:
+            pooled = torch.zeros((len(rows), scores.shape[-1]), dtype=torch.float32, device=states.device)
+        splade_pool(scores, owner[chunk], len(rows), splade.pooling, splade.activation, out=pooled)
+    if splade.max_active_dims is not None and splade.max_active_dims < pooled.shape[-1]:
         top = pooled.topk(splade.max_active_dims, dim=-1)
         pooled = torch.zeros_like(pooled).scatter_(-1, top.indices, top.values)  # sentence-transformers' select_max_active_dims
     at = pooled.nonzero()  # (K, 2) by row, then token id
@@ -1064,8 +1063,7 @@ class TaskServing:
                     for b, p in zip(filled, np.split(probs, np.cumsum([len(rows[b]["positions"]) for b in filled])[:-1])):
                         outputs[b] = p
                 if sparse:
-                    vectors = splade_rows(self.family, self.model, states[sparse] if filled else states, [rows[b] for b in sparse],
-                                          self.splade, self.device)
+                    vectors = splade_rows(self.family, self.model, states[sparse] if filled else states, [rows[b] for b in sparse], self.splade)
                     for b, v in zip(sparse, vectors):
                         outputs[b] = v
 
