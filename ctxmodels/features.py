@@ -132,17 +132,30 @@ def splade_weights(logits: Tensor, activation: str = "relu") -> Tensor:
     return torch.log1p(out) if activation == "log1p_relu" else out
 
 
-def splade_pool(logits: Tensor, rows: Tensor, n_rows: int, pooling: str = "max", activation: str = "relu",
-                out: Tensor | None = None) -> Tensor:
+def splade_pool(logits: Tensor, rows: Tensor, n_rows: int, pooling: str = "max", activation: str = "relu") -> Tensor:
     """(n_rows, V) SPLADE vectors (Formal et al. 2021) from the masked-LM scores ``logits`` (N, V) of the
     real positions of ``n_rows`` texts, flattened (no padding among them), ``rows`` (N,) the text of
-    each: ``splade_weights`` max-pooled over a text's positions (``sum``: summed, SPLADE v1). Weights
-    are >= 0, so max-pooling starts from 0. ``out``: (n_rows, V) float32 to pool into, chunk after
-    chunk of a text's positions (the (T, V) scores of a long batch need not exist at once)."""
+    each: ``splade_weights`` max-pooled over a text's positions (``sum``: summed, SPLADE v1). A long
+    batch's scores are pooled a chunk at a time with ``splade_accumulate`` into one buffer, then
+    ``splade_finish``; this is the two in one call."""
+    out = torch.zeros((n_rows, logits.shape[-1]), dtype=torch.float32, device=logits.device)
+    return splade_finish(splade_accumulate(logits, rows, out, pooling, activation), pooling, activation)
+
+
+def splade_accumulate(logits: Tensor, rows: Tensor, out: Tensor, pooling: str = "max", activation: str = "relu") -> Tensor:
+    """Pool one chunk of scores (N, V) of the texts ``rows`` (N,) into ``out`` (n_rows, V) float32, zeros at
+    first, in place. Max pooling keeps the raw scores' maximum over 0: the weight is a nondecreasing
+    function of the score, so the largest score gives the largest weight, and ``splade_finish`` weighs
+    (n_rows, V) numbers instead of (N, V) (on 2 cores, 0.2 s against 3.3 s for 500 texts of ~43 tokens).
+    Sum pooling adds the weights themselves."""
     if pooling not in ("max", "sum"):
         raise ValueError(f"pooling {pooling!r}: SPLADE pools with 'max' or 'sum'")
-    weights = splade_weights(logits, activation)  # (N, V)
-    if out is None:
-        out = torch.zeros((n_rows, weights.shape[-1]), dtype=torch.float32, device=weights.device)
-    index = rows.to(weights.device).long().unsqueeze(-1).expand_as(weights)  # (N, V)
-    return out.scatter_reduce_(0, index, weights, reduce="amax" if pooling == "max" else "sum", include_self=True)
+    index = rows.to(out.device).long().unsqueeze(-1).expand(logits.shape)  # (N, V), a view
+    if pooling == "max":
+        return out.scatter_reduce_(0, index, logits.float(), reduce="amax", include_self=True)
+    return out.scatter_add_(0, index, splade_weights(logits, activation))
+
+
+def splade_finish(out: Tensor, pooling: str = "max", activation: str = "relu") -> Tensor:
+    """The SPLADE vectors of a buffer ``splade_accumulate`` filled: max pooling's maxima weighed here."""
+    return splade_weights(out, activation) if pooling == "max" else out

@@ -759,13 +759,13 @@ SPLADE_CHUNK_TOKENS = 512  # positions sent through the head at once for SPLADE:
 
 
 def splade_rows(family: str, model, states, rows: list[dict[str, np.ndarray]], splade) -> list[dict[str, np.ndarray]]:
-    """Each row's SPLADE vector (``ctxmodels.features.splade_pool``) from the last-layer ``states`` (B, T, D) of
+    """Each row's SPLADE vector (``ctxmodels.features.splade_pool``, a chunk at a time) from the last-layer ``states`` (B, T, D) of
     rows right-padded to T, as its nonzero weights {"indices": int64 (K,), "values": float32 (K,)}, by
     token id; a model's ``max_active_dims`` keeps the K largest. The head reads the real positions
     SPLADE_CHUNK_TOKENS at a time, pooling into one (B, V) float32 buffer."""
     import torch
 
-    from ctxmodels.features import splade_pool
+    from ctxmodels.features import splade_accumulate, splade_finish
 
     lengths = torch.tensor([len(r["input_ids"]) for r in rows], device=states.device)  # (B,)
     flat = states[torch.arange(states.shape[1], device=states.device)[None] < lengths[:, None]]  # (N, D): the real positions, row after row
@@ -776,7 +776,8 @@ def splade_rows(family: str, model, states, rows: list[dict[str, np.ndarray]], s
         scores = mlm_scores(family, model, flat[chunk])  # (<= SPLADE_CHUNK_TOKENS, V)
         if pooled is None:
             pooled = torch.zeros((len(rows), scores.shape[-1]), dtype=torch.float32, device=states.device)
-        splade_pool(scores, owner[chunk], len(rows), splade.pooling, splade.activation, out=pooled)
+        splade_accumulate(scores, owner[chunk], pooled, splade.pooling, splade.activation)
+    pooled = splade_finish(pooled, splade.pooling, splade.activation)
     if splade.max_active_dims is not None and splade.max_active_dims < pooled.shape[-1]:
         top = pooled.topk(splade.max_active_dims, dim=-1)
         pooled = torch.zeros_like(pooled).scatter_(-1, top.indices, top.values)  # sentence-transformers' select_max_active_dims
