@@ -151,6 +151,43 @@ def serving(config: dict):
         ctx_serve.shutdown(parsed.app_name)  # this app only
 
 
+@contextlib.contextmanager
+def in_process_apps(models: dict[str, tuple[str, dict]], limits: dict | None = None):
+    """One Gateway app per model, as TEI serves one model (its clients name none): ``models`` is {name:
+    (uri, model settings)}; each app on a loopback port over real HTTP (uvicorn), in this process, with
+    its own event loop and replica called in-process (``InProcessHandle``), no Ray. Yields {name: base URL}."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from jobs.serving.serve import EmbeddingModel, GatewayBase, InProcessHandle, http_api
+    from jobs.serving.serve_config import Limits, ModelConfig, ServeConfig
+
+    servers, out = [], {}
+    for name, (uri, settings) in models.items():
+        config = ServeConfig.model_validate({"models": {name: uri}, "limits": limits or {"max_inputs": 64}})
+        handle = InProcessHandle(EmbeddingModel.func_or_class(name, uri, None, ModelConfig(uri=uri, **settings), Limits()), 64)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(http_api(GatewayBase({name: handle}, config)), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        out[name] = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        for server, thread in servers:
+            while not server.started:
+                assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+                time.sleep(0.05)
+        yield out
+    finally:
+        for server, thread in servers:
+            server.should_exit = True
+        for server, thread in servers:
+            thread.join(30)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def mlflow_tracking_uri(tmp_path_factory):
     """Runs register models in a per-session SQLite store, never in ~/.ctxmodels or a real server a

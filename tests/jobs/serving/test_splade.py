@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +21,7 @@ import pytest
 import torch
 
 from jobs.serving.serve import tei_error_type
-from tests.conftest import free_port
+from tests.conftest import in_process_apps
 
 sparse_encoder = pytest.importorskip("sentence_transformers.sparse_encoder")
 
@@ -64,33 +62,8 @@ SETTINGS = {"mlm-splade": {"splade": True}, "mlm": {}}  # the plain masked LM: T
 @pytest.fixture(scope="module")
 def urls(folders):
     """{name: base URL}: one Gateway app per model (TEI serves one), each on a loopback port in this process."""
-    import uvicorn
-
-    from jobs.serving.serve import EmbeddingModel, GatewayBase, InProcessHandle, http_api
-    from jobs.serving.serve_config import Limits, ModelConfig, ServeConfig
-
-    servers, out = [], {}
-    for name, path in folders.items():
-        uri = str(path)
-        config = ServeConfig.model_validate({"models": {name: uri}, "limits": {"max_inputs": 64}})
-        model = ModelConfig(uri=uri, **SETTINGS.get(name, {}))
-        handle = InProcessHandle(EmbeddingModel.func_or_class(name, uri, None, model, Limits()), 64)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(http_api(GatewayBase({name: handle}, config)), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        out[name] = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    for server, thread in servers:
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-    yield out
-    for server, thread in servers:
-        server.should_exit = True
-    for server, thread in servers:
-        thread.join(30)
+    with in_process_apps({name: (str(path), SETTINGS.get(name, {})) for name, path in folders.items()}) as urls:
+        yield urls
 
 
 def post(url: str, route: str, body: dict) -> httpx.Response:

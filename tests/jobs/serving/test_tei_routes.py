@@ -10,8 +10,6 @@ vocabulary are built here from seeded weights (nothing is trained)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +18,7 @@ import pytest
 import torch
 
 from jobs.serving.serve import tei_error_type
-from tests.conftest import free_port
+from tests.conftest import in_process_apps
 
 TOL = 1e-5
 V = {"vocab_size": 30522}  # MiniLM's vocabulary
@@ -50,32 +48,8 @@ def models(tmp_path_factory, minilm_dir) -> dict[str, Path]:
 def urls(models):
     """{name: base URL} of one Gateway app per model, as TEI serves one model (its clients name none):
     each on a loopback port, in this process, with its own event loop and replica."""
-    import uvicorn
-
-    from jobs.serving.serve import EmbeddingModel, GatewayBase, InProcessHandle, http_api
-    from jobs.serving.serve_config import Limits, ModelConfig, ServeConfig
-
-    servers, out = [], {}
-    for name, path in models.items():
-        uri = str(path)
-        config = ServeConfig.model_validate({"models": {name: uri}, "limits": {"max_inputs": 64}})
-        handle = InProcessHandle(EmbeddingModel.func_or_class(name, uri, None, ModelConfig(uri=uri), Limits()), 64)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(http_api(GatewayBase({name: handle}, config)), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        out[name] = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    for server, thread in servers:
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-    yield out
-    for server, thread in servers:
-        server.should_exit = True
-    for server, thread in servers:
-        thread.join(30)
+    with in_process_apps({name: (str(path), {}) for name, path in models.items()}) as urls:
+        yield urls
 
 
 def post(url: str, route: str, body: dict) -> httpx.Response:
