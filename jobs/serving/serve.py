@@ -1085,8 +1085,8 @@ class GatewayBase:
                 info = await self._model_info(name)
                 entry.update({k: info[k] for k in ("family", "task", "labels", "dim", "n_layer", "max_len", "dtype", "version",
                                                    "registry_version", "tokenizer_hash", "routes", "pooling", "normalize")})
-                # a sentence-transformers folder's settings; a multilingual XLM's languages
-                entry.update({k: info[k] for k in ("sentence_transformers", "language", "languages") if k in info})
+                # a sentence-transformers folder's settings; a multilingual XLM's languages; a SPLADE model's pooling
+                entry.update({k: info[k] for k in ("sentence_transformers", "language", "languages", "splade") if k in info})
             except ApiError:  # not up yet: list it without the details
                 pass
             data.append(entry)

@@ -128,6 +128,8 @@ def test_a_masked_lm_folder_with_splade_set_is_teis_pooling_splade(urls):
     for a, b in zip(ours, st_folder):
         assert [e["index"] for e in a] == [e["index"] for e in b]
         np.testing.assert_allclose([e["value"] for e in a], [e["value"] for e in b], atol=1e-6)
+    listed = httpx.get(f"{urls['mlm-splade']}/v1/models", timeout=30).json()["data"][0]
+    assert listed["splade"] == {"pooling": "max", "activation": "relu", "max_active_dims": None} and "/embed_sparse" in listed["routes"]
     # Not set, the same folder serves dense vectors and fill-mask only, and says how to get SPLADE's.
     r = post(urls["mlm"], "/embed_sparse", {"inputs": TEXTS})
     assert r.status_code == 400 and "served for dense vectors (splade is not set)" in tei_error(r)
